@@ -1,0 +1,27 @@
+# kvroute container image: a release build in a Rust image, copied into a small
+# non-root runtime. No protoc is needed: build.rs uses protox.
+# (No Docker engine runs on the development machines; this file is kept
+# correct by review. Build with: docker build -t kvroute .)
+
+FROM rust:1-slim-bookworm AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock build.rs clippy.toml ./
+COPY proto ./proto
+COPY src ./src
+RUN cargo build --release --locked --bin kvroute \
+ && cp target/release/kvroute /usr/local/bin/kvroute
+
+FROM debian:bookworm-slim AS runtime
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvroute
+COPY --from=build /usr/local/bin/kvroute /usr/local/bin/kvroute
+USER 10001:10001
+# Listen on every interface inside the container.
+ENV KVROUTE_GRPC_ADDR=0.0.0.0:50051 \
+    KVROUTE_METRICS_ADDR=0.0.0.0:9464 \
+    KVROUTE_LOG_FORMAT=json
+EXPOSE 50051 9464
+ENTRYPOINT ["/usr/local/bin/kvroute"]
+CMD ["serve"]

@@ -1,0 +1,74 @@
+//! The `kvroute` command line: `serve` runs the service; the other
+//! sub-commands are tools for users and benchmarks.
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+
+use crate::config::{self, ServeConfig};
+
+/// kvroute: KV-cache-aware routing for LLM inference fleets.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// What to run.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the routing service (gRPC + Prometheus metrics).
+    Serve(Box<ServeConfig>),
+}
+
+/// Why the command line was refused.
+#[derive(Debug)]
+pub enum CliError {
+    /// `--help` or `--version`: print and exit 0.
+    Display(clap::Error),
+    /// Bad arguments: one line, exit 2.
+    Usage(String),
+}
+
+/// Parses `argv` (program name first), folding in `serve --config FILE`.
+pub fn parse(argv: Vec<String>) -> Result<Cli, CliError> {
+    let first = parse_once(&argv)?;
+    let Command::Serve(serve) = &first.command;
+    if serve.config.is_none() {
+        return Ok(first);
+    }
+    let matches = Cli::command()
+        .try_get_matches_from(&argv)
+        .map_err(clap_error)?;
+    let Some(("serve", serve_matches)) = matches.subcommand() else {
+        return Ok(first);
+    };
+    let argv = config::argv_with_config_file(serve_matches, serve.config.as_ref(), argv)
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    parse_once(&argv)
+}
+
+fn parse_once(argv: &[String]) -> Result<Cli, CliError> {
+    let matches = Cli::command()
+        .try_get_matches_from(argv)
+        .map_err(clap_error)?;
+    Cli::from_arg_matches(&matches).map_err(clap_error)
+}
+
+fn clap_error(error: clap::Error) -> CliError {
+    use clap::error::ErrorKind;
+    match error.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => CliError::Display(error),
+        _ => {
+            let rendered = error.to_string();
+            let line = rendered
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ")
+                .to_string();
+            CliError::Usage(line)
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! The gRPC edge: thin handlers that translate protobuf to domain calls and
+//! back (`convert`), one error mapping to `tonic::Status` (`status`), and the
+//! RPC metrics layer.
+
+pub mod admin;
+pub mod router;
+pub mod rpc_metrics;
+pub mod workers;

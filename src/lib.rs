@@ -1,0 +1,22 @@
+//! kvroute: a standalone KV-cache-aware routing service for LLM inference
+//! fleets. The library holds everything; `main.rs` only parses the command
+//! line and runs it.
+
+pub mod app;
+pub mod cli;
+pub mod config;
+pub mod core;
+pub mod grpc;
+pub mod metrics;
+pub mod telemetry;
+pub mod types;
+
+/// Code generated from `proto/kvroute/v1/*.proto`.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("kvroute.v1");
+
+    /// The encoded file descriptor set of the kvroute API, for reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/kvroute_descriptor.bin"));
+}

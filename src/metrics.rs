@@ -1,0 +1,156 @@
+//! Prometheus metrics: created once at start-up, handed to every area that
+//! counts something, served as text at `GET /metrics` on the metrics address.
+//!
+//! Label values come only from fixed sets (known RPC paths, gRPC code names,
+//! fixed reason strings) so untrusted input can never grow the label space.
+
+use std::{sync::Arc, time::Instant};
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Every metric family kvroute exports.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    pub rpc_requests: IntCounterVec,
+    pub rpc_duration: HistogramVec,
+    pub decisions: IntCounterVec,
+    pub overlap_ratio: HistogramVec,
+    pub queue_depth: IntGauge,
+    pub queue_wait: HistogramVec,
+    pub bookings_active: IntGauge,
+    pub bookings_expired: IntCounter,
+    pub workers: IntGaugeVec,
+    pub leases_expired: IntCounter,
+    pub events: IntCounterVec,
+    pub index_blocks: IntGauge,
+    pub index_bytes: IntGauge,
+    pub event_streams: IntGauge,
+    pub input_rejected: IntCounterVec,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+impl Metrics {
+    /// Creates and registers every family. Registration of fixed, distinct
+    /// names cannot collide, so failures here are programming errors; they are
+    /// reported rather than panicking.
+    pub fn new() -> Result<Arc<Self>, prometheus::Error> {
+        let registry = Registry::new_custom(Some("kvroute".into()), None)?;
+        macro_rules! reg {
+            ($m:expr) => {{
+                let m = $m;
+                registry.register(Box::new(m.clone()))?;
+                m
+            }};
+        }
+        Ok(Arc::new(Self {
+            rpc_requests: reg!(IntCounterVec::new(
+                Opts::new("rpc_requests_total", "gRPC calls by method and status code"),
+                &["method", "code"]
+            )?),
+            rpc_duration: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "rpc_duration_seconds",
+                    "gRPC call latency to response headers (whole call for unary RPCs)"
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["method", "code"]
+            )?),
+            decisions: reg!(IntCounterVec::new(
+                Opts::new("routing_decisions_total", "SelectWorker outcomes"),
+                &["outcome"]
+            )?),
+            overlap_ratio: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "routing_overlap_ratio",
+                    "Cached share of the prompt's blocks on the chosen worker"
+                )
+                .buckets(vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
+                &["mode"]
+            )?),
+            queue_depth: reg!(IntGauge::new(
+                "admission_queue_depth",
+                "SelectWorker calls waiting for a free worker"
+            )?),
+            queue_wait: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "admission_queue_wait_seconds",
+                    "Time queued before an answer"
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["outcome"]
+            )?),
+            bookings_active: reg!(IntGauge::new(
+                "bookings_active",
+                "Requests with booked load not yet released"
+            )?),
+            bookings_expired: reg!(IntCounter::new(
+                "bookings_expired_total",
+                "Bookings dropped because they were never released"
+            )?),
+            workers: reg!(IntGaugeVec::new(
+                Opts::new("workers", "Registered workers by state"),
+                &["state"]
+            )?),
+            leases_expired: reg!(IntCounter::new(
+                "leases_expired_total",
+                "Workers removed because their lease lapsed"
+            )?),
+            events: reg!(IntCounterVec::new(
+                Opts::new("kv_events_total", "KV events by outcome and reason"),
+                &["outcome", "reason"]
+            )?),
+            index_blocks: reg!(IntGauge::new(
+                "index_blocks",
+                "Cached (block, worker rank) entries in the index"
+            )?),
+            index_bytes: reg!(IntGauge::new(
+                "index_memory_bytes",
+                "Estimated bytes used by the index"
+            )?),
+            event_streams: reg!(IntGauge::new(
+                "event_streams",
+                "Open PublishEvents streams"
+            )?),
+            input_rejected: reg!(IntCounterVec::new(
+                Opts::new(
+                    "input_rejected_total",
+                    "Requests refused for bad input, by RPC area and reason"
+                ),
+                &["area", "reason"]
+            )?),
+            registry,
+        }))
+    }
+
+    /// The text exposition of every family.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        let encoder = TextEncoder::new();
+        if let Err(error) = encoder.encode(&self.registry.gather(), &mut buffer) {
+            tracing::warn!(%error, "metrics encoding failed");
+        }
+        String::from_utf8_lossy(&buffer).into_owned()
+    }
+
+    /// Records one finished RPC.
+    pub fn observe_rpc(&self, method: &str, code: &str, started: Instant) {
+        self.rpc_requests.with_label_values(&[method, code]).inc();
+        self.rpc_duration
+            .with_label_values(&[method, code])
+            .observe(started.elapsed().as_secs_f64());
+    }
+}

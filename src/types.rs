@@ -1,0 +1,117 @@
+//! Identifiers shared by every area of the router.
+//!
+//! A routing target is a `(worker_id, dp_rank)` pair; cache state and booked
+//! load are kept per pair. Local hashes are kvroute's own hashes of one
+//! block's tokens (see `hashing`); engine hashes are the engine's opaque ids
+//! of a block, used only to link parents and removals in events.
+
+/// One inference engine instance.
+pub type WorkerId = u64;
+/// A data-parallel rank inside a worker.
+pub type DpRank = u32;
+/// kvroute's hash of one block's tokens (`hashing::compute_block_hashes`).
+pub type LocalHash = u64;
+/// The engine's own id of a block: opaque, never used for matching.
+pub type EngineHash = u64;
+
+/// A routing target: one data-parallel rank of one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerRank {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+}
+
+impl WorkerRank {
+    pub const fn new(worker_id: WorkerId, dp_rank: DpRank) -> Self {
+        Self { worker_id, dp_rank }
+    }
+}
+
+impl std::fmt::Display for WorkerRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "worker {} dp_rank {}", self.worker_id, self.dp_rank)
+    }
+}
+
+/// What a worker serves in disaggregated serving. A PREFILL-phase request is
+/// routed among prefill workers, a DECODE-phase one among decode workers;
+/// aggregated workers serve every phase.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum WorkerRole {
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+/// The phase of the request being routed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RequestPhase {
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    /// Whether a worker of this role may serve a request in `phase`.
+    pub fn serves(self, phase: RequestPhase) -> bool {
+        matches!(
+            (self, phase),
+            (WorkerRole::Aggregated, _)
+                | (WorkerRole::Prefill, RequestPhase::Prefill)
+                | (WorkerRole::Decode, RequestPhase::Decode)
+        )
+    }
+}
+
+/// Load a worker reports for one dp rank in its heartbeat.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankLoad {
+    pub running_requests: u32,
+    pub waiting_requests: u32,
+    pub kv_blocks_used: u64,
+}
+
+/// A read-only view of one registered worker: what selection needs to know.
+/// The registry produces these; selection consumes them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkerSnapshot {
+    pub worker_id: WorkerId,
+    pub model: String,
+    pub role: WorkerRole,
+    pub block_size: u32,
+    pub dp_start_rank: DpRank,
+    pub dp_size: u32,
+    pub total_kv_blocks: u64,
+    pub max_num_batched_tokens: u64,
+    /// Taints a request must tolerate to be routed here.
+    pub taints: Vec<String>,
+    pub cordoned: bool,
+    /// Reported load per dp rank (ranks that never reported are absent).
+    pub load: Vec<(DpRank, RankLoad)>,
+}
+
+impl WorkerSnapshot {
+    /// Every dp rank of this worker, in order.
+    pub fn ranks(&self) -> impl Iterator<Item = DpRank> + '_ {
+        (0..self.dp_size).map(move |i| self.dp_start_rank + i)
+    }
+
+    /// The worker's only dp rank, if it has exactly one.
+    pub fn unique_dp_rank(&self) -> Option<DpRank> {
+        (self.dp_size == 1).then_some(self.dp_start_rank)
+    }
+
+    pub fn has_rank(&self, dp_rank: DpRank) -> bool {
+        dp_rank >= self.dp_start_rank && dp_rank - self.dp_start_rank < self.dp_size
+    }
+
+    pub fn rank_load(&self, dp_rank: DpRank) -> RankLoad {
+        self.load
+            .iter()
+            .find(|(r, _)| *r == dp_rank)
+            .map(|(_, l)| *l)
+            .unwrap_or_default()
+    }
+}

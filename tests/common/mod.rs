@@ -1,0 +1,120 @@
+//! TestServer: the real kvroute app on `127.0.0.1:0`, with typed gRPC clients
+//! and a shutdown handle. Every integration test talks to it over the network.
+#![allow(dead_code)]
+
+use std::{net::SocketAddr, time::Duration};
+
+use kvroute::{
+    app,
+    config::ServeConfig,
+    pb::{admin_client::AdminClient, router_client::RouterClient, workers_client::WorkersClient},
+};
+use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tonic::transport::Channel;
+
+pub struct TestServer {
+    pub grpc_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub channel: Channel,
+    shutdown: Option<oneshot::Sender<()>>,
+    handle: Option<JoinHandle<Result<(), app::ServeError>>>,
+}
+
+impl TestServer {
+    pub async fn start() -> Self {
+        Self::start_with(ServeConfig::for_tests()).await
+    }
+
+    pub async fn start_with(config: ServeConfig) -> Self {
+        let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind grpc");
+        let metrics = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind metrics");
+        let grpc_addr = grpc.local_addr().expect("grpc addr");
+        let metrics_addr = metrics.local_addr().expect("metrics addr");
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(app::run(config, grpc, metrics, async move {
+            let _ = rx.await;
+        }));
+        let channel = connect(grpc_addr).await;
+        Self {
+            grpc_addr,
+            metrics_addr,
+            channel,
+            shutdown: Some(tx),
+            handle: Some(handle),
+        }
+    }
+
+    pub fn router(&self) -> RouterClient<Channel> {
+        RouterClient::new(self.channel.clone())
+    }
+    pub fn workers(&self) -> WorkersClient<Channel> {
+        WorkersClient::new(self.channel.clone())
+    }
+    pub fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::new(self.channel.clone())
+    }
+    pub fn health(&self) -> tonic_health::pb::health_client::HealthClient<Channel> {
+        tonic_health::pb::health_client::HealthClient::new(self.channel.clone())
+    }
+
+    /// Starts the shutdown sequence without waiting for it.
+    pub fn begin_shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Shuts down and waits for `run` to return.
+    pub async fn stop(mut self) -> Result<(), app::ServeError> {
+        self.begin_shutdown();
+        let handle = self.handle.take().expect("running");
+        tokio::time::timeout(Duration::from_secs(30), handle)
+            .await
+            .expect("server stops within 30s")
+            .expect("server task did not panic")
+    }
+
+    /// GET a path on the metrics address; returns (status, body).
+    pub async fn http_get(&self, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.metrics_addr)
+            .await
+            .expect("connect metrics");
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.expect("write");
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).await.expect("read");
+        let status = raw
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.begin_shutdown();
+    }
+}
+
+pub async fn connect(addr: SocketAddr) -> Channel {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect_timeout(Duration::from_secs(5));
+    for _ in 0..100 {
+        if let Ok(channel) = endpoint.connect().await {
+            return channel;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("could not connect to {addr}");
+}
