@@ -23,6 +23,7 @@ use crate::{
         rpc_metrics::{RpcMetricsLayer, rpc_paths},
         workers::WorkersService,
     },
+    ingest::{self, IngestHandle},
     metrics::Metrics,
     pb,
 };
@@ -47,6 +48,8 @@ pub enum ServeError {
     Metrics(#[from] prometheus::Error),
     #[error("reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
+    #[error("cannot start the index writer thread: {0}")]
+    Writer(std::io::Error),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -77,6 +80,7 @@ pub async fn run(
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new()?;
     let core = Arc::new(RouterCore::new(config.clone(), metrics.clone()));
+    let ingest = ingest::start_writer(core.clone()).map_err(ServeError::Writer)?;
     let tasks = TaskTracker::new();
     let stop_tasks = CancellationToken::new();
 
@@ -96,9 +100,10 @@ pub async fn run(
     let router = pb::router_server::RouterServer::new(RouterService::new(core.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    let workers = pb::workers_server::WorkersServer::new(WorkersService::new(core.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
+    let workers =
+        pb::workers_server::WorkersServer::new(WorkersService::new(core.clone(), ingest.clone()))
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
     let admin = pb::admin_server::AdminServer::new(AdminService::new(core.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
@@ -134,6 +139,7 @@ pub async fn run(
         metrics.clone(),
         stop_tasks.clone(),
     ));
+    tasks.spawn(housekeeping(core.clone(), ingest, stop_tasks.clone()));
     tasks.close();
 
     set_health(&health, tonic_health::ServingStatus::Serving).await;
@@ -150,6 +156,7 @@ pub async fn run(
     }
 
     tracing::info!("shutdown requested: health NOT_SERVING, draining");
+    core.fail_queue();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
     if !config.drain_delay.is_zero() {
         tokio::time::sleep(config.drain_delay).await;
@@ -196,6 +203,31 @@ async fn set_health(
     health.set_service_status("", status).await;
     for name in SERVICE_NAMES {
         health.set_service_status(name, status).await;
+    }
+}
+
+/// Periodic upkeep: lapsed leases (with their blocks, bookings and
+/// sessions), expired bookings and sessions, index gauges.
+async fn housekeeping(core: Arc<RouterCore>, ingest: IngestHandle, stop: CancellationToken) {
+    let period =
+        (core.config.lease_ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = ticker.tick() => {}
+        }
+        for record in core.reap_expired_leases() {
+            let worker_id = record.registration.worker_id;
+            let blocks = ingest
+                .remove_worker(worker_id, record.registration.model)
+                .await;
+            core.forget_worker(worker_id);
+            tracing::warn!(worker_id, blocks, "lease lapsed: worker removed");
+        }
+        core.expire_bookings();
+        core.refresh_index_gauges();
     }
 }
 

@@ -2,12 +2,19 @@
 //! fleets. The library holds everything; `main.rs` only parses the command
 //! line and runs it.
 
+pub mod admission;
 pub mod app;
 pub mod cli;
 pub mod config;
 pub mod core;
 pub mod grpc;
+pub mod hashing;
+pub mod index;
+pub mod ingest;
 pub mod metrics;
+pub mod registry;
+pub mod routing;
+pub mod select;
 pub mod telemetry;
 pub mod types;
 

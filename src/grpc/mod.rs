@@ -3,6 +3,8 @@
 //! RPC metrics layer.
 
 pub mod admin;
+pub mod convert;
 pub mod router;
 pub mod rpc_metrics;
+pub mod status;
 pub mod workers;

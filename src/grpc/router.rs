@@ -1,13 +1,19 @@
-//! The `kvroute.v1.Router` service.
+//! The `kvroute.v1.Router` service: SelectWorker and the request lifecycle.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
-use crate::core::RouterCore;
+use tonic::{Request, Response, Status};
+
+use crate::{
+    core::RouterCore,
+    grpc::{convert, status::reason_label},
+    pb,
+    routing::Admitted,
+};
 
 /// Handlers of `kvroute.v1.Router`.
 #[derive(Clone)]
 pub struct RouterService {
-    #[allow(dead_code)]
     core: Arc<RouterCore>,
 }
 
@@ -15,32 +21,127 @@ impl RouterService {
     pub fn new(core: Arc<RouterCore>) -> Self {
         Self { core }
     }
+
+    fn fail(&self, status: Status) -> Status {
+        self.core
+            .metrics
+            .input_rejected
+            .with_label_values(&["router", reason_label(&status)])
+            .inc();
+        status
+    }
+}
+
+/// Converts a SelectWorker request with the model's block size.
+pub fn prepare(
+    core: &RouterCore,
+    request: pb::SelectWorkerRequest,
+) -> Result<crate::routing::PreparedRequest, Status> {
+    let block_size = core.model_block_size(&request.model);
+    convert::select_request_from_pb(
+        request,
+        block_size,
+        core.config.max_blocks_per_event as usize,
+    )
+    .map_err(Status::from)
+}
+
+/// The call's deadline: the client's `grpc-timeout` or the server's request
+/// timeout, whichever is sooner, less a small margin so the queue answers
+/// DEADLINE_EXCEEDED itself before the transport cancels the call.
+fn deadline<T>(request: &Request<T>, server_timeout: Duration) -> tokio::time::Instant {
+    let client = request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_grpc_timeout);
+    let budget = client.map_or(server_timeout, |c| c.min(server_timeout));
+    let margin = (budget / 20).min(Duration::from_millis(20));
+    tokio::time::Instant::now() + budget.saturating_sub(margin)
+}
+
+/// Parses a `grpc-timeout` header value: up to 8 digits and a unit.
+fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    if text.len() < 2 || text.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = text.split_at(text.len() - 1);
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(value.saturating_mul(3600)),
+        "M" => Duration::from_secs(value.saturating_mul(60)),
+        "S" => Duration::from_secs(value),
+        "m" => Duration::from_millis(value),
+        "u" => Duration::from_micros(value),
+        "n" => Duration::from_nanos(value),
+        _ => return None,
+    })
 }
 
 #[tonic::async_trait]
-impl crate::pb::router_server::Router for RouterService {
+impl pb::router_server::Router for RouterService {
     async fn select_worker(
         &self,
-        _request: tonic::Request<crate::pb::SelectWorkerRequest>,
-    ) -> Result<tonic::Response<crate::pb::SelectWorkerResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented(
-            "kvroute.v1.Router/SelectWorker is not implemented yet",
-        ))
+        request: Request<pb::SelectWorkerRequest>,
+    ) -> Result<Response<pb::SelectWorkerResponse>, Status> {
+        let deadline = deadline(&request, self.core.config.request_timeout);
+        let prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
+        let advisory = prepared.admission == crate::admission::AdmissionMode::Advisory;
+        let request_id = prepared.request.request_id.clone();
+        let outcome = self
+            .core
+            .route(prepared, deadline)
+            .await
+            .map_err(|e| self.fail(e.into()))?;
+        let selection = &outcome.selection;
+        tracing::debug!(
+            request_id,
+            worker_id = selection.target.worker_id,
+            dp_rank = selection.target.dp_rank,
+            overlap = selection.overlap_blocks,
+            total = selection.total_blocks,
+            "routed"
+        );
+        let advisory = advisory && outcome.admitted == Admitted::Untracked;
+        Ok(Response::new(convert::selection_to_pb(
+            selection,
+            outcome.admitted,
+            advisory,
+        )))
     }
+
     async fn mark_prefill_complete(
         &self,
-        _request: tonic::Request<crate::pb::MarkPrefillCompleteRequest>,
-    ) -> Result<tonic::Response<crate::pb::MarkPrefillCompleteResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented(
-            "kvroute.v1.Router/MarkPrefillComplete is not implemented yet",
-        ))
+        request: Request<pb::MarkPrefillCompleteRequest>,
+    ) -> Result<Response<pb::MarkPrefillCompleteResponse>, Status> {
+        let id = request.into_inner().request_id;
+        convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
+        let changed = self.core.mark_prefill_complete(&id);
+        Ok(Response::new(pb::MarkPrefillCompleteResponse { changed }))
     }
+
     async fn release_request(
         &self,
-        _request: tonic::Request<crate::pb::ReleaseRequestRequest>,
-    ) -> Result<tonic::Response<crate::pb::ReleaseRequestResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented(
-            "kvroute.v1.Router/ReleaseRequest is not implemented yet",
-        ))
+        request: Request<pb::ReleaseRequestRequest>,
+    ) -> Result<Response<pb::ReleaseRequestResponse>, Status> {
+        let id = request.into_inner().request_id;
+        convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
+        let changed = self.core.release_request(&id);
+        Ok(Response::new(pb::ReleaseRequestResponse { changed }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_units() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("123456789S"), None);
+        assert_eq!(parse_grpc_timeout("S"), None);
+        assert_eq!(parse_grpc_timeout("5x"), None);
     }
 }

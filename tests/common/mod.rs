@@ -118,3 +118,117 @@ pub async fn connect(addr: SocketAddr) -> Channel {
     }
     panic!("could not connect to {addr}");
 }
+
+use kvroute::pb;
+
+/// A registration with sensible defaults for tests.
+pub fn registration(worker_id: u64, model: &str) -> pb::RegisterWorkerRequest {
+    pb::RegisterWorkerRequest {
+        worker_id,
+        model: model.into(),
+        block_size: 16,
+        dp_size: 1,
+        total_kv_blocks: 10_000,
+        max_num_batched_tokens: 8192,
+        ..Default::default()
+    }
+}
+
+impl TestServer {
+    pub async fn register(&self, request: pb::RegisterWorkerRequest) {
+        self.workers()
+            .register_worker(request)
+            .await
+            .expect("register worker");
+    }
+
+    /// Opens a PublishEvents stream; returns its sender and reply stream.
+    pub async fn open_events(
+        &self,
+    ) -> (
+        tokio::sync::mpsc::Sender<pb::KvEventBatch>,
+        tonic::Streaming<pb::PublishEventsReply>,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let replies = self
+            .workers()
+            .publish_events(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("open stream")
+            .into_inner();
+        (tx, replies)
+    }
+
+    /// Sends one batch on a fresh stream and returns the reply.
+    pub async fn publish(
+        &self,
+        batch: pb::KvEventBatch,
+    ) -> Result<pb::PublishEventsReply, tonic::Status> {
+        let (tx, mut replies) = self.open_events().await;
+        tx.send(batch).await.expect("send batch");
+        let reply = replies.message().await;
+        drop(tx);
+        match reply {
+            Ok(Some(reply)) => Ok(reply),
+            Ok(None) => Err(tonic::Status::unknown("stream closed without reply")),
+            Err(status) => Err(status),
+        }
+    }
+}
+
+/// A stored event of blocks given as (engine hash, local hash).
+pub fn stored(event_id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> pb::KvEvent {
+    pb::KvEvent {
+        event_id,
+        kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: parent,
+            blocks: blocks
+                .iter()
+                .map(|(engine, local)| pb::StoredBlock {
+                    engine_hash: *engine,
+                    content: Some(pb::stored_block::Content::LocalHash(*local)),
+                    mm_info: None,
+                })
+                .collect(),
+            lora_name: String::new(),
+        })),
+    }
+}
+
+pub fn removed(event_id: u64, engine_hashes: &[u64]) -> pb::KvEvent {
+    pb::KvEvent {
+        event_id,
+        kind: Some(pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+            engine_hashes: engine_hashes.to_vec(),
+        })),
+    }
+}
+
+pub fn cleared(event_id: u64) -> pb::KvEvent {
+    pb::KvEvent {
+        event_id,
+        kind: Some(pb::kv_event::Kind::Cleared(pb::CacheCleared {})),
+    }
+}
+
+pub fn batch(worker_id: u64, dp_rank: u32, events: Vec<pb::KvEvent>) -> pb::KvEventBatch {
+    pb::KvEventBatch {
+        worker_id,
+        dp_rank,
+        events,
+    }
+}
+
+/// A SelectWorker request over precomputed local hashes.
+pub fn select_hashes(request_id: &str, model: &str, hashes: &[u64]) -> pb::SelectWorkerRequest {
+    pb::SelectWorkerRequest {
+        request_id: request_id.into(),
+        model: model.into(),
+        prompt: Some(pb::Prompt {
+            content: Some(pb::prompt::Content::BlockHashes(pb::BlockHashes {
+                hashes: hashes.to_vec(),
+            })),
+        }),
+        ..Default::default()
+    }
+}

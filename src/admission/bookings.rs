@@ -1,0 +1,382 @@
+//! The booked-load ledger: load the router has sent to each worker rank and
+//! not yet seen finish.
+//!
+//! Why it exists: workers report load only every heartbeat; between reports
+//! the router must account for what it just routed, or it would send a burst
+//! of requests to the same worker. Invariants:
+//! * a booking is keyed by request id; booking an id twice is an error;
+//! * per rank, `prefill_tokens`, `prefill_blocks` and `active_requests` are
+//!   always the sums over that rank's live bookings (prefill parts only for
+//!   bookings whose prefill is not complete);
+//! * `decode_blocks` counts distinct prompt *prefixes* booked on the rank:
+//!   each block is keyed by a hash chained over the local hashes of the
+//!   blocks up to and including it ([`prefix_keys`]), and refcounted per
+//!   (rank, key). Two requests sharing a prompt prefix count its blocks once
+//!   (the engine's prefix cache holds them once); a block whose content
+//!   repeats at another position counts again, as the engine stores it again;
+//! * `mark_prefill_complete`, `release`, `expire` are idempotent; releasing
+//!   every booking returns every total to zero and leaves no per-rank entry.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use crate::types::{LocalHash, WorkerId, WorkerRank};
+
+use super::AdmissionError;
+
+/// Default age after which a booking that was never released is dropped.
+pub const DEFAULT_BOOKING_TTL_MS: u64 = 300_000;
+
+/// Load booked on one worker rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct BookedLoad {
+    pub prefill_tokens: u64,
+    pub prefill_blocks: u64,
+    pub decode_blocks: u64,
+    pub active_requests: u64,
+}
+
+/// Read access to booked load, so selection can be fed by the ledger or, in
+/// tests and previews, by a plain map.
+pub trait BookedLoads {
+    fn booked(&self, target: WorkerRank) -> BookedLoad;
+}
+
+impl BookedLoads for HashMap<WorkerRank, BookedLoad> {
+    fn booked(&self, target: WorkerRank) -> BookedLoad {
+        self.get(&target).copied().unwrap_or_default()
+    }
+}
+
+fn mix64(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Position-aware keys of a prompt's blocks: key `i` depends on local hashes
+/// `0..=i`, so equal keys mean an equal prefix (up to 64-bit collisions).
+pub fn prefix_keys(block_hashes: &[LocalHash]) -> Vec<u64> {
+    let mut prev = 0x6b76_726f_7574_6521_u64; // "kvroute!"
+    block_hashes
+        .iter()
+        .map(|h| {
+            prev = mix64(prev.rotate_left(23) ^ mix64(*h));
+            prev
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Booking {
+    target: WorkerRank,
+    /// `(tokens, blocks)` while the prefill is outstanding.
+    prefill: Option<(u64, u64)>,
+    keys: Vec<u64>,
+    booked_at_ms: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct RankTotals {
+    prefill_tokens: u64,
+    prefill_blocks: u64,
+    active_requests: u64,
+    refs: HashMap<u64, u32>,
+}
+
+/// What is booked for one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BookingInfo {
+    pub target: WorkerRank,
+    pub prefill_outstanding: bool,
+    pub blocks: usize,
+    pub booked_at_ms: u64,
+}
+
+/// Booked load per worker rank, keyed by request id.
+#[derive(Clone, Debug, Default)]
+pub struct BookingLedger {
+    bookings: HashMap<String, Booking>,
+    ranks: HashMap<WorkerRank, RankTotals>,
+}
+
+impl BookedLoads for BookingLedger {
+    fn booked(&self, target: WorkerRank) -> BookedLoad {
+        self.load(target)
+    }
+}
+
+impl BookingLedger {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Books a request's load on `target` at time `now_ms`.
+    pub fn book(
+        &mut self,
+        request_id: &str,
+        target: WorkerRank,
+        prefill_tokens: u64,
+        prefill_blocks: u64,
+        block_hashes: &[LocalHash],
+        now_ms: u64,
+    ) -> Result<(), AdmissionError> {
+        let slot = match self.bookings.entry(request_id.to_owned()) {
+            Entry::Occupied(existing) => {
+                return Err(AdmissionError::DuplicateBooking {
+                    request_id: request_id.to_owned(),
+                    target: existing.get().target,
+                });
+            }
+            Entry::Vacant(slot) => slot,
+        };
+        let keys = prefix_keys(block_hashes);
+        let totals = self.ranks.entry(target).or_default();
+        totals.prefill_tokens = totals.prefill_tokens.saturating_add(prefill_tokens);
+        totals.prefill_blocks = totals.prefill_blocks.saturating_add(prefill_blocks);
+        totals.active_requests += 1;
+        for k in &keys {
+            *totals.refs.entry(*k).or_insert(0) += 1;
+        }
+        slot.insert(Booking {
+            target,
+            prefill: Some((prefill_tokens, prefill_blocks)),
+            keys,
+            booked_at_ms: now_ms,
+        });
+        Ok(())
+    }
+
+    /// Drops the prefill part of a booking. Returns whether anything changed.
+    pub fn mark_prefill_complete(&mut self, request_id: &str) -> bool {
+        let Some(booking) = self.bookings.get_mut(request_id) else {
+            return false;
+        };
+        let Some((tokens, blocks)) = booking.prefill.take() else {
+            return false;
+        };
+        if let Some(t) = self.ranks.get_mut(&booking.target) {
+            t.prefill_tokens = t.prefill_tokens.saturating_sub(tokens);
+            t.prefill_blocks = t.prefill_blocks.saturating_sub(blocks);
+        }
+        true
+    }
+
+    /// Restarts a booking's age, e.g. while a long generation is still
+    /// streaming. Returns whether the booking exists.
+    pub fn touch(&mut self, request_id: &str, now_ms: u64) -> bool {
+        match self.bookings.get_mut(request_id) {
+            Some(b) => {
+                b.booked_at_ms = b.booked_at_ms.max(now_ms);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops a booking entirely. Returns whether it existed.
+    pub fn release(&mut self, request_id: &str) -> bool {
+        match self.bookings.remove(request_id) {
+            Some(b) => {
+                self.unbook(b);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn unbook(&mut self, b: Booking) {
+        let Some(t) = self.ranks.get_mut(&b.target) else {
+            return;
+        };
+        if let Some((tokens, blocks)) = b.prefill {
+            t.prefill_tokens = t.prefill_tokens.saturating_sub(tokens);
+            t.prefill_blocks = t.prefill_blocks.saturating_sub(blocks);
+        }
+        t.active_requests = t.active_requests.saturating_sub(1);
+        for k in &b.keys {
+            if let Some(n) = t.refs.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    t.refs.remove(k);
+                }
+            }
+        }
+        if t.active_requests == 0 {
+            self.ranks.remove(&b.target);
+        }
+    }
+
+    fn drop_where(&mut self, mut pred: impl FnMut(&Booking) -> bool) -> usize {
+        let ids: Vec<String> = self
+            .bookings
+            .iter()
+            .filter(|(_, b)| pred(b))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &ids {
+            self.release(id);
+        }
+        ids.len()
+    }
+
+    /// Drops bookings older than `ttl_ms` at `now_ms`. Returns how many.
+    pub fn expire(&mut self, now_ms: u64, ttl_ms: u64) -> usize {
+        self.drop_where(|b| now_ms.saturating_sub(b.booked_at_ms) > ttl_ms)
+    }
+
+    /// Drops every booking on `worker_id` (it deregistered or its lease
+    /// lapsed). Returns how many.
+    pub fn release_worker(&mut self, worker_id: WorkerId) -> usize {
+        self.drop_where(|b| b.target.worker_id == worker_id)
+    }
+
+    /// The load booked on `target`.
+    pub fn load(&self, target: WorkerRank) -> BookedLoad {
+        self.ranks
+            .get(&target)
+            .map(|t| BookedLoad {
+                prefill_tokens: t.prefill_tokens,
+                prefill_blocks: t.prefill_blocks,
+                decode_blocks: t.refs.len() as u64,
+                active_requests: t.active_requests,
+            })
+            .unwrap_or_default()
+    }
+
+    /// Every rank with live bookings and its load, sorted by rank.
+    pub fn loads(&self) -> Vec<(WorkerRank, BookedLoad)> {
+        let mut v: Vec<_> = self.ranks.keys().map(|r| (*r, self.load(*r))).collect();
+        v.sort_by_key(|(r, _)| *r);
+        v
+    }
+
+    /// What is booked for `request_id`.
+    pub fn booking(&self, request_id: &str) -> Option<BookingInfo> {
+        self.bookings.get(request_id).map(|b| BookingInfo {
+            target: b.target,
+            prefill_outstanding: b.prefill.is_some(),
+            blocks: b.keys.len(),
+            booked_at_ms: b.booked_at_ms,
+        })
+    }
+
+    /// Number of live bookings.
+    pub fn len(&self) -> usize {
+        self.bookings.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bookings.is_empty()
+    }
+
+    /// Number of ranks with live bookings.
+    pub fn ranks_with_bookings(&self) -> usize {
+        self.ranks.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const R0: WorkerRank = WorkerRank::new(1, 0);
+    const R1: WorkerRank = WorkerRank::new(1, 1);
+
+    #[test]
+    fn book_complete_release() {
+        let mut l = BookingLedger::new();
+        l.book("a", R0, 100, 7, &[1, 2, 3], 0).unwrap();
+        assert_eq!(
+            l.load(R0),
+            BookedLoad {
+                prefill_tokens: 100,
+                prefill_blocks: 7,
+                decode_blocks: 3,
+                active_requests: 1
+            }
+        );
+        assert_eq!(l.load(R1), BookedLoad::default());
+        assert!(l.mark_prefill_complete("a"));
+        assert!(!l.mark_prefill_complete("a"), "idempotent");
+        assert_eq!(l.load(R0).prefill_tokens, 0);
+        assert_eq!(l.load(R0).decode_blocks, 3);
+        assert!(l.release("a"));
+        assert!(!l.release("a"), "idempotent");
+        assert!(!l.mark_prefill_complete("a"));
+        assert_eq!(l.load(R0), BookedLoad::default());
+        assert_eq!(l.ranks_with_bookings(), 0);
+    }
+
+    #[test]
+    fn duplicate_booking_is_an_error_and_changes_nothing() {
+        let mut l = BookingLedger::new();
+        l.book("a", R0, 10, 1, &[1], 0).unwrap();
+        let e = l.book("a", R1, 10, 1, &[1], 0).unwrap_err();
+        assert!(e.to_string().contains("request a"), "{e}");
+        assert!(e.to_string().contains("worker 1 dp_rank 0"), "{e}");
+        assert_eq!(l.load(R1), BookedLoad::default());
+        assert_eq!(l.load(R0).active_requests, 1);
+    }
+
+    #[test]
+    fn shared_prefixes_count_once_per_rank() {
+        let mut l = BookingLedger::new();
+        l.book("a", R0, 0, 0, &[1, 2, 3], 0).unwrap();
+        l.book("b", R0, 0, 0, &[1, 2, 4], 0).unwrap();
+        l.book("c", R1, 0, 0, &[1, 2, 3], 0).unwrap();
+        assert_eq!(l.load(R0).decode_blocks, 4, "1,2 shared; 3 and 4 own");
+        assert_eq!(l.load(R1).decode_blocks, 3, "other rank counts alone");
+        l.release("a");
+        assert_eq!(l.load(R0).decode_blocks, 3);
+        // The same content at another position is a different block.
+        l.book("d", R1, 0, 0, &[2, 1], 0).unwrap();
+        assert_eq!(l.load(R1).decode_blocks, 5);
+        // A prompt repeating one block holds each position.
+        l.book("e", R1, 0, 0, &[9, 9, 9], 0).unwrap();
+        assert_eq!(l.load(R1).decode_blocks, 8);
+    }
+
+    #[test]
+    fn expire_and_touch() {
+        let mut l = BookingLedger::new();
+        l.book("old", R0, 5, 1, &[1], 0).unwrap();
+        l.book("new", R0, 5, 1, &[1], 200).unwrap();
+        l.book("kept", R1, 5, 1, &[1], 0).unwrap();
+        assert!(l.touch("kept", 250));
+        assert!(!l.touch("nope", 250));
+        assert_eq!(l.expire(300, 300), 0, "age 300 is not older than 300");
+        assert_eq!(l.expire(301, 300), 1);
+        assert!(l.booking("old").is_none());
+        assert_eq!(l.load(R0).active_requests, 1);
+        assert_eq!(l.load(R0).decode_blocks, 1);
+        assert_eq!(l.expire(301, 300), 0, "idempotent");
+        assert_eq!(l.len(), 2);
+    }
+
+    #[test]
+    fn release_worker_drops_all_its_ranks() {
+        let mut l = BookingLedger::new();
+        l.book("a", R0, 1, 1, &[1], 0).unwrap();
+        l.book("b", R1, 1, 1, &[1], 0).unwrap();
+        l.book("c", WorkerRank::new(2, 0), 1, 1, &[1], 0).unwrap();
+        assert_eq!(l.release_worker(1), 2);
+        assert_eq!(l.loads().len(), 1);
+        assert_eq!(
+            l.booking("c")
+                .map(|b| (b.target, b.prefill_outstanding, b.blocks)),
+            Some((WorkerRank::new(2, 0), true, 1))
+        );
+    }
+
+    #[test]
+    fn prefix_keys_depend_on_the_whole_prefix() {
+        let a = prefix_keys(&[1, 2, 3]);
+        let b = prefix_keys(&[1, 2, 4]);
+        let c = prefix_keys(&[0, 2, 3]);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        assert!(a.iter().zip(&c).all(|(x, y)| x != y));
+        assert!(prefix_keys(&[]).is_empty());
+    }
+}

@@ -1,0 +1,450 @@
+//! Protobuf ↔ domain conversions, with the validation of every field that
+//! comes from the network. Handlers call these and nothing else touches pb
+//! field semantics.
+
+use crate::{
+    grpc::status::InvalidInput,
+    hashing::{HashOptions, compute_block_hashes},
+    index::KvEvent,
+    ingest::{IngestEvent, ValidatedBatch},
+    pb,
+    registry::{Registration, WorkerRecord},
+    types::{RankLoad, WorkerRole},
+};
+
+/// Longest model, endpoint, taint, LoRA or id string accepted.
+pub const MAX_NAME_BYTES: usize = 1024;
+
+/// Checks a string field's length.
+pub fn name(field: &str, value: &str) -> Result<(), InvalidInput> {
+    if value.len() > MAX_NAME_BYTES {
+        return Err(InvalidInput::new(
+            field,
+            format!(
+                "{} bytes is over the limit of {MAX_NAME_BYTES}",
+                value.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub fn role_from_pb(value: i32) -> Result<WorkerRole, InvalidInput> {
+    match pb::WorkerRole::try_from(value) {
+        Ok(pb::WorkerRole::Aggregated) => Ok(WorkerRole::Aggregated),
+        Ok(pb::WorkerRole::Prefill) => Ok(WorkerRole::Prefill),
+        Ok(pb::WorkerRole::Decode) => Ok(WorkerRole::Decode),
+        Err(_) => Err(InvalidInput::new("role", format!("unknown role {value}"))),
+    }
+}
+
+pub fn role_to_pb(role: WorkerRole) -> pb::WorkerRole {
+    match role {
+        WorkerRole::Aggregated => pb::WorkerRole::Aggregated,
+        WorkerRole::Prefill => pb::WorkerRole::Prefill,
+        WorkerRole::Decode => pb::WorkerRole::Decode,
+    }
+}
+
+pub fn registration_from_pb(
+    request: pb::RegisterWorkerRequest,
+) -> Result<Registration, InvalidInput> {
+    name("model", &request.model)?;
+    name("endpoint", &request.endpoint)?;
+    for taint in &request.taints {
+        name("taints", taint)?;
+    }
+    if request.block_size == 0 {
+        return Err(InvalidInput::new(
+            "block_size",
+            format!("worker {} declares block_size 0", request.worker_id),
+        ));
+    }
+    Ok(Registration {
+        worker_id: request.worker_id,
+        model: request.model,
+        role: role_from_pb(request.role)?,
+        endpoint: request.endpoint,
+        block_size: request.block_size,
+        dp_start_rank: request.dp_start_rank,
+        dp_size: request.dp_size,
+        total_kv_blocks: request.total_kv_blocks,
+        max_num_batched_tokens: request.max_num_batched_tokens,
+        taints: request.taints,
+        lease_ttl: (request.lease_ttl_secs > 0)
+            .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
+    })
+}
+
+pub fn rank_load_from_pb(load: &pb::RankLoad) -> (u32, RankLoad) {
+    (
+        load.dp_rank,
+        RankLoad {
+            running_requests: load.running_requests,
+            waiting_requests: load.waiting_requests,
+            kv_blocks_used: load.kv_blocks_used,
+        },
+    )
+}
+
+pub fn rank_load_to_pb(dp_rank: u32, load: RankLoad) -> pb::RankLoad {
+    pb::RankLoad {
+        dp_rank,
+        running_requests: load.running_requests,
+        waiting_requests: load.waiting_requests,
+        kv_blocks_used: load.kv_blocks_used,
+    }
+}
+
+/// Limits a batch must respect.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchLimits {
+    pub max_events: usize,
+    pub max_blocks_per_event: usize,
+}
+
+/// Checks a batch's shape against its worker's registration and computes
+/// the local hashes of blocks sent as token ids. Nothing is applied when any
+/// event is malformed.
+pub fn batch_from_pb(
+    batch: pb::KvEventBatch,
+    worker: &WorkerRecord,
+    limits: BatchLimits,
+) -> Result<ValidatedBatch, InvalidInput> {
+    let worker_id = batch.worker_id;
+    let dp_rank = batch.dp_rank;
+    if batch.events.len() > limits.max_events {
+        return Err(InvalidInput::new(
+            "events",
+            format!(
+                "worker {worker_id} dp_rank {dp_rank}: batch of {} events is over the limit of {}",
+                batch.events.len(),
+                limits.max_events
+            ),
+        ));
+    }
+    let block_size = worker.registration.block_size;
+    let mut events = Vec::with_capacity(batch.events.len());
+    for (position, event) in batch.events.into_iter().enumerate() {
+        let field = |f: &str| format!("events[{position}].{f}");
+        let at = format!(
+            "worker {worker_id} dp_rank {dp_rank} event_id {}",
+            event.event_id
+        );
+        let kind = event
+            .kind
+            .ok_or_else(|| InvalidInput::new(field("kind"), format!("{at}: no event kind set")))?;
+        let converted = match kind {
+            pb::kv_event::Kind::Stored(stored) => {
+                if stored.blocks.is_empty() {
+                    return Err(InvalidInput::new(
+                        field("stored.blocks"),
+                        format!("{at}: stored event with no blocks"),
+                    ));
+                }
+                if stored.blocks.len() > limits.max_blocks_per_event {
+                    return Err(InvalidInput::new(
+                        field("stored.blocks"),
+                        format!(
+                            "{at}: {} blocks is over the limit of {}",
+                            stored.blocks.len(),
+                            limits.max_blocks_per_event
+                        ),
+                    ));
+                }
+                name(&field("stored.lora_name"), &stored.lora_name)?;
+                let options = HashOptions {
+                    lora_name: Some(stored.lora_name.as_str()),
+                    cache_namespace: None,
+                };
+                let mut blocks = Vec::with_capacity(stored.blocks.len());
+                for (i, block) in stored.blocks.into_iter().enumerate() {
+                    let local = match block.content {
+                        Some(pb::stored_block::Content::LocalHash(hash)) => hash,
+                        Some(pb::stored_block::Content::TokenIds(tokens)) => {
+                            if tokens.ids.len() != block_size as usize {
+                                return Err(InvalidInput::new(
+                                    field(&format!("stored.blocks[{i}].token_ids")),
+                                    format!(
+                                        "{at}: block has {} tokens, the worker's block_size is {block_size}",
+                                        tokens.ids.len()
+                                    ),
+                                ));
+                            }
+                            let mm = block.mm_info.map(|info| vec![info.mm_hashes]);
+                            compute_block_hashes(&tokens.ids, block_size, &options, mm.as_deref())
+                                .first()
+                                .copied()
+                                .unwrap_or_default()
+                        }
+                        None => {
+                            return Err(InvalidInput::new(
+                                field(&format!("stored.blocks[{i}]")),
+                                format!("{at}: block has neither token_ids nor local_hash"),
+                            ));
+                        }
+                    };
+                    blocks.push((block.engine_hash, local));
+                }
+                KvEvent::Stored {
+                    parent: stored.parent_engine_hash,
+                    blocks,
+                }
+            }
+            pb::kv_event::Kind::Removed(removed) => {
+                if removed.engine_hashes.len() > limits.max_blocks_per_event {
+                    return Err(InvalidInput::new(
+                        field("removed.engine_hashes"),
+                        format!(
+                            "{at}: {} blocks is over the limit of {}",
+                            removed.engine_hashes.len(),
+                            limits.max_blocks_per_event
+                        ),
+                    ));
+                }
+                KvEvent::Removed {
+                    blocks: removed.engine_hashes,
+                }
+            }
+            pb::kv_event::Kind::Cleared(_) => KvEvent::Cleared,
+        };
+        events.push(IngestEvent {
+            event_id: event.event_id,
+            event: converted,
+        });
+    }
+    Ok(ValidatedBatch {
+        worker_id,
+        generation: worker.generation,
+        model: worker.registration.model.clone(),
+        dp_rank,
+        events,
+    })
+}
+
+/// Converts a SelectWorker request. `block_size` is the model's; prompts over
+/// `max_blocks` blocks are refused.
+pub fn select_request_from_pb(
+    request: pb::SelectWorkerRequest,
+    block_size: u32,
+    max_blocks: usize,
+) -> Result<crate::routing::PreparedRequest, InvalidInput> {
+    use std::collections::HashSet;
+
+    use crate::{
+        admission::AdmissionMode,
+        select::{
+            RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
+            affinity::{AffinityMode, SessionRef},
+        },
+        types::{RequestPhase, WorkerRank},
+    };
+
+    let id = request.request_id.clone();
+    let at = |field: &str, message: String| {
+        InvalidInput::new(field, format!("request {id:?}: {message}"))
+    };
+    if request.request_id.is_empty() {
+        return Err(InvalidInput::new("request_id", "must not be empty"));
+    }
+    name("request_id", &request.request_id)?;
+    name("model", &request.model)?;
+    name("lora_name", &request.lora_name)?;
+    name("cache_namespace", &request.cache_namespace)?;
+    let phase = match pb::RequestPhase::try_from(request.phase) {
+        Ok(pb::RequestPhase::Aggregated) => RequestPhase::Aggregated,
+        Ok(pb::RequestPhase::Prefill) => RequestPhase::Prefill,
+        Ok(pb::RequestPhase::Decode) => RequestPhase::Decode,
+        Err(_) => return Err(at("phase", format!("unknown phase {}", request.phase))),
+    };
+    let mode = match pb::SelectionMode::try_from(request.mode) {
+        Ok(pb::SelectionMode::Reserve) => SelectMode::Reserve,
+        Ok(pb::SelectionMode::QueryOnly) => SelectMode::QueryOnly,
+        Err(_) => return Err(at("mode", format!("unknown mode {}", request.mode))),
+    };
+    let admission = match pb::AdmissionMode::try_from(request.admission) {
+        Ok(pb::AdmissionMode::Wait) => AdmissionMode::Wait,
+        Ok(pb::AdmissionMode::Reject) => AdmissionMode::Reject,
+        Ok(pb::AdmissionMode::Advisory) => AdmissionMode::Advisory,
+        Err(_) => {
+            return Err(at(
+                "admission",
+                format!("unknown admission {}", request.admission),
+            ));
+        }
+    };
+    let options = HashOptions {
+        lora_name: Some(request.lora_name.as_str()),
+        cache_namespace: Some(request.cache_namespace.as_str()),
+    };
+    if request.block_mm_infos.len() > max_blocks {
+        return Err(at(
+            "block_mm_infos",
+            format!("more than {max_blocks} entries"),
+        ));
+    }
+    let mm: Vec<Vec<u64>> = request
+        .block_mm_infos
+        .into_iter()
+        .map(|info| info.mm_hashes)
+        .collect();
+    let (hashes, prompt_tokens) = match request.prompt.and_then(|p| p.content) {
+        Some(pb::prompt::Content::TokenIds(tokens)) => {
+            let max_tokens = max_blocks.saturating_mul(block_size as usize);
+            if tokens.ids.len() > max_tokens {
+                return Err(at(
+                    "prompt.token_ids",
+                    format!(
+                        "{} tokens is over the limit of {max_tokens}",
+                        tokens.ids.len()
+                    ),
+                ));
+            }
+            let mm = (!mm.is_empty()).then_some(mm.as_slice());
+            (
+                compute_block_hashes(&tokens.ids, block_size, &options, mm),
+                tokens.ids.len() as u64,
+            )
+        }
+        Some(pb::prompt::Content::BlockHashes(hashes)) => {
+            if hashes.hashes.len() > max_blocks {
+                return Err(at(
+                    "prompt.block_hashes",
+                    format!(
+                        "{} blocks is over the limit of {max_blocks}",
+                        hashes.hashes.len()
+                    ),
+                ));
+            }
+            let tokens = hashes.hashes.len() as u64 * u64::from(block_size);
+            (hashes.hashes, tokens)
+        }
+        None => {
+            return Err(at(
+                "prompt",
+                "no prompt: set token_ids or block_hashes".into(),
+            ));
+        }
+    };
+    if prompt_tokens == 0 {
+        return Err(at("prompt", "the prompt is empty".into()));
+    }
+    let hints = request.hints.unwrap_or_default();
+    if hints.allowed_worker_ids.len() > max_blocks || hints.tolerated_taints.len() > 1024 {
+        return Err(at("hints", "too many allowed workers or taints".into()));
+    }
+    for taint in &hints.tolerated_taints {
+        name("hints.tolerated_taints", taint)?;
+    }
+    name("hints.policy_class", &hints.policy_class)?;
+    if !hints.priority_jump.is_finite() {
+        return Err(at("hints.priority_jump", "must be a finite number".into()));
+    }
+    let session = match request.session {
+        Some(session) if !session.session_id.is_empty() => {
+            name("session.session_id", &session.session_id)?;
+            match pb::AffinityMode::try_from(session.mode) {
+                Ok(pb::AffinityMode::None) => None,
+                Ok(pb::AffinityMode::Hard) => Some(SessionRef {
+                    session_id: session.session_id,
+                    mode: AffinityMode::Hard,
+                }),
+                Ok(pb::AffinityMode::Soft) => Some(SessionRef {
+                    session_id: session.session_id,
+                    mode: AffinityMode::Soft,
+                }),
+                Err(_) => return Err(at("session.mode", format!("unknown mode {}", session.mode))),
+            }
+        }
+        _ => None,
+    };
+    if request.excluded_worker_ids.len() > max_blocks {
+        return Err(at("excluded_worker_ids", "too many entries".into()));
+    }
+    let overrides = request.overrides.unwrap_or_default();
+    for (field, value) in [
+        ("overrides.overlap_weight", overrides.overlap_weight),
+        ("overrides.temperature", overrides.temperature),
+    ] {
+        if let Some(v) = value
+            && !(v.is_finite() && v >= 0.0)
+        {
+            return Err(at(field, format!("must be a finite number >= 0, got {v}")));
+        }
+    }
+    let select_request = SelectRequest {
+        request_id: request.request_id,
+        model: request.model,
+        phase,
+        prompt_tokens,
+        block_size,
+        hints: RoutingHints {
+            backend_instance_id: hints.backend_instance_id,
+            prefill_worker_id: hints.prefill_worker_id,
+            decode_worker_id: hints.decode_worker_id,
+            dp_rank: hints.dp_rank,
+            prefill_dp_rank: hints.prefill_dp_rank,
+            allowed_worker_ids: (!hints.allowed_worker_ids.is_empty())
+                .then(|| hints.allowed_worker_ids.into_iter().collect::<HashSet<_>>()),
+            tolerated_taints: hints.tolerated_taints,
+            expected_output_tokens: hints.expected_output_tokens,
+            priority_jump: hints.priority_jump,
+            strict_priority: hints.strict_priority,
+            policy_class: (!hints.policy_class.is_empty()).then_some(hints.policy_class),
+        },
+        session,
+        planned_worker: request
+            .planned_worker
+            .map(|w| WorkerRank::new(w.worker_id, w.dp_rank)),
+        excluded_worker_ids: request.excluded_worker_ids.into_iter().collect(),
+        mode,
+        overrides: ScoringOverrides {
+            overlap_weight: overrides.overlap_weight,
+            temperature: overrides.temperature,
+        },
+    };
+    Ok(crate::routing::PreparedRequest {
+        request: select_request,
+        hashes,
+        admission,
+    })
+}
+
+pub fn booked_load_to_pb(load: crate::admission::bookings::BookedLoad) -> pb::BookedLoad {
+    pb::BookedLoad {
+        prefill_tokens: load.prefill_tokens,
+        prefill_blocks: load.prefill_blocks,
+        decode_blocks: load.decode_blocks,
+        active_requests: u32::try_from(load.active_requests).unwrap_or(u32::MAX),
+    }
+}
+
+/// The response fields of a selection.
+pub fn selection_to_pb(
+    selection: &crate::select::Selection,
+    admitted: crate::routing::Admitted,
+    advisory: bool,
+) -> pb::SelectWorkerResponse {
+    use crate::routing::Admitted;
+    let (admission, queued_ms) = match admitted {
+        Admitted::Now => (pb::AdmissionResult::Admitted, 0),
+        Admitted::AfterQueue(waited) => (
+            pb::AdmissionResult::AdmittedAfterQueue,
+            u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+        ),
+        Admitted::Untracked => (pb::AdmissionResult::Untracked, 0),
+    };
+    pb::SelectWorkerResponse {
+        worker_id: selection.target.worker_id,
+        dp_rank: selection.target.dp_rank,
+        overlap_blocks: selection.overlap_blocks,
+        effective_overlap_blocks: selection.effective_overlap_blocks,
+        cached_tokens: selection.cached_tokens,
+        total_blocks: selection.total_blocks,
+        potential_prefill_tokens: selection.potential_prefill_tokens,
+        potential_decode_blocks: selection.potential_decode_blocks,
+        admission: admission.into(),
+        queued_ms,
+        advisory_load: advisory.then(|| booked_load_to_pb(selection.booked)),
+    }
+}

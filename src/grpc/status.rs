@@ -1,0 +1,85 @@
+//! The one mapping from domain errors to `tonic::Status`, following the
+//! error table of the API: malformed input → INVALID_ARGUMENT, unknown worker
+//! → NOT_FOUND, a state that forbids the call → FAILED_PRECONDITION, nothing
+//! to route to → UNAVAILABLE, queue full or busy → RESOURCE_EXHAUSTED, queued
+//! too long → DEADLINE_EXCEEDED. Messages name the request and worker(s).
+
+use tonic::{Code, Status};
+
+use crate::{ingest::IngestError, registry::RegistryError};
+
+/// A request field that failed validation.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct InvalidInput {
+    pub field: String,
+    pub message: String,
+}
+
+impl InvalidInput {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<InvalidInput> for Status {
+    fn from(error: InvalidInput) -> Self {
+        Status::invalid_argument(error.to_string())
+    }
+}
+
+impl From<RegistryError> for Status {
+    fn from(error: RegistryError) -> Self {
+        let code = match &error {
+            RegistryError::Invalid { .. } => Code::InvalidArgument,
+            RegistryError::BlockSizeMismatch { .. } => Code::FailedPrecondition,
+            RegistryError::UnknownWorker { .. } | RegistryError::UnknownRank { .. } => {
+                Code::NotFound
+            }
+        };
+        Status::new(code, error.to_string())
+    }
+}
+
+impl From<IngestError> for Status {
+    fn from(error: IngestError) -> Self {
+        let code = match &error {
+            IngestError::WorkerGone { .. } => Code::NotFound,
+            IngestError::WriterStopped => Code::Unavailable,
+        };
+        Status::new(code, error.to_string())
+    }
+}
+
+/// A short, fixed label for a status code, for the rejection counter.
+pub fn reason_label(status: &Status) -> &'static str {
+    super::rpc_metrics::code_name(status.code())
+}
+
+fn code_of(code: crate::select::error::ErrorCode) -> Code {
+    use crate::select::error::ErrorCode as E;
+    match code {
+        E::InvalidArgument => Code::InvalidArgument,
+        E::NotFound => Code::NotFound,
+        E::FailedPrecondition => Code::FailedPrecondition,
+        E::Unavailable => Code::Unavailable,
+        E::ResourceExhausted => Code::ResourceExhausted,
+        E::DeadlineExceeded => Code::DeadlineExceeded,
+        E::Internal => Code::Internal,
+    }
+}
+
+impl From<crate::routing::RouteError> for Status {
+    fn from(error: crate::routing::RouteError) -> Self {
+        use crate::routing::RouteError;
+        let code = match &error {
+            RouteError::Select(e) => code_of(e.code()),
+            RouteError::Admission(e) => code_of(e.code()),
+            RouteError::ShuttingDown { .. } => Code::Unavailable,
+        };
+        Status::new(code, error.to_string())
+    }
+}

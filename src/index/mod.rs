@@ -1,0 +1,395 @@
+//! The exact KV block index: which (worker, dp_rank) holds which blocks.
+//!
+//! Why this exists: routing asks, for the local block hashes of a request,
+//! how many leading blocks each target already caches. Workers report their
+//! cache through events; this module keeps the answer exact and fast.
+//!
+//! Model (invariants):
+//! * A node is identified by its PATH of local hashes from the root; local
+//!   hashes are per block, not chained. A `Stored` event with a parent hangs
+//!   its blocks under the node that the *same* (worker, dp_rank) holds under
+//!   that parent engine hash; parent `None` means the root.
+//! * A target's prefix for a query is the number of leading query blocks it
+//!   holds contiguously from block 0; removing a block mid-chain ends the
+//!   prefix there even though deeper blocks stay held.
+//! * A target's block count is the number of distinct engine hashes it holds.
+//!
+//! Event rules (each checked by the naive oracle in `tests/index_oracle.rs`):
+//! * `Stored` whose parent the target does not hold: rejected with
+//!   [`IndexError::UnknownParent`]; the index is untouched.
+//! * `Stored` of an engine hash the target already holds at the same path:
+//!   a counted no-op for that block ([`ApplyOutcome::skipped`]), so a resent
+//!   event is harmless. Held at a *different* path (also: the same hash twice
+//!   in one event at different depths): the whole event is rejected with
+//!   [`IndexError::EngineHashConflict`] and the index is left untouched.
+//! * Two different engine hashes of one target at the same path are both
+//!   kept; the target holds the node until both are removed.
+//! * `Removed` of an engine hash the target does not hold: a counted no-op per
+//!   block; the other blocks of the event are still removed.
+//! * `Cleared`, `remove_rank` and `remove_worker` of unknown targets: no-ops.
+//!
+//! Concurrency: [`KvIndex`] is `Send + Sync` and every method takes `&self`.
+//! It wraps a single-writer core ([`radix::IndexCore`]) in a
+//! `parking_lot::RwLock`. Whoever ingests events (one task per deployment)
+//! applies them one at a time under the write lock, so a router thread never
+//! waits for more than one event's worth of work, and every read sees the
+//! index between two whole events (never half an event). Routing reads take
+//! the read lock and run in parallel on every core.
+
+pub mod naive;
+pub mod radix;
+
+use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
+use parking_lot::RwLock;
+use serde::Serialize;
+
+pub use radix::IndexCore;
+
+/// One KV event of one (worker, dp_rank).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    /// The target now caches `blocks` (engine hash, local hash), in chain
+    /// order, the first one a child of `parent` (`None`: a root block).
+    Stored {
+        parent: Option<EngineHash>,
+        blocks: Vec<(EngineHash, LocalHash)>,
+    },
+    /// The target evicted these blocks.
+    Removed { blocks: Vec<EngineHash> },
+    /// The target dropped its whole cache.
+    Cleared,
+}
+
+/// Why an event was rejected. A rejected event leaves the index untouched.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum IndexError {
+    #[error("{worker}: stored blocks under parent engine hash {parent} which it does not hold")]
+    UnknownParent {
+        worker: WorkerRank,
+        parent: EngineHash,
+    },
+    #[error("{worker}: engine hash {engine_hash} is already held at a different position")]
+    EngineHashConflict {
+        worker: WorkerRank,
+        engine_hash: EngineHash,
+    },
+}
+
+/// What an accepted event did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ApplyOutcome {
+    /// Blocks added (store) or dropped (remove, clear).
+    pub applied: u64,
+    /// Blocks that were counted no-ops: duplicate stores, unknown removes.
+    pub skipped: u64,
+}
+
+/// One target's overlap with a query.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerOverlap {
+    pub worker: WorkerRank,
+    /// Leading query blocks held contiguously from block 0 (always > 0).
+    pub blocks: u32,
+    /// `blocks * block_size`.
+    pub cached_tokens: u64,
+    /// Blocks this target holds in total (its cache occupancy).
+    pub worker_blocks: u64,
+}
+
+/// The answer to [`KvIndex::find_matches`]: every target with a non-zero
+/// prefix, in an unspecified order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OverlapScores {
+    pub scores: Vec<WorkerOverlap>,
+}
+
+impl OverlapScores {
+    /// The overlap of one target (0 blocks when absent).
+    pub fn get(&self, worker: WorkerRank) -> Option<&WorkerOverlap> {
+        self.scores.iter().find(|s| s.worker == worker)
+    }
+
+    /// The largest prefix of any target.
+    pub fn max_blocks(&self) -> u32 {
+        self.scores.iter().map(|s| s.blocks).max().unwrap_or(0)
+    }
+
+    /// Scores sorted by target, for comparisons.
+    pub fn sorted(mut self) -> Self {
+        self.scores.sort_by_key(|s| s.worker);
+        self
+    }
+}
+
+/// Size and occupancy of the index.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Cached (block, target) entries.
+    pub blocks: u64,
+    /// Tree nodes (distinct paths), root excluded.
+    pub nodes: u64,
+    /// Targets known to the index.
+    pub workers: u64,
+    /// Blocks per target, sorted by target; targets holding nothing omitted.
+    pub per_worker: Vec<(WorkerRank, u64)>,
+    /// Estimated heap bytes, from the capacities of every table.
+    pub bytes_used: u64,
+    pub events_applied: u64,
+    pub events_rejected: u64,
+    pub blocks_skipped: u64,
+}
+
+/// The concurrent exact index (see the module docs for the rules).
+pub struct KvIndex {
+    block_size: u32,
+    core: RwLock<IndexCore>,
+}
+
+impl KvIndex {
+    /// An empty index for blocks of `block_size` tokens.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            block_size,
+            core: RwLock::new(IndexCore::new(block_size)),
+        }
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Apply one event of `worker` (see the module docs for the rules).
+    pub fn apply(&self, worker: WorkerRank, event: &KvEvent) -> Result<ApplyOutcome, IndexError> {
+        self.core.write().apply(worker, event)
+    }
+
+    /// Drop every dp rank of `worker` and all their blocks; returns blocks dropped.
+    pub fn remove_worker(&self, worker: WorkerId) -> u64 {
+        self.core.write().remove_worker(worker)
+    }
+
+    /// Drop one target and all its blocks; returns blocks dropped.
+    pub fn remove_rank(&self, worker: WorkerRank) -> u64 {
+        self.core.write().remove_rank(worker)
+    }
+
+    /// Every target's contiguous prefix of `query`.
+    pub fn find_matches(&self, query: &[LocalHash]) -> OverlapScores {
+        let mut out = OverlapScores::default();
+        self.core.read().find_matches_into(query, &mut out);
+        out
+    }
+
+    /// Like [`Self::find_matches`], reusing `out`'s allocation.
+    pub fn find_matches_into(&self, query: &[LocalHash], out: &mut OverlapScores) {
+        self.core.read().find_matches_into(query, out);
+    }
+
+    /// Blocks held by one target.
+    pub fn worker_blocks(&self, worker: WorkerRank) -> u64 {
+        self.core.read().worker_blocks(worker)
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        self.core.read().stats()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(id: u64) -> WorkerRank {
+        WorkerRank::new(id, 0)
+    }
+
+    fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
+        KvEvent::Stored {
+            parent: p,
+            blocks: b.to_vec(),
+        }
+    }
+
+    fn blocks_of(idx: &KvIndex, q: &[u64], who: WorkerRank) -> u32 {
+        idx.find_matches(q).get(who).map_or(0, |s| s.blocks)
+    }
+
+    #[test]
+    fn send_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<KvIndex>();
+    }
+
+    #[test]
+    fn store_and_match_prefix() -> Result<(), IndexError> {
+        let idx = KvIndex::new(16);
+        idx.apply(w(1), &store(None, &[(10, 1), (11, 2), (12, 3)]))?;
+        idx.apply(w(2), &store(None, &[(20, 1), (21, 2)]))?;
+        let s = idx.find_matches(&[1, 2, 3, 4]);
+        assert_eq!(
+            s.get(w(1)).map(|x| (x.blocks, x.cached_tokens)),
+            Some((3, 48))
+        );
+        assert_eq!(
+            s.get(w(2)).map(|x| (x.blocks, x.worker_blocks)),
+            Some((2, 2))
+        );
+        assert!(idx.find_matches(&[2, 3]).scores.is_empty());
+        assert!(idx.find_matches(&[]).scores.is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn parent_attaches_under_workers_own_node() -> Result<(), IndexError> {
+        let idx = KvIndex::new(1);
+        idx.apply(w(1), &store(None, &[(10, 1)]))?;
+        idx.apply(w(1), &store(Some(10), &[(11, 2)]))?;
+        assert_eq!(blocks_of(&idx, &[1, 2], w(1)), 2);
+        // worker 2 does not hold 10: rejected, index untouched
+        let before = idx.stats();
+        assert_eq!(
+            idx.apply(w(2), &store(Some(10), &[(11, 2)])),
+            Err(IndexError::UnknownParent {
+                worker: w(2),
+                parent: 10
+            })
+        );
+        assert_eq!(idx.stats().blocks, before.blocks);
+        assert_eq!(idx.stats().nodes, before.nodes);
+        Ok(())
+    }
+
+    #[test]
+    fn mid_chain_remove_ends_prefix() -> Result<(), IndexError> {
+        let idx = KvIndex::new(1);
+        idx.apply(w(1), &store(None, &[(10, 1), (11, 2), (12, 3)]))?;
+        let out = idx.apply(
+            w(1),
+            &KvEvent::Removed {
+                blocks: vec![11, 99],
+            },
+        )?;
+        assert_eq!(
+            out,
+            ApplyOutcome {
+                applied: 1,
+                skipped: 1
+            }
+        );
+        assert_eq!(blocks_of(&idx, &[1, 2, 3], w(1)), 1);
+        // the deeper block is still held and can still be a parent
+        idx.apply(w(1), &store(Some(12), &[(13, 4)]))?;
+        assert_eq!(idx.worker_blocks(w(1)), 3);
+        // re-storing the middle block restores the prefix
+        idx.apply(w(1), &store(Some(10), &[(11, 2)]))?;
+        assert_eq!(blocks_of(&idx, &[1, 2, 3, 4], w(1)), 4);
+        Ok(())
+    }
+
+    #[test]
+    fn duplicate_store_is_counted_noop() -> Result<(), IndexError> {
+        let idx = KvIndex::new(1);
+        idx.apply(w(1), &store(None, &[(10, 1), (11, 2)]))?;
+        let out = idx.apply(w(1), &store(None, &[(10, 1), (11, 2), (12, 3)]))?;
+        assert_eq!(
+            out,
+            ApplyOutcome {
+                applied: 1,
+                skipped: 2
+            }
+        );
+        assert_eq!(idx.worker_blocks(w(1)), 3);
+        Ok(())
+    }
+
+    #[test]
+    fn conflicting_engine_hash_rejects_whole_event() -> Result<(), IndexError> {
+        let idx = KvIndex::new(1);
+        idx.apply(w(1), &store(None, &[(10, 1), (11, 2)]))?;
+        let before = idx.stats();
+        let ev = store(Some(11), &[(12, 3), (13, 4), (10, 5)]);
+        assert_eq!(
+            idx.apply(w(1), &ev),
+            Err(IndexError::EngineHashConflict {
+                worker: w(1),
+                engine_hash: 10
+            })
+        );
+        let after = idx.stats();
+        assert_eq!((after.blocks, after.nodes), (before.blocks, before.nodes));
+        assert_eq!(blocks_of(&idx, &[1, 2, 3], w(1)), 2);
+        // the same hash twice in one event
+        let ev = store(None, &[(30, 7), (30, 8)]);
+        assert!(idx.apply(w(2), &ev).is_err());
+        assert_eq!(idx.stats().per_worker.len(), 1);
+        Ok(())
+    }
+
+    #[test]
+    fn two_engine_hashes_same_path() -> Result<(), IndexError> {
+        let idx = KvIndex::new(1);
+        idx.apply(w(1), &store(None, &[(10, 1)]))?;
+        idx.apply(w(1), &store(None, &[(20, 1)]))?;
+        assert_eq!(idx.worker_blocks(w(1)), 2);
+        idx.apply(w(1), &KvEvent::Removed { blocks: vec![10] })?;
+        assert_eq!(blocks_of(&idx, &[1], w(1)), 1);
+        idx.apply(w(1), &KvEvent::Removed { blocks: vec![20] })?;
+        assert_eq!(blocks_of(&idx, &[1], w(1)), 0);
+        assert_eq!(idx.stats().nodes, 0);
+        Ok(())
+    }
+
+    #[test]
+    fn clear_remove_rank_remove_worker() -> Result<(), IndexError> {
+        let idx = KvIndex::new(1);
+        let r0 = WorkerRank::new(1, 0);
+        let r1 = WorkerRank::new(1, 1);
+        idx.apply(r0, &store(None, &[(10, 1), (11, 2)]))?;
+        idx.apply(r1, &store(None, &[(10, 1), (11, 2)]))?;
+        idx.apply(w(2), &store(None, &[(10, 1)]))?;
+        assert_eq!(idx.find_matches(&[1, 2]).scores.len(), 3);
+        idx.apply(r0, &KvEvent::Cleared)?;
+        assert_eq!(blocks_of(&idx, &[1, 2], r0), 0);
+        assert_eq!(blocks_of(&idx, &[1, 2], r1), 2);
+        assert_eq!(idx.remove_rank(r1), 2);
+        assert_eq!(idx.stats().nodes, 1);
+        idx.apply(r0, &store(None, &[(10, 1)]))?;
+        assert_eq!(idx.remove_worker(1), 1);
+        assert_eq!(idx.remove_worker(1), 0);
+        assert_eq!(idx.stats().per_worker, vec![(w(2), 1)]);
+        assert_eq!(idx.remove_rank(w(2)), 1);
+        let st = idx.stats();
+        assert_eq!((st.blocks, st.nodes, st.workers), (0, 0, 0));
+        // unknown targets are no-ops
+        assert_eq!(idx.apply(w(9), &KvEvent::Cleared)?, ApplyOutcome::default());
+        Ok(())
+    }
+
+    #[test]
+    fn more_than_64_targets() -> Result<(), IndexError> {
+        let idx = KvIndex::new(1);
+        for i in 0..150u64 {
+            let depth = 1 + i % 5;
+            let blocks: Vec<(u64, u64)> = (0..depth).map(|d| (1000 * i + d, d)).collect();
+            idx.apply(WorkerRank::new(i, 0), &store(None, &blocks))?;
+        }
+        let s = idx.find_matches(&[0, 1, 2, 3, 4, 5]);
+        assert_eq!(s.scores.len(), 150);
+        for i in 0..150u64 {
+            assert_eq!(
+                s.get(WorkerRank::new(i, 0)).map(|x| x.blocks),
+                Some(1 + (i % 5) as u32)
+            );
+        }
+        for i in (0..150u64).step_by(2) {
+            idx.apply(
+                WorkerRank::new(i, 0),
+                &KvEvent::Removed {
+                    blocks: vec![1000 * i],
+                },
+            )?;
+        }
+        assert_eq!(idx.find_matches(&[0, 1]).scores.len(), 75);
+        Ok(())
+    }
+}

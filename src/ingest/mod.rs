@@ -1,0 +1,239 @@
+//! Event ingestion: the one writer of the KV index.
+//!
+//! Every change to an index (a worker's event batch, a worker's removal)
+//! travels as a job over one bounded channel to one writer thread, which
+//! applies it event by event under the index's write lock. Routing reads take
+//! only the index's read lock, so they wait at most one event's worth of work
+//! and never behind the queue.
+//!
+//! Backpressure and fairness: a `PublishEvents` stream sends one batch and
+//! awaits its reply before reading the next, so each stream has at most one
+//! job queued. A flooding worker therefore slows only its own stream (its
+//! HTTP/2 flow control fills up), and with N streams the writer serves them
+//! round-robin through the channel's FIFO.
+//!
+//! Each (worker, dp_rank) has an [`cursor::EventCursor`]; the writer is its
+//! only writer, the Admin API reads it.
+
+pub mod cursor;
+
+use std::{collections::HashMap, sync::Arc};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{
+    core::RouterCore,
+    index::{IndexError, KvEvent},
+    types::{DpRank, WorkerId, WorkerRank},
+};
+use cursor::Verdict;
+
+/// Jobs the writer can hold before senders wait.
+pub const WRITE_QUEUE_CAPACITY: usize = 1024;
+
+/// One validated event: its id and what it does to the index.
+#[derive(Clone, Debug)]
+pub struct IngestEvent {
+    pub event_id: u64,
+    pub event: KvEvent,
+}
+
+/// A batch checked for shape and limits, with local hashes computed.
+#[derive(Clone, Debug)]
+pub struct ValidatedBatch {
+    pub worker_id: WorkerId,
+    /// The registration the batch was validated against.
+    pub generation: u64,
+    pub model: String,
+    pub dp_rank: DpRank,
+    pub events: Vec<IngestEvent>,
+}
+
+/// What the writer did with a batch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchOutcome {
+    pub dp_rank: DpRank,
+    pub last_applied: Option<u64>,
+    pub resend_from: Option<u64>,
+    pub applied: u32,
+    pub skipped: u32,
+    pub rejected: u32,
+    /// The first rejection, for logs.
+    pub first_rejection: Option<IndexError>,
+}
+
+/// Why a batch was not applied at all.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum IngestError {
+    #[error("worker {worker_id} was deregistered or re-registered while its batch was queued")]
+    WorkerGone { worker_id: WorkerId },
+    #[error("the event writer has stopped")]
+    WriterStopped,
+}
+
+enum Job {
+    Batch {
+        batch: ValidatedBatch,
+        reply: oneshot::Sender<Result<BatchOutcome, IngestError>>,
+    },
+    RemoveWorker {
+        worker_id: WorkerId,
+        model: String,
+        reply: oneshot::Sender<u64>,
+    },
+    /// Answers once every earlier job is done.
+    Barrier { reply: oneshot::Sender<()> },
+}
+
+/// The sending side of the writer; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct IngestHandle {
+    tx: mpsc::Sender<Job>,
+}
+
+impl IngestHandle {
+    /// Queues a batch and waits for the writer's verdict.
+    pub async fn apply(&self, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Job::Batch { batch, reply })
+            .await
+            .map_err(|_| IngestError::WriterStopped)?;
+        answer.await.map_err(|_| IngestError::WriterStopped)?
+    }
+
+    /// Drops every block of a worker (after the registry forgot it), in order
+    /// with the batches queued before; returns the blocks dropped.
+    pub async fn remove_worker(&self, worker_id: WorkerId, model: String) -> u64 {
+        let (reply, answer) = oneshot::channel();
+        if self
+            .tx
+            .send(Job::RemoveWorker {
+                worker_id,
+                model,
+                reply,
+            })
+            .await
+            .is_err()
+        {
+            return 0;
+        }
+        answer.await.unwrap_or(0)
+    }
+
+    /// Resolves once every job queued before it has been applied.
+    pub async fn flush(&self) {
+        let (reply, answer) = oneshot::channel();
+        if self.tx.send(Job::Barrier { reply }).await.is_ok() {
+            let _ = answer.await;
+        }
+    }
+}
+
+/// Starts the writer thread; it stops when every handle is dropped.
+pub fn start_writer(core: Arc<RouterCore>) -> std::io::Result<IngestHandle> {
+    let (tx, mut rx) = mpsc::channel::<Job>(WRITE_QUEUE_CAPACITY);
+    std::thread::Builder::new()
+        .name("kvroute-index-writer".into())
+        .spawn(move || {
+            while let Some(job) = rx.blocking_recv() {
+                match job {
+                    Job::Batch { batch, reply } => {
+                        let _ = reply.send(apply_batch(&core, batch));
+                    }
+                    Job::RemoveWorker {
+                        worker_id,
+                        model,
+                        reply,
+                    } => {
+                        let _ = reply.send(remove_worker(&core, worker_id, &model));
+                    }
+                    Job::Barrier { reply } => {
+                        let _ = reply.send(());
+                    }
+                }
+            }
+        })?;
+    Ok(IngestHandle { tx })
+}
+
+fn remove_worker(core: &RouterCore, worker_id: WorkerId, model: &str) -> u64 {
+    core.cursors
+        .lock()
+        .retain(|rank, _| rank.worker_id != worker_id);
+    core.index_of(model)
+        .map(|index| index.remove_worker(worker_id))
+        .unwrap_or(0)
+}
+
+fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
+    let worker_id = batch.worker_id;
+    // The registration may have changed since validation: drop the batch
+    // rather than write blocks for a worker the registry no longer has.
+    let current = core
+        .registry
+        .read()
+        .get(worker_id)
+        .map(|w| (w.generation, w.registration.model.clone()));
+    if current != Some((batch.generation, batch.model.clone())) {
+        core.count_events("rejected", "worker_gone", batch.events.len() as u64);
+        return Err(IngestError::WorkerGone { worker_id });
+    }
+    let Some(index) = core.index_of(&batch.model) else {
+        return Err(IngestError::WorkerGone { worker_id });
+    };
+    let target = WorkerRank::new(worker_id, batch.dp_rank);
+    let mut outcome = BatchOutcome {
+        dp_rank: batch.dp_rank,
+        ..BatchOutcome::default()
+    };
+    let mut reasons: HashMap<&'static str, u64> = HashMap::new();
+    let mut cursors = core.cursors.lock();
+    let cursor = cursors.entry(target).or_default();
+    for IngestEvent { event_id, event } in &batch.events {
+        let verdict = cursor.admit(*event_id, matches!(event, KvEvent::Cleared));
+        match verdict {
+            Verdict::Skip => {
+                outcome.skipped += 1;
+                *reasons.entry("duplicate").or_default() += 1;
+                continue;
+            }
+            Verdict::ApplyAfterGap { resend_from } => {
+                outcome.resend_from = Some(resend_from);
+            }
+            Verdict::Apply => {}
+        }
+        match index.apply(target, event) {
+            Ok(_) => outcome.applied += 1,
+            Err(error) => {
+                cursor.record_rejected();
+                outcome.rejected += 1;
+                *reasons.entry(rejection_reason(&error)).or_default() += 1;
+                outcome.first_rejection.get_or_insert(error);
+            }
+        }
+    }
+    outcome.last_applied = cursor.last_applied();
+    if outcome.resend_from.is_none() {
+        // Still missing events from an earlier gap: keep asking.
+        outcome.resend_from = cursor.first_missing();
+    }
+    drop(cursors);
+    core.count_events("applied", "ok", u64::from(outcome.applied));
+    for (reason, count) in reasons {
+        let kind = if reason == "duplicate" {
+            "skipped"
+        } else {
+            "rejected"
+        };
+        core.count_events(kind, reason, count);
+    }
+    Ok(outcome)
+}
+
+fn rejection_reason(error: &IndexError) -> &'static str {
+    match error {
+        IndexError::UnknownParent { .. } => "unknown_parent",
+        IndexError::EngineHashConflict { .. } => "engine_hash_conflict",
+    }
+}

@@ -1,0 +1,465 @@
+//! The worker registry: who is registered under which model, with which dp
+//! ranks, capacity, taints, lease and reported load, and who is cordoned.
+//!
+//! Plain synchronous code; time is passed in, so leases are testable without
+//! a clock. The registry also fixes each model's block size: the first worker
+//! of a model sets it, and a worker declaring another size is refused while
+//! the model has workers. Each registration gets a fresh `generation`, so
+//! work queued for an earlier registration of the same id can be recognised
+//! and dropped.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::{Duration, Instant},
+};
+
+use crate::types::{DpRank, RankLoad, WorkerId, WorkerRole, WorkerSnapshot};
+
+/// Largest number of dp ranks one worker may declare.
+pub const MAX_DP_SIZE: u32 = 1024;
+/// Largest number of taints one worker may declare.
+pub const MAX_TAINTS: usize = 64;
+
+/// What a worker declares when it registers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Registration {
+    pub worker_id: WorkerId,
+    pub model: String,
+    pub role: WorkerRole,
+    pub endpoint: String,
+    pub block_size: u32,
+    pub dp_start_rank: DpRank,
+    pub dp_size: u32,
+    pub total_kv_blocks: u64,
+    pub max_num_batched_tokens: u64,
+    pub taints: Vec<String>,
+    /// Lease asked for; `None` takes the server's default.
+    pub lease_ttl: Option<Duration>,
+}
+
+/// One registered worker.
+#[derive(Clone, Debug)]
+pub struct WorkerRecord {
+    pub registration: Registration,
+    pub generation: u64,
+    pub cordoned: bool,
+    pub lease_ttl: Duration,
+    pub lease_deadline: Instant,
+    pub load: BTreeMap<DpRank, RankLoad>,
+}
+
+impl WorkerRecord {
+    /// The read-only view selection works from.
+    pub fn snapshot(&self) -> WorkerSnapshot {
+        let r = &self.registration;
+        WorkerSnapshot {
+            worker_id: r.worker_id,
+            model: r.model.clone(),
+            role: r.role,
+            block_size: r.block_size,
+            dp_start_rank: r.dp_start_rank,
+            dp_size: r.dp_size,
+            total_kv_blocks: r.total_kv_blocks,
+            max_num_batched_tokens: r.max_num_batched_tokens,
+            taints: r.taints.clone(),
+            cordoned: self.cordoned,
+            load: self
+                .load
+                .iter()
+                .map(|(rank, load)| (*rank, *load))
+                .collect(),
+        }
+    }
+
+    pub fn has_rank(&self, dp_rank: DpRank) -> bool {
+        let r = &self.registration;
+        dp_rank >= r.dp_start_rank && dp_rank - r.dp_start_rank < r.dp_size
+    }
+
+    pub fn lease_remaining(&self, now: Instant) -> Duration {
+        self.lease_deadline.saturating_duration_since(now)
+    }
+}
+
+/// Registry failures, each naming the worker concerned.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RegistryError {
+    #[error("worker {worker_id}: {message}")]
+    Invalid {
+        worker_id: WorkerId,
+        message: String,
+    },
+    #[error(
+        "worker {worker_id} declares block_size {declared} but model {model:?} uses block_size {model_block_size}"
+    )]
+    BlockSizeMismatch {
+        worker_id: WorkerId,
+        model: String,
+        declared: u32,
+        model_block_size: u32,
+    },
+    #[error("worker {worker_id} is not registered")]
+    UnknownWorker { worker_id: WorkerId },
+    #[error("worker {worker_id} has no dp_rank {dp_rank} (ranks {start}..{end})")]
+    UnknownRank {
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+        start: DpRank,
+        end: u64,
+    },
+}
+
+/// What a registration did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RegisterOutcome {
+    pub created: bool,
+    pub lease_ttl: Duration,
+    /// The previous registration when it changed in a way that invalidates
+    /// the worker's cached blocks (model, block size or dp ranks); the caller
+    /// must drop them.
+    pub invalidated: Option<Registration>,
+}
+
+/// The registry of workers.
+#[derive(Debug, Default)]
+pub struct Registry {
+    workers: HashMap<WorkerId, WorkerRecord>,
+    next_generation: u64,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a worker or updates its registration, renewing its lease.
+    pub fn register(
+        &mut self,
+        mut registration: Registration,
+        default_lease: Duration,
+        now: Instant,
+    ) -> Result<RegisterOutcome, RegistryError> {
+        let worker_id = registration.worker_id;
+        let invalid = |message: String| RegistryError::Invalid { worker_id, message };
+        if registration.block_size == 0 {
+            return Err(invalid("block_size must be at least 1".into()));
+        }
+        if registration.dp_size == 0 {
+            registration.dp_size = 1;
+        }
+        if registration.dp_size > MAX_DP_SIZE {
+            return Err(invalid(format!(
+                "dp_size {} exceeds the limit of {MAX_DP_SIZE}",
+                registration.dp_size
+            )));
+        }
+        if u64::from(registration.dp_start_rank) + u64::from(registration.dp_size)
+            > u64::from(u32::MAX)
+        {
+            return Err(invalid("dp_start_rank + dp_size overflows".into()));
+        }
+        if registration.taints.len() > MAX_TAINTS {
+            return Err(invalid(format!("more than {MAX_TAINTS} taints")));
+        }
+        if let Some(model_block_size) =
+            self.model_block_size_excluding(&registration.model, worker_id)
+            && model_block_size != registration.block_size
+        {
+            return Err(RegistryError::BlockSizeMismatch {
+                worker_id,
+                model: registration.model.clone(),
+                declared: registration.block_size,
+                model_block_size,
+            });
+        }
+        let lease_ttl = registration.lease_ttl.unwrap_or(default_lease);
+        self.next_generation += 1;
+        let generation = self.next_generation;
+        let previous = self.workers.get(&worker_id);
+        let invalidated = previous.and_then(|old| {
+            let o = &old.registration;
+            let changed = o.model != registration.model
+                || o.block_size != registration.block_size
+                || o.dp_start_rank != registration.dp_start_rank
+                || o.dp_size != registration.dp_size;
+            changed.then(|| o.clone())
+        });
+        let created = previous.is_none();
+        // An update keeps cordon state and load; a layout change starts afresh.
+        let (cordoned, load, generation) = match previous {
+            Some(old) if invalidated.is_none() => (old.cordoned, old.load.clone(), old.generation),
+            Some(old) => (old.cordoned, BTreeMap::new(), generation),
+            None => (false, BTreeMap::new(), generation),
+        };
+        self.workers.insert(
+            worker_id,
+            WorkerRecord {
+                registration,
+                generation,
+                cordoned,
+                lease_ttl,
+                lease_deadline: now + lease_ttl,
+                load,
+            },
+        );
+        Ok(RegisterOutcome {
+            created,
+            lease_ttl,
+            invalidated,
+        })
+    }
+
+    /// Renews a lease and records load; ranks outside the worker are refused.
+    pub fn heartbeat(
+        &mut self,
+        worker_id: WorkerId,
+        loads: &[(DpRank, RankLoad)],
+        now: Instant,
+    ) -> Result<Duration, RegistryError> {
+        let record = self
+            .workers
+            .get_mut(&worker_id)
+            .ok_or(RegistryError::UnknownWorker { worker_id })?;
+        if let Some((dp_rank, _)) = loads.iter().find(|(rank, _)| !record.has_rank(*rank)) {
+            let r = &record.registration;
+            return Err(RegistryError::UnknownRank {
+                worker_id,
+                dp_rank: *dp_rank,
+                start: r.dp_start_rank,
+                end: u64::from(r.dp_start_rank) + u64::from(r.dp_size),
+            });
+        }
+        for (rank, load) in loads {
+            record.load.insert(*rank, *load);
+        }
+        record.lease_deadline = now + record.lease_ttl;
+        Ok(record.lease_ttl)
+    }
+
+    /// Removes a worker, returning its record.
+    pub fn deregister(&mut self, worker_id: WorkerId) -> Result<WorkerRecord, RegistryError> {
+        self.workers
+            .remove(&worker_id)
+            .ok_or(RegistryError::UnknownWorker { worker_id })
+    }
+
+    /// Removes every worker whose lease lapsed before `now`.
+    pub fn reap_expired(&mut self, now: Instant) -> Vec<WorkerRecord> {
+        let expired: Vec<WorkerId> = self
+            .workers
+            .values()
+            .filter(|w| w.lease_deadline <= now)
+            .map(|w| w.registration.worker_id)
+            .collect();
+        expired
+            .into_iter()
+            .filter_map(|id| self.workers.remove(&id))
+            .collect()
+    }
+
+    pub fn set_cordoned(
+        &mut self,
+        worker_id: WorkerId,
+        cordoned: bool,
+    ) -> Result<&WorkerRecord, RegistryError> {
+        let record = self
+            .workers
+            .get_mut(&worker_id)
+            .ok_or(RegistryError::UnknownWorker { worker_id })?;
+        record.cordoned = cordoned;
+        Ok(record)
+    }
+
+    pub fn get(&self, worker_id: WorkerId) -> Option<&WorkerRecord> {
+        self.workers.get(&worker_id)
+    }
+
+    /// Checks that `(worker_id, dp_rank)` is registered, returning its record.
+    pub fn rank(
+        &self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+    ) -> Result<&WorkerRecord, RegistryError> {
+        let record = self
+            .workers
+            .get(&worker_id)
+            .ok_or(RegistryError::UnknownWorker { worker_id })?;
+        if !record.has_rank(dp_rank) {
+            let r = &record.registration;
+            return Err(RegistryError::UnknownRank {
+                worker_id,
+                dp_rank,
+                start: r.dp_start_rank,
+                end: u64::from(r.dp_start_rank) + u64::from(r.dp_size),
+            });
+        }
+        Ok(record)
+    }
+
+    /// Every worker, by id.
+    pub fn all(&self) -> Vec<&WorkerRecord> {
+        let mut all: Vec<&WorkerRecord> = self.workers.values().collect();
+        all.sort_by_key(|w| w.registration.worker_id);
+        all
+    }
+
+    /// Snapshots of a model's workers, by id.
+    pub fn model_snapshots(&self, model: &str) -> Vec<WorkerSnapshot> {
+        let mut snapshots: Vec<WorkerSnapshot> = self
+            .workers
+            .values()
+            .filter(|w| w.registration.model == model)
+            .map(WorkerRecord::snapshot)
+            .collect();
+        snapshots.sort_by_key(|w| w.worker_id);
+        snapshots
+    }
+
+    /// The block size of a model, if it has a worker.
+    pub fn model_block_size(&self, model: &str) -> Option<u32> {
+        self.workers
+            .values()
+            .find(|w| w.registration.model == model)
+            .map(|w| w.registration.block_size)
+    }
+
+    fn model_block_size_excluding(&self, model: &str, worker_id: WorkerId) -> Option<u32> {
+        self.workers
+            .values()
+            .find(|w| w.registration.model == model && w.registration.worker_id != worker_id)
+            .map(|w| w.registration.block_size)
+    }
+
+    /// Counts of workers: (active, cordoned).
+    pub fn counts(&self) -> (usize, usize) {
+        let cordoned = self.workers.values().filter(|w| w.cordoned).count();
+        (self.workers.len() - cordoned, cordoned)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registration {
+        Registration {
+            worker_id,
+            model: model.into(),
+            role: WorkerRole::Aggregated,
+            endpoint: String::new(),
+            block_size,
+            dp_start_rank: 0,
+            dp_size: 1,
+            total_kv_blocks: 1000,
+            max_num_batched_tokens: 8192,
+            taints: vec![],
+            lease_ttl: None,
+        }
+    }
+
+    #[test]
+    fn first_worker_fixes_the_models_block_size() {
+        let mut registry = Registry::new();
+        let now = Instant::now();
+        let ttl = Duration::from_secs(10);
+        assert!(
+            registry
+                .register(registration(1, "m", 16), ttl, now)
+                .unwrap()
+                .created
+        );
+        let error = registry
+            .register(registration(2, "m", 32), ttl, now)
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "worker 2 declares block_size 32 but model \"m\" uses block_size 16"
+        );
+        // Another model may use another size; the only worker of a model may change it.
+        registry
+            .register(registration(3, "other", 32), ttl, now)
+            .unwrap();
+        let outcome = registry
+            .register(registration(1, "m", 64), ttl, now)
+            .unwrap();
+        assert!(!outcome.created);
+        assert_eq!(outcome.invalidated.map(|r| r.block_size), Some(16));
+    }
+
+    #[test]
+    fn reregistering_keeps_cordon_and_renews_the_lease() {
+        let mut registry = Registry::new();
+        let start = Instant::now();
+        let ttl = Duration::from_secs(10);
+        registry
+            .register(registration(1, "m", 16), ttl, start)
+            .unwrap();
+        registry.set_cordoned(1, true).unwrap();
+        let later = start + Duration::from_secs(8);
+        let outcome = registry
+            .register(registration(1, "m", 16), ttl, later)
+            .unwrap();
+        assert_eq!(outcome.invalidated, None);
+        let record = registry.get(1).unwrap();
+        assert!(record.cordoned);
+        assert_eq!(record.lease_remaining(later), ttl);
+    }
+
+    #[test]
+    fn heartbeat_renews_and_lapsed_leases_are_reaped() {
+        let mut registry = Registry::new();
+        let start = Instant::now();
+        let ttl = Duration::from_secs(10);
+        registry
+            .register(registration(1, "m", 16), ttl, start)
+            .unwrap();
+        registry
+            .register(registration(2, "m", 16), ttl, start)
+            .unwrap();
+        let load = RankLoad {
+            running_requests: 3,
+            waiting_requests: 1,
+            kv_blocks_used: 50,
+        };
+        registry
+            .heartbeat(1, &[(0, load)], start + Duration::from_secs(9))
+            .unwrap();
+        assert!(matches!(
+            registry.heartbeat(1, &[(5, load)], start),
+            Err(RegistryError::UnknownRank { dp_rank: 5, .. })
+        ));
+        let reaped = registry.reap_expired(start + Duration::from_secs(10));
+        assert_eq!(reaped.len(), 1);
+        assert_eq!(reaped[0].registration.worker_id, 2);
+        assert_eq!(registry.get(1).unwrap().snapshot().rank_load(0), load);
+        assert!(
+            registry
+                .reap_expired(start + Duration::from_secs(18))
+                .is_empty()
+        );
+        assert_eq!(
+            registry.reap_expired(start + Duration::from_secs(19)).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn invalid_registrations_are_refused() {
+        let mut registry = Registry::new();
+        let now = Instant::now();
+        let ttl = Duration::from_secs(10);
+        assert!(
+            registry
+                .register(registration(1, "m", 0), ttl, now)
+                .is_err()
+        );
+        let mut many = registration(1, "m", 16);
+        many.dp_size = MAX_DP_SIZE + 1;
+        assert!(registry.register(many, ttl, now).is_err());
+        let mut overflow = registration(1, "m", 16);
+        overflow.dp_start_rank = u32::MAX;
+        overflow.dp_size = 2;
+        assert!(registry.register(overflow, ttl, now).is_err());
+        assert_eq!(registry.all().len(), 0);
+    }
+}

@@ -1,0 +1,446 @@
+//! SelectWorker orchestration: gathers the inputs of the pure decision
+//! (registry snapshots, index overlaps, booked load, sessions), runs
+//! select → admit → commit under one lock so two RESERVE calls never both
+//! choose before either booking shows, and runs the WAIT queue.
+//!
+//! The queue: a waiting call holds a [`QueueTicket`]; every change that can
+//! lower load (release, prefill complete, expiry, heartbeat, registration)
+//! calls [`RouterCore::drain_queue`], which re-selects the head and, if it is
+//! no longer busy, commits and hands it the selection. A caller that goes
+//! away drops its ticket, which takes it out of the queue and releases a
+//! booking made for it in the meantime, so nothing is left behind.
+
+use std::time::{Duration, Instant};
+
+use rand::{SeedableRng, rngs::StdRng};
+use tokio::sync::oneshot;
+
+use crate::{
+    admission::{
+        self, Admission, AdmissionError, AdmissionMode, bookings::BookingLedger, queue::WaitQueue,
+    },
+    core::RouterCore,
+    select::{
+        self, SelectConfig, SelectContext, SelectMode, SelectRequest, Selection,
+        affinity::SessionTable, error::SelectError, scoring::cost::CostScorer,
+    },
+    types::{LocalHash, WorkerId, WorkerRank},
+};
+
+/// Why a SelectWorker call failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RouteError {
+    #[error(transparent)]
+    Select(#[from] SelectError),
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    #[error("request {request_id}: the router is shutting down")]
+    ShuttingDown { request_id: String },
+}
+
+/// A request ready to route: the decision's input plus the prompt's hashes.
+#[derive(Clone, Debug)]
+pub struct PreparedRequest {
+    pub request: SelectRequest,
+    pub hashes: Vec<LocalHash>,
+    pub admission: AdmissionMode,
+}
+
+/// How admission went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admitted {
+    /// Booked at once.
+    Now,
+    /// Booked after waiting this long.
+    AfterQueue(Duration),
+    /// Nothing booked: QUERY_ONLY or ADVISORY.
+    Untracked,
+}
+
+/// A routed request.
+#[derive(Clone, Debug)]
+pub struct RouteOutcome {
+    pub selection: Selection,
+    pub admitted: Admitted,
+}
+
+/// Mutable routing state, behind one lock (see the module docs).
+pub struct RoutingState {
+    pub ledger: BookingLedger,
+    pub sessions: SessionTable,
+    pub queue: WaitQueue<Waiter>,
+    rng: StdRng,
+}
+
+impl RoutingState {
+    pub fn new(queue_capacity: usize, session_ttl: Duration, seed: u64) -> Self {
+        Self {
+            ledger: BookingLedger::new(),
+            sessions: SessionTable::new(millis(session_ttl)),
+            queue: WaitQueue::new(queue_capacity),
+            rng: if seed == 0 {
+                StdRng::from_os_rng()
+            } else {
+                StdRng::seed_from_u64(seed)
+            },
+        }
+    }
+}
+
+/// A queued call's request and the channel its answer goes to.
+pub struct Waiter {
+    prepared: PreparedRequest,
+    reply: oneshot::Sender<Result<Selection, RouteError>>,
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The inputs of one decision gathered from the registry and the index.
+struct Inputs {
+    workers: Vec<crate::types::WorkerSnapshot>,
+    overlaps: std::collections::HashMap<WorkerRank, u32>,
+    cached_blocks: std::collections::HashMap<WorkerRank, u64>,
+}
+
+impl RouterCore {
+    /// Milliseconds on the routing clock (tokio's, so tests can pause it).
+    pub fn now_ms(&self) -> u64 {
+        millis(crate::core::now().saturating_duration_since(self.started))
+    }
+
+    pub fn select_config(&self) -> SelectConfig {
+        SelectConfig {
+            overlap_weight: self.config.overlap_weight,
+            temperature: self.config.temperature,
+            busy: select::eligibility::BusyThresholds {
+                prefill_factor: self.config.busy_threshold,
+                kv_usage_fraction: self.config.kv_busy_fraction,
+            },
+            ..SelectConfig::default()
+        }
+    }
+
+    fn gather(&self, request: &SelectRequest, hashes: &[LocalHash]) -> Inputs {
+        let workers = self.registry.read().model_snapshots(&request.model);
+        let mut overlaps = std::collections::HashMap::new();
+        let mut cached_blocks = std::collections::HashMap::new();
+        if let Some(index) = self.index_of(&request.model) {
+            for overlap in index.find_matches(hashes).scores {
+                overlaps.insert(overlap.worker, overlap.blocks);
+            }
+            for worker in &workers {
+                for dp_rank in worker.ranks() {
+                    let target = WorkerRank::new(worker.worker_id, dp_rank);
+                    cached_blocks.insert(target, index.worker_blocks(target));
+                }
+            }
+        }
+        Inputs {
+            workers,
+            overlaps,
+            cached_blocks,
+        }
+    }
+
+    fn decide(
+        &self,
+        state: &mut RoutingState,
+        prepared: &PreparedRequest,
+        inputs: &Inputs,
+    ) -> Result<Selection, SelectError> {
+        let now_ms = self.now_ms();
+        let RoutingState {
+            ledger,
+            sessions,
+            rng,
+            ..
+        } = state;
+        let context = SelectContext {
+            workers: &inputs.workers,
+            overlaps: &inputs.overlaps,
+            cached_blocks: &inputs.cached_blocks,
+            booked: ledger,
+            sessions,
+            now_ms,
+        };
+        select::select(
+            &prepared.request,
+            &context,
+            &self.select_config(),
+            &CostScorer,
+            rng,
+        )
+    }
+
+    /// Scores a request without changing anything (ExplainSelection).
+    pub fn explain(&self, prepared: &PreparedRequest) -> Result<Selection, RouteError> {
+        let inputs = self.gather(&prepared.request, &prepared.hashes);
+        let mut state = self.routing.lock();
+        Ok(self.decide(&mut state, prepared, &inputs)?)
+    }
+
+    /// Routes a request; WAIT admission queues until `deadline`.
+    pub async fn route(
+        &self,
+        prepared: PreparedRequest,
+        deadline: tokio::time::Instant,
+    ) -> Result<RouteOutcome, RouteError> {
+        let inputs = self.gather(&prepared.request, &prepared.hashes);
+        let request_id = prepared.request.request_id.clone();
+        let query_only = prepared.request.mode == SelectMode::QueryOnly;
+        let (receiver, target) = {
+            let mut state = self.routing.lock();
+            let selection = self.decide(&mut state, &prepared, &inputs)?;
+            match admission::admit(&request_id, prepared.admission, &selection)? {
+                Admission::Advisory => {
+                    return Ok(self.record(selection, Admitted::Untracked, "advisory"));
+                }
+                Admission::Queue if query_only => {
+                    return Ok(self.record(selection, Admitted::Untracked, "query_only"));
+                }
+                Admission::Admit => {
+                    let booked = self.commit(&mut state, &prepared, &selection)?;
+                    let (admitted, outcome) = if booked {
+                        (Admitted::Now, "admitted")
+                    } else {
+                        (Admitted::Untracked, "query_only")
+                    };
+                    return Ok(self.record(selection, admitted, outcome));
+                }
+                Admission::Queue => {
+                    let (reply, receiver) = oneshot::channel();
+                    let request = &prepared.request;
+                    let (strict, jump) =
+                        (request.hints.strict_priority, request.hints.priority_jump);
+                    let now_ms = self.now_ms();
+                    let target = selection.target;
+                    state.queue.push(
+                        &request_id,
+                        strict,
+                        jump,
+                        now_ms,
+                        Waiter { prepared, reply },
+                    )?;
+                    self.metrics.queue_depth.set(state.queue.len() as i64);
+                    (receiver, target)
+                }
+            }
+        };
+        let queued_at = Instant::now();
+        let mut ticket = QueueTicket {
+            core: self,
+            request_id: request_id.clone(),
+            receiver: Some(receiver),
+        };
+        let answer = match ticket.receiver.as_mut() {
+            Some(receiver) => tokio::time::timeout_at(deadline, receiver).await,
+            None => return Err(RouteError::ShuttingDown { request_id }),
+        };
+        let waited = queued_at.elapsed();
+        match answer {
+            Ok(Ok(result)) => {
+                ticket.receiver = None;
+                let selection = result?;
+                self.metrics
+                    .queue_wait
+                    .with_label_values(&["admitted"])
+                    .observe(waited.as_secs_f64());
+                Ok(self.record(
+                    selection,
+                    Admitted::AfterQueue(waited),
+                    "admitted_after_queue",
+                ))
+            }
+            Ok(Err(_)) => Err(RouteError::ShuttingDown { request_id }),
+            Err(_) => {
+                drop(ticket); // out of the queue; releases a booking that raced in
+                self.metrics
+                    .queue_wait
+                    .with_label_values(&["deadline"])
+                    .observe(waited.as_secs_f64());
+                self.metrics
+                    .decisions
+                    .with_label_values(&["deadline_exceeded"])
+                    .inc();
+                Err(AdmissionError::DeadlineExceeded {
+                    request_id,
+                    target,
+                    waited_ms: millis(waited),
+                }
+                .into())
+            }
+        }
+    }
+
+    fn commit(
+        &self,
+        state: &mut RoutingState,
+        prepared: &PreparedRequest,
+        selection: &Selection,
+    ) -> Result<bool, AdmissionError> {
+        let now_ms = self.now_ms();
+        let RoutingState {
+            ledger, sessions, ..
+        } = state;
+        let booked = admission::commit(
+            &prepared.request,
+            selection,
+            &prepared.hashes,
+            ledger,
+            sessions,
+            now_ms,
+        )?;
+        self.metrics.bookings_active.set(ledger.len() as i64);
+        Ok(booked)
+    }
+
+    fn record(&self, selection: Selection, admitted: Admitted, outcome: &str) -> RouteOutcome {
+        self.metrics.decisions.with_label_values(&[outcome]).inc();
+        if selection.total_blocks > 0 {
+            let mode = if admitted == Admitted::Untracked {
+                "untracked"
+            } else {
+                "reserve"
+            };
+            self.metrics
+                .overlap_ratio
+                .with_label_values(&[mode])
+                .observe(f64::from(selection.overlap_blocks) / f64::from(selection.total_blocks));
+        }
+        RouteOutcome {
+            selection,
+            admitted,
+        }
+    }
+
+    /// Drops a request's booked prefill; idempotent.
+    pub fn mark_prefill_complete(&self, request_id: &str) -> bool {
+        let changed = self.routing.lock().ledger.mark_prefill_complete(request_id);
+        if changed {
+            self.drain_queue();
+        }
+        changed
+    }
+
+    /// Drops all of a request's booked load; idempotent.
+    pub fn release_request(&self, request_id: &str) -> bool {
+        let changed = {
+            let mut state = self.routing.lock();
+            let changed = state.ledger.release(request_id);
+            self.metrics.bookings_active.set(state.ledger.len() as i64);
+            changed
+        };
+        if changed {
+            self.drain_queue();
+        }
+        changed
+    }
+
+    /// Drops bookings and sessions of a worker that left.
+    pub fn forget_worker(&self, worker_id: WorkerId) {
+        {
+            let mut state = self.routing.lock();
+            state.ledger.release_worker(worker_id);
+            state.sessions.remove_worker(worker_id);
+            self.metrics.bookings_active.set(state.ledger.len() as i64);
+        }
+        self.drain_queue();
+    }
+
+    /// Expires bookings never released and sessions unused; returns the
+    /// bookings expired.
+    pub fn expire_bookings(&self) -> usize {
+        let now_ms = self.now_ms();
+        let expired = {
+            let mut state = self.routing.lock();
+            let expired = state.ledger.expire(now_ms, millis(self.config.booking_ttl));
+            state.sessions.expire(now_ms);
+            self.metrics.bookings_active.set(state.ledger.len() as i64);
+            expired
+        };
+        if expired > 0 {
+            self.metrics.bookings_expired.inc_by(expired as u64);
+            self.drain_queue();
+        }
+        expired
+    }
+
+    /// Admits queued calls, head first, while their choice is not busy.
+    pub fn drain_queue(&self) {
+        let mut state = self.routing.lock();
+        while let Some(entry) = state.queue.pop() {
+            let inputs = self.gather(
+                &entry.payload.prepared.request,
+                &entry.payload.prepared.hashes,
+            );
+            let selection = match self.decide(&mut state, &entry.payload.prepared, &inputs) {
+                Ok(selection) => selection,
+                Err(error) => {
+                    let _ = entry.payload.reply.send(Err(error.into()));
+                    continue;
+                }
+            };
+            if selection.all_busy {
+                // Still busy: back to its place, and the rest wait behind it.
+                if state.queue.reinsert(entry).is_err() {
+                    tracing::warn!("queue reinsert failed");
+                }
+                break;
+            }
+            let prepared = &entry.payload.prepared;
+            let result = self
+                .commit(&mut state, prepared, &selection)
+                .map(|_| selection)
+                .map_err(RouteError::from);
+            let request_id = prepared.request.request_id.clone();
+            if entry.payload.reply.send(result).is_err() {
+                // The caller left between its deadline and now.
+                state.ledger.release(&request_id);
+            }
+        }
+        self.metrics.queue_depth.set(state.queue.len() as i64);
+        self.metrics.bookings_active.set(state.ledger.len() as i64);
+    }
+
+    /// Fails every queued call (shutdown).
+    pub fn fail_queue(&self) {
+        let mut state = self.routing.lock();
+        while let Some(entry) = state.queue.pop() {
+            let request_id = entry.request_id.clone();
+            let _ = entry
+                .payload
+                .reply
+                .send(Err(RouteError::ShuttingDown { request_id }));
+        }
+        self.metrics.queue_depth.set(0);
+    }
+}
+
+/// A queued call's place; dropping it (deadline, or the caller went away)
+/// removes the call from the queue and releases a booking made for it that
+/// it never received.
+struct QueueTicket<'a> {
+    core: &'a RouterCore,
+    request_id: String,
+    receiver: Option<oneshot::Receiver<Result<Selection, RouteError>>>,
+}
+
+impl Drop for QueueTicket<'_> {
+    fn drop(&mut self) {
+        let Some(mut receiver) = self.receiver.take() else {
+            return;
+        };
+        let mut state = self.core.routing.lock();
+        state.queue.remove(&self.request_id);
+        if let Ok(Ok(_)) = receiver.try_recv() {
+            state.ledger.release(&self.request_id);
+        }
+        self.core.metrics.queue_depth.set(state.queue.len() as i64);
+        self.core
+            .metrics
+            .bookings_active
+            .set(state.ledger.len() as i64);
+    }
+}

@@ -1,0 +1,599 @@
+//! The worker-selection decision: which (worker, dp rank) serves a request.
+//!
+//! Why it exists: this is the router's core choice, and it must be the same
+//! whether it is called to route (RESERVE), to preview (QUERY_ONLY) or to
+//! explain. Invariants:
+//! * [`select`] is pure: it reads the registry snapshots, index overlaps,
+//!   booked loads and session table it is given and changes none of them.
+//!   RESERVE callers book with [`crate::admission::commit`] afterwards;
+//! * a pin (hints, HARD session affinity, planned worker) is resolved and
+//!   validated before scoring; a pinned target is never replaced by another;
+//! * eligibility never depends on load: busy candidates are skipped only
+//!   while some eligible candidate is not busy, and when every eligible
+//!   candidate is busy the best busy one is returned with `all_busy` set so
+//!   the caller can queue, reject or answer advisorily;
+//! * candidates are scored in `(worker_id, dp_rank)` order, so a seeded
+//!   random source gives the same choice for the same inputs;
+//! * every candidate of the model appears in [`Selection::candidates`], with
+//!   why it was not eligible or its score.
+
+pub mod affinity;
+pub mod eligibility;
+pub mod error;
+pub mod pins;
+pub mod scoring;
+
+use std::collections::{HashMap, HashSet};
+
+use rand::RngCore;
+
+use crate::admission::bookings::{BookedLoad, BookedLoads};
+use crate::types::{DpRank, RankLoad, RequestPhase, WorkerId, WorkerRank, WorkerSnapshot};
+
+pub use affinity::{AffinityMode, SessionRef, SessionTable};
+pub use eligibility::{Busy, BusyThresholds, Eligibility, Ineligible};
+pub use error::{ErrorCode, SelectError};
+pub use pins::PinTarget;
+pub use scoring::{CandidateScore, CostScorer, ScoreInput, ScoreParams, Scorer};
+
+/// Routing hints a frontend attaches to a request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoutingHints {
+    pub backend_instance_id: Option<WorkerId>,
+    pub prefill_worker_id: Option<WorkerId>,
+    pub decode_worker_id: Option<WorkerId>,
+    pub dp_rank: Option<DpRank>,
+    pub prefill_dp_rank: Option<DpRank>,
+    /// `None`: every worker allowed. `Some(empty)` allows none, so the gRPC
+    /// layer maps an empty repeated field to `None`.
+    pub allowed_worker_ids: Option<HashSet<WorkerId>>,
+    /// Taints the request tolerates (exact string match).
+    pub tolerated_taints: Vec<String>,
+    /// Passed to the scorer; the default policy does not use it.
+    pub expected_output_tokens: Option<u32>,
+    /// Seconds the request jumps ahead in the WAIT queue (admission only).
+    pub priority_jump: f64,
+    /// Higher classes leave the WAIT queue first (admission only).
+    pub strict_priority: u32,
+    pub policy_class: Option<String>,
+}
+
+/// RESERVE books the request's load once routed; QUERY_ONLY changes nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SelectMode {
+    #[default]
+    Reserve,
+    QueryOnly,
+}
+
+/// Per-request overrides of the scoring configuration.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ScoringOverrides {
+    pub overlap_weight: Option<f64>,
+    pub temperature: Option<f64>,
+}
+
+/// Everything about one request that selection needs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SelectRequest {
+    pub request_id: String,
+    pub model: String,
+    pub phase: RequestPhase,
+    /// Prompt length in tokens. With precomputed hashes only, the caller
+    /// passes `hashes * block_size`.
+    pub prompt_tokens: u64,
+    pub block_size: u32,
+    pub hints: RoutingHints,
+    pub session: Option<SessionRef>,
+    /// A target chosen by an earlier preview; must agree with any pin.
+    pub planned_worker: Option<WorkerRank>,
+    /// Workers this request already failed on (migration).
+    pub excluded_worker_ids: HashSet<WorkerId>,
+    pub mode: SelectMode,
+    pub overrides: ScoringOverrides,
+}
+
+impl SelectRequest {
+    /// Blocks of the prompt, the partial last one included.
+    pub fn total_blocks(&self) -> u64 {
+        if self.block_size == 0 {
+            0
+        } else {
+            self.prompt_tokens.div_ceil(u64::from(self.block_size))
+        }
+    }
+}
+
+/// Router-wide selection settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SelectConfig {
+    /// Weight of prefill blocks against decode blocks. Default 1.0.
+    pub overlap_weight: f64,
+    /// 0 picks the cheapest; above 0 samples a softmax. Default 0.0.
+    pub temperature: f64,
+    pub busy: BusyThresholds,
+    /// Fraction of cost taken off a SOFT affinity target. Default 0.1.
+    pub soft_affinity_discount: f64,
+}
+
+impl Default for SelectConfig {
+    fn default() -> Self {
+        Self {
+            overlap_weight: 1.0,
+            temperature: 0.0,
+            busy: BusyThresholds::default(),
+            soft_affinity_discount: 0.1,
+        }
+    }
+}
+
+fn non_negative(name: &str, v: f64) -> Result<(), String> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{name} must be a finite number >= 0, got {v}"))
+    }
+}
+
+impl SelectConfig {
+    /// Checks the settings; call once when loading configuration.
+    pub fn validate(&self) -> Result<(), String> {
+        non_negative("overlap_weight", self.overlap_weight)?;
+        non_negative("temperature", self.temperature)?;
+        non_negative("busy prefill factor", self.busy.prefill_factor)?;
+        non_negative("busy kv usage fraction", self.busy.kv_usage_fraction)?;
+        if !(0.0..1.0).contains(&self.soft_affinity_discount) {
+            return Err(format!(
+                "soft_affinity_discount must be in [0, 1), got {}",
+                self.soft_affinity_discount
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The state selection reads. Nothing in it is modified.
+#[derive(Clone, Copy)]
+pub struct SelectContext<'a> {
+    /// Registry snapshots of the request's model.
+    pub workers: &'a [WorkerSnapshot],
+    /// Leading prompt blocks cached per target (index lookup); absent = 0.
+    pub overlaps: &'a HashMap<WorkerRank, u32>,
+    /// Total blocks cached per target (index); absent = 0. Tie-break input.
+    pub cached_blocks: &'a HashMap<WorkerRank, u64>,
+    pub booked: &'a dyn BookedLoads,
+    pub sessions: &'a SessionTable,
+    /// Time for session lookups, in the session table's milliseconds.
+    pub now_ms: u64,
+}
+
+/// What fixed the target when it was not scored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PinSource {
+    /// The phase's routing hints (possibly with the affinity's rank).
+    Hint,
+    /// A HARD session affinity that names a rank.
+    Affinity,
+    /// A previewed worker.
+    Planned,
+}
+
+/// How the target was chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Route {
+    Scored,
+    Pinned(PinSource),
+}
+
+/// One candidate as explain shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CandidateReport {
+    pub target: WorkerRank,
+    /// `Err` says why the candidate could not be chosen.
+    pub eligible: Result<(), Ineligible>,
+    pub busy: Option<Busy>,
+    pub overlap_blocks: u32,
+    pub potential_prefill_tokens: u64,
+    pub potential_prefill_blocks: u64,
+    pub potential_decode_blocks: u64,
+    pub booked: BookedLoad,
+    /// `None` when not scored: ineligible, not pinned, or busy while a
+    /// non-busy candidate existed.
+    pub score: Option<CandidateScore>,
+    pub chosen: bool,
+}
+
+/// The decision.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Selection {
+    pub target: WorkerRank,
+    pub route: Route,
+    pub overlap_blocks: u32,
+    /// Equal to `overlap_blocks` while the index knows one cache tier only.
+    pub effective_overlap_blocks: f64,
+    pub cached_tokens: u64,
+    pub total_blocks: u32,
+    /// This request's own prefill: uncached tokens and blocks (what RESERVE
+    /// books).
+    pub request_prefill_tokens: u64,
+    pub request_prefill_blocks: u64,
+    pub potential_prefill_tokens: u64,
+    pub potential_prefill_blocks: u64,
+    pub potential_decode_blocks: u64,
+    /// The target's current booked and reported load (ADVISORY answers).
+    pub booked: BookedLoad,
+    pub reported: RankLoad,
+    /// Why the target is busy, if it is.
+    pub busy: Option<Busy>,
+    /// Every eligible candidate (for a pin: the pinned one) is busy.
+    pub all_busy: bool,
+    pub policy: &'static str,
+    pub candidates: Vec<CandidateReport>,
+}
+
+struct Prepared<'a> {
+    worker: &'a WorkerSnapshot,
+    report: CandidateReport,
+    input: ScoreInput,
+}
+
+fn invalid(req: &SelectRequest, reason: impl Into<String>) -> SelectError {
+    SelectError::InvalidArgument {
+        request_id: req.request_id.clone(),
+        reason: reason.into(),
+    }
+}
+
+fn validate(req: &SelectRequest) -> Result<u32, SelectError> {
+    if req.request_id.is_empty() {
+        return Err(invalid(req, "request_id is empty"));
+    }
+    if req.block_size == 0 {
+        return Err(invalid(req, "block_size is 0"));
+    }
+    if req.prompt_tokens == 0 {
+        return Err(invalid(req, "the prompt is empty"));
+    }
+    let total = u32::try_from(req.total_blocks())
+        .map_err(|_| invalid(req, "the prompt has more than u32::MAX blocks"))?;
+    if let Some(w) = req.overrides.overlap_weight {
+        non_negative("overlap_weight override", w).map_err(|e| invalid(req, e))?;
+    }
+    if let Some(t) = req.overrides.temperature {
+        non_negative("temperature override", t).map_err(|e| invalid(req, e))?;
+    }
+    if !req.hints.priority_jump.is_finite() {
+        return Err(invalid(req, "priority_jump is not finite"));
+    }
+    if req
+        .session
+        .as_ref()
+        .is_some_and(|s| s.session_id.is_empty())
+    {
+        return Err(invalid(req, "session_id is empty"));
+    }
+    Ok(total)
+}
+
+/// Chooses the target of `req`. Pure: books nothing, binds no session.
+///
+/// `scorer` is the policy (normally [`CostScorer`]); `rng` only breaks
+/// exact ties and samples at temperature > 0.
+pub fn select(
+    req: &SelectRequest,
+    ctx: &SelectContext<'_>,
+    config: &SelectConfig,
+    scorer: &dyn Scorer,
+    rng: &mut dyn RngCore,
+) -> Result<Selection, SelectError> {
+    let total_blocks = validate(req)?;
+    let params = ScoreParams {
+        overlap_weight: req
+            .overrides
+            .overlap_weight
+            .unwrap_or(config.overlap_weight),
+        temperature: req.overrides.temperature.unwrap_or(config.temperature),
+        soft_affinity_discount: config.soft_affinity_discount.clamp(0.0, 0.999),
+    };
+
+    let mut workers: Vec<&WorkerSnapshot> = ctx.workers.iter().collect();
+    workers.sort_by_key(|w| w.worker_id);
+    workers.dedup_by_key(|w| w.worker_id);
+
+    if let Some(w) = workers
+        .iter()
+        .find(|w| w.model == req.model && w.block_size != 0 && w.block_size != req.block_size)
+    {
+        return Err(SelectError::BlockSizeMismatch {
+            request_id: req.request_id.clone(),
+            worker_id: w.worker_id,
+            worker_block_size: w.block_size,
+            request_block_size: req.block_size,
+        });
+    }
+
+    // Pins from the phase's hints.
+    let explicit_pin = pins::pinned_worker_hint(req.phase, &req.hints);
+
+    // Migration exclusions apply only without an explicit pin.
+    let no_exclusions = HashSet::new();
+    let excluded = if explicit_pin.is_none() {
+        &req.excluded_worker_ids
+    } else {
+        &no_exclusions
+    };
+    let base = Eligibility {
+        model: &req.model,
+        phase: req.phase,
+        allowed: req.hints.allowed_worker_ids.as_ref(),
+        excluded,
+        tolerated_taints: &req.hints.tolerated_taints,
+    };
+    let exhausted = || {
+        let mut ids: Vec<WorkerId> = req.excluded_worker_ids.iter().copied().collect();
+        ids.sort_unstable();
+        SelectError::MigrationExhausted {
+            request_id: req.request_id.clone(),
+            excluded: ids,
+        }
+    };
+    if !excluded.is_empty() && !workers.iter().any(|w| base.check_worker(w).is_ok()) {
+        return Err(exhausted());
+    }
+
+    // Session affinity.
+    let session_target = req.session.as_ref().and_then(|s| {
+        ctx.sessions
+            .lookup(&s.session_id, ctx.now_ms)
+            .map(|t| (t, s.mode))
+    });
+    let hard = session_target.and_then(|(t, m)| (m == AffinityMode::Hard).then_some(t));
+    let soft = session_target.and_then(|(t, m)| (m == AffinityMode::Soft).then_some(t));
+
+    // A worker-only HARD affinity narrows the allowed set to its worker.
+    let worker_only = hard.filter(|t| t.dp_rank.is_none());
+    let mut narrowed = req.hints.allowed_worker_ids.clone();
+    if let Some(t) = worker_only {
+        match &mut narrowed {
+            Some(set) => set.retain(|id| *id == t.worker_id),
+            None => narrowed = Some(HashSet::from([t.worker_id])),
+        }
+    }
+    let elig = Eligibility {
+        allowed: narrowed.as_ref(),
+        ..base
+    };
+    // An explicit pin of that worker without a rank then adds nothing.
+    let explicit_pin = match (explicit_pin, worker_only) {
+        (Some(p), Some(t)) if p.dp_rank.is_none() && p.worker_id == t.worker_id => None,
+        (p, _) => p,
+    };
+    let affinity_pin = hard.filter(|t| t.dp_rank.is_some());
+    let requested = pins::merge_affinity_pin(explicit_pin, affinity_pin);
+    let requested_source = if explicit_pin.is_some() {
+        PinSource::Hint
+    } else {
+        PinSource::Affinity
+    };
+
+    let find = |id: WorkerId| workers.iter().copied().find(|w| w.worker_id == id);
+    let not_found = |id: WorkerId| SelectError::PinnedWorkerNotFound {
+        request_id: req.request_id.clone(),
+        worker_id: id,
+        model: req.model.clone(),
+    };
+    // A HARD session's worker that left the registry is a missing pin.
+    if let Some(t) = worker_only
+        && find(t.worker_id).is_none()
+    {
+        return Err(not_found(t.worker_id));
+    }
+    let pinned: Option<(WorkerRank, PinSource)> = match (req.planned_worker, requested) {
+        (Some(planned), Some(pin))
+            if pin.worker_id != planned.worker_id
+                || pin.dp_rank.is_some_and(|r| r != planned.dp_rank) =>
+        {
+            return Err(SelectError::PlannedWorkerConflict {
+                request_id: req.request_id.clone(),
+                planned,
+                requested_worker: pin.worker_id,
+                requested_dp_rank: pin.dp_rank,
+            });
+        }
+        (Some(planned), _) => Some((planned, PinSource::Planned)),
+        (None, Some(pin)) => {
+            let w = find(pin.worker_id).ok_or_else(|| not_found(pin.worker_id))?;
+            let rank = pins::resolve_pinned_worker_rank(
+                &req.request_id,
+                pin.worker_id,
+                pin.dp_rank,
+                w.unique_dp_rank(),
+                w.dp_size,
+            )?;
+            Some((rank, requested_source))
+        }
+        (None, None) => None,
+    };
+    if let Some((target, _)) = pinned {
+        let w = find(target.worker_id).ok_or_else(|| not_found(target.worker_id))?;
+        // Busy never counts here: only static eligibility.
+        elig.check_rank(w, target.dp_rank).map_err(|reason| {
+            SelectError::PinnedWorkerIneligible {
+                request_id: req.request_id.clone(),
+                target,
+                reason,
+            }
+        })?;
+    }
+
+    // Every candidate of the model, in (worker, rank) order.
+    let mut prepared: Vec<Prepared<'_>> = Vec::new();
+    for w in &workers {
+        let worker_ok = elig.check_worker(w);
+        for dp_rank in w.ranks() {
+            let target = WorkerRank::new(w.worker_id, dp_rank);
+            let eligible = match (&worker_ok, pinned) {
+                (Err(e), _) => Err(e.clone()),
+                (Ok(()), Some((p, _))) if p != target => Err(Ineligible::NotPinned),
+                (Ok(()), _) => Ok(()),
+            };
+            prepared.push(prepare(
+                req,
+                ctx,
+                config,
+                w,
+                target,
+                eligible,
+                total_blocks,
+                soft,
+            ));
+        }
+    }
+
+    let eligible: Vec<usize> = (0..prepared.len())
+        .filter(|&i| prepared[i].report.eligible.is_ok())
+        .collect();
+    if eligible.is_empty() {
+        if !excluded.is_empty() {
+            return Err(exhausted());
+        }
+        let mut rejected: Vec<(WorkerId, Ineligible)> = Vec::new();
+        for p in &prepared {
+            if let Err(why) = &p.report.eligible
+                && rejected
+                    .last()
+                    .is_none_or(|(w, _)| *w != p.report.target.worker_id)
+            {
+                rejected.push((p.report.target.worker_id, why.clone()));
+            }
+        }
+        return Err(SelectError::NoEligibleWorker {
+            request_id: req.request_id.clone(),
+            model: req.model.clone(),
+            phase: req.phase,
+            rejected,
+        });
+    }
+    let idle: Vec<usize> = eligible
+        .iter()
+        .copied()
+        .filter(|&i| prepared[i].report.busy.is_none())
+        .collect();
+    let all_busy = idle.is_empty();
+    let scored = if all_busy { eligible } else { idle };
+
+    let inputs: Vec<ScoreInput> = scored.iter().map(|&i| prepared[i].input).collect();
+    let scorer_failed = |reason: &str| SelectError::ScorerFailed {
+        request_id: req.request_id.clone(),
+        policy: scorer.name(),
+        reason: reason.to_owned(),
+    };
+    let outcome = scorer
+        .score(&inputs, &params, rng)
+        .ok_or_else(|| scorer_failed("no choice among a non-empty candidate list"))?;
+    if outcome.scores.len() != inputs.len() {
+        return Err(scorer_failed(
+            "returned a score count unlike the input count",
+        ));
+    }
+    for (&i, score) in scored.iter().zip(&outcome.scores) {
+        prepared[i].report.score = Some(*score);
+    }
+    let chosen_idx = scored
+        .get(outcome.chosen)
+        .copied()
+        .ok_or_else(|| scorer_failed("chose a candidate that does not exist"))?;
+    prepared[chosen_idx].report.chosen = true;
+
+    let chosen = &prepared[chosen_idx];
+    let target = chosen.report.target;
+    let overlap = chosen.report.overlap_blocks;
+    let cached_tokens = cached_tokens(req, overlap);
+    let reported = chosen.worker.rank_load(target.dp_rank);
+    let busy = chosen.report.busy;
+    let booked = chosen.report.booked;
+    let potential_prefill_tokens = chosen.report.potential_prefill_tokens;
+    let potential_prefill_blocks = chosen.report.potential_prefill_blocks;
+    let potential_decode_blocks = chosen.report.potential_decode_blocks;
+    Ok(Selection {
+        target,
+        route: pinned.map_or(Route::Scored, |(_, s)| Route::Pinned(s)),
+        overlap_blocks: overlap,
+        effective_overlap_blocks: f64::from(overlap),
+        cached_tokens,
+        total_blocks,
+        request_prefill_tokens: req.prompt_tokens - cached_tokens,
+        request_prefill_blocks: u64::from(total_blocks - overlap),
+        potential_prefill_tokens,
+        potential_prefill_blocks,
+        potential_decode_blocks,
+        booked,
+        reported,
+        busy,
+        all_busy,
+        policy: scorer.name(),
+        candidates: prepared.into_iter().map(|p| p.report).collect(),
+    })
+}
+
+fn cached_tokens(req: &SelectRequest, overlap: u32) -> u64 {
+    (u64::from(overlap) * u64::from(req.block_size)).min(req.prompt_tokens)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prepare<'a>(
+    req: &SelectRequest,
+    ctx: &SelectContext<'_>,
+    config: &SelectConfig,
+    worker: &'a WorkerSnapshot,
+    target: WorkerRank,
+    eligible: Result<(), Ineligible>,
+    total_blocks: u32,
+    soft: Option<PinTarget>,
+) -> Prepared<'a> {
+    let overlap = ctx
+        .overlaps
+        .get(&target)
+        .copied()
+        .unwrap_or(0)
+        .min(total_blocks);
+    let booked = ctx.booked.booked(target);
+    let uncached_tokens = req.prompt_tokens - cached_tokens(req, overlap);
+    let uncached_blocks = u64::from(total_blocks - overlap);
+    let potential_prefill_tokens = booked.prefill_tokens.saturating_add(uncached_tokens);
+    let potential_prefill_blocks = booked.prefill_blocks.saturating_add(uncached_blocks);
+    let potential_decode_blocks = booked.decode_blocks.saturating_add(u64::from(total_blocks));
+    let busy = config.busy.check(worker, target.dp_rank, &booked);
+    let reported = worker.rank_load(target.dp_rank);
+    Prepared {
+        worker,
+        input: ScoreInput {
+            target,
+            overlap_blocks: overlap,
+            request_blocks: total_blocks,
+            potential_prefill_blocks,
+            potential_prefill_tokens,
+            potential_decode_blocks,
+            cached_blocks_total: ctx.cached_blocks.get(&target).copied().unwrap_or(0),
+            soft_affinity: soft.is_some_and(|t| t.covers(target)),
+            booked,
+            reported,
+            expected_output_tokens: req.hints.expected_output_tokens,
+        },
+        report: CandidateReport {
+            target,
+            eligible,
+            busy,
+            overlap_blocks: overlap,
+            potential_prefill_tokens,
+            potential_prefill_blocks,
+            potential_decode_blocks,
+            booked,
+            score: None,
+            chosen: false,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests;
