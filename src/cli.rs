@@ -1,7 +1,7 @@
 //! The `kvroute` command line: `serve` runs the service; the other
 //! sub-commands are tools for users and benchmarks.
 
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::config::{self, ServeConfig};
 
@@ -18,6 +18,41 @@ pub struct Cli {
 pub enum Command {
     /// Run the routing service (gRPC + Prometheus metrics).
     Serve(Box<ServeConfig>),
+    /// Print the local hash of each complete block of token ids read from
+    /// stdin (whitespace-separated or a JSON array), one unsigned decimal per line.
+    Hash(HashArgs),
+    /// Benchmarks that print figures.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// Arguments of `kvroute hash`.
+#[derive(Debug, Args)]
+pub struct HashArgs {
+    /// Tokens per block.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub block_size: u32,
+    /// LoRA adapter name (changes the hash seed).
+    #[arg(long)]
+    pub lora: Option<String>,
+    /// Cache namespace (changes the hash seed).
+    #[arg(long)]
+    pub namespace: Option<String>,
+}
+
+/// `kvroute bench ...`
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Replay an OPLOG v1 file through an index and print the JSON line of
+    /// shared/bench/OPLOG.md.
+    Index {
+        /// The op log (make one with shared/bench/make_oplog.py).
+        #[arg(long)]
+        oplog: std::path::PathBuf,
+        /// Which index: kvroute (the service's) or naive (the test oracle).
+        #[arg(long = "impl", default_value = "kvroute")]
+        implementation: String,
+    },
 }
 
 /// Why the command line was refused.
@@ -32,7 +67,9 @@ pub enum CliError {
 /// Parses `argv` (program name first), folding in `serve --config FILE`.
 pub fn parse(argv: Vec<String>) -> Result<Cli, CliError> {
     let first = parse_once(&argv)?;
-    let Command::Serve(serve) = &first.command;
+    let Command::Serve(serve) = &first.command else {
+        return Ok(first);
+    };
     if serve.config.is_none() {
         return Ok(first);
     }

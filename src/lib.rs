@@ -12,10 +12,12 @@ pub mod hashing;
 pub mod index;
 pub mod ingest;
 pub mod metrics;
+pub mod oplog;
 pub mod registry;
 pub mod routing;
 pub mod select;
 pub mod telemetry;
+pub mod tools;
 pub mod types;
 
 /// Code generated from `proto/kvroute/v1/*.proto`.

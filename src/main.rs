@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use kvroute::{
     app,
-    cli::{self, CliError, Command},
-    telemetry,
+    cli::{self, BenchCommand, CliError, Command},
+    telemetry, tools,
 };
 
 fn main() -> ExitCode {
@@ -20,6 +20,29 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let command = match cli.command {
+        Command::Serve(config) => config,
+        Command::Hash(args) => {
+            let stdin = std::io::stdin();
+            let stdout = std::io::stdout();
+            return report(tools::hash(
+                args.block_size,
+                args.lora.as_deref(),
+                args.namespace.as_deref(),
+                &mut stdin.lock(),
+                &mut stdout.lock(),
+            ));
+        }
+        Command::Bench(BenchCommand::Index {
+            oplog,
+            implementation,
+        }) => {
+            return report(
+                kvroute::oplog::bench_index(&oplog, &implementation)
+                    .map(|report| println!("{}", report.to_json())),
+            );
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -31,19 +54,27 @@ fn main() -> ExitCode {
         }
     };
     let result: anyhow::Result<()> = runtime.block_on(async move {
-        match cli.command {
-            Command::Serve(config) => {
-                telemetry::init(config.log_format, &config.log_level);
-                let (grpc, metrics) = app::bind(&config).await?;
-                app::run(*config, grpc, metrics, shutdown_signal()).await?;
-                Ok(())
-            }
-        }
+        let config = command;
+        telemetry::init(config.log_format, &config.log_level);
+        let (grpc, metrics) = app::bind(&config).await?;
+        app::run(*config, grpc, metrics, shutdown_signal()).await?;
+        Ok(())
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kvroute: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Prints a tool's error as one line; exit 1 on failure.
+fn report<E: std::fmt::Display>(result: Result<(), E>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvroute: {error}");
             ExitCode::FAILURE
         }
     }

@@ -7,8 +7,8 @@
 //!   duplicate or stale: skipped and counted;
 //! * an id beyond the next one opens a gap: the event applies (routing keeps
 //!   working on what arrived) and the ids in between are remembered as holes;
-//!   the reply asks the worker to resend from the first hole. Resent events
-//!   that fill a hole apply.
+//!   replies ask the worker to resend from the first hole for as long as one
+//!   is open. Resent events that fill a hole apply.
 //! * a `cleared` event is a barrier: every hole before it is forgotten (the
 //!   cache they described is gone) and older ids become stale.
 //!
@@ -76,12 +76,13 @@ impl EventCursor {
                     resend_from: self.barrier,
                 }
             }
-            Some(last) if event_id == last.saturating_add(1) => Verdict::Apply,
+            Some(last) if Some(event_id) == last.checked_add(1) => Verdict::Apply,
             Some(last) if event_id > last => {
-                self.open_hole(last.saturating_add(1)..event_id);
+                // last < event_id, so last + 1 cannot overflow.
+                self.open_hole(last + 1..event_id);
                 self.gaps += 1;
                 Verdict::ApplyAfterGap {
-                    resend_from: self.first_missing().unwrap_or(last.saturating_add(1)),
+                    resend_from: self.first_missing().unwrap_or(last + 1),
                 }
             }
             Some(_) => {
@@ -101,25 +102,12 @@ impl EventCursor {
             self.holes.clear();
         }
         self.applied += 1;
-        match verdict {
-            // A hole still open after filling another asks again.
-            Verdict::Apply => match self.first_missing() {
-                Some(resend_from) if !is_clear && self.holes_before(event_id) => {
-                    Verdict::ApplyAfterGap { resend_from }
-                }
-                _ => Verdict::Apply,
-            },
-            other => other,
-        }
+        verdict
     }
 
     /// Counts an event that was admitted but then rejected by the index.
     pub fn record_rejected(&mut self) {
         self.rejected += 1;
-    }
-
-    fn holes_before(&self, event_id: u64) -> bool {
-        self.holes.iter().any(|h| h.start < event_id)
     }
 
     fn open_hole(&mut self, range: Range<u64>) {
@@ -173,10 +161,8 @@ mod tests {
             cursor.admit(3, false),
             Verdict::ApplyAfterGap { resend_from: 0 }
         );
-        assert_eq!(
-            cursor.admit(0, false),
-            Verdict::ApplyAfterGap { resend_from: 1 }
-        );
+        assert_eq!(cursor.admit(0, false), Verdict::Apply);
+        assert_eq!(cursor.first_missing(), Some(1));
     }
 
     #[test]
@@ -200,10 +186,8 @@ mod tests {
         );
         assert_eq!(cursor.first_missing(), Some(1));
         // Resent 1 fills part of the hole; 2 is still missing.
-        assert_eq!(
-            cursor.admit(1, false),
-            Verdict::ApplyAfterGap { resend_from: 2 }
-        );
+        assert_eq!(cursor.admit(1, false), Verdict::Apply);
+        assert_eq!(cursor.first_missing(), Some(2));
         assert_eq!(cursor.admit(2, false), Verdict::Apply);
         assert_eq!(cursor.first_missing(), None);
         // The resent 3 is now a duplicate.

@@ -1,0 +1,97 @@
+//! The fast index against the naive oracle: random interleavings of store /
+//! remove / clear / remove-worker / remove-rank / query, including invalid
+//! ops (unknown parents, unknown removes, duplicate and conflicting stores),
+//! must give equal answers, equal outcomes and equal sizes after every op.
+
+use kvroute::index::naive::NaiveIndex;
+use kvroute::index::{KvEvent, KvIndex};
+use kvroute::types::WorkerRank;
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+enum Action {
+    Event(WorkerRank, KvEvent),
+    RemoveWorker(u64),
+    RemoveRank(WorkerRank),
+    Query(Vec<u64>),
+}
+
+fn action(workers: u64, ranks: u32) -> impl Strategy<Value = Action> {
+    let wr = (0..workers, 0..ranks).prop_map(|(w, r)| WorkerRank::new(w, r));
+    // small alphabets so paths collide, engine hashes repeat and parents miss
+    let engine = 0u64..16;
+    let local = 0u64..4;
+    prop_oneof![
+        5 => (wr.clone(), proptest::option::weighted(0.6, engine.clone()),
+              proptest::collection::vec((engine.clone(), local.clone()), 0..6))
+            .prop_map(|(w, parent, blocks)| Action::Event(w, KvEvent::Stored { parent, blocks })),
+        2 => (wr.clone(), proptest::collection::vec(engine, 0..5))
+            .prop_map(|(w, blocks)| Action::Event(w, KvEvent::Removed { blocks })),
+        1 => wr.clone().prop_map(|w| Action::Event(w, KvEvent::Cleared)),
+        1 => (0..workers).prop_map(Action::RemoveWorker),
+        1 => wr.prop_map(Action::RemoveRank),
+        4 => proptest::collection::vec(local, 0..7).prop_map(Action::Query),
+    ]
+}
+
+fn check(actions: Vec<Action>) -> Result<(), TestCaseError> {
+    let fast = KvIndex::new(16);
+    let mut naive = NaiveIndex::new(16);
+    for (i, a) in actions.iter().enumerate() {
+        match a {
+            Action::Event(w, ev) => {
+                prop_assert_eq!(fast.apply(*w, ev), naive.apply(*w, ev), "op {} {:?}", i, a);
+            }
+            Action::RemoveWorker(id) => {
+                prop_assert_eq!(fast.remove_worker(*id), naive.remove_worker(*id));
+            }
+            Action::RemoveRank(w) => {
+                prop_assert_eq!(fast.remove_rank(*w), naive.remove_rank(*w));
+            }
+            Action::Query(q) => {
+                prop_assert_eq!(
+                    fast.find_matches(q).sorted(),
+                    naive.find_matches(q).sorted(),
+                    "op {} {:?}",
+                    i,
+                    a
+                );
+            }
+        }
+        let (f, n) = (fast.stats(), naive.stats());
+        prop_assert_eq!(
+            (f.blocks, f.nodes, f.workers, &f.per_worker),
+            (n.blocks, n.nodes, n.workers, &n.per_worker),
+            "sizes after op {} {:?}",
+            i,
+            a
+        );
+    }
+    // every prefix of every alphabet string, at the end
+    for a in 0..4u64 {
+        for b in 0..4u64 {
+            for c in 0..4u64 {
+                let q = [a, b, c];
+                prop_assert_eq!(
+                    fast.find_matches(&q).sorted(),
+                    naive.find_matches(&q).sorted()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn few_targets(actions in proptest::collection::vec(action(3, 2), 1..80)) {
+        check(actions)?;
+    }
+
+    #[test]
+    fn many_targets_wide_masks(actions in proptest::collection::vec(action(40, 2), 1..150)) {
+        check(actions)?;
+    }
+}
