@@ -9,6 +9,8 @@
 //!   working on what arrived) and the ids in between are remembered as holes;
 //!   replies ask the worker to resend from the first hole for as long as one
 //!   is open. Resent events that fill a hole apply.
+//! * an event the index rejects while an earlier one is missing becomes a
+//!   hole itself, so the resend that brings its parent brings it again;
 //! * a `cleared` event is a barrier: every hole before it is forgotten (the
 //!   cache they described is gone) and older ids become stale.
 //!
@@ -105,16 +107,24 @@ impl EventCursor {
         verdict
     }
 
-    /// Counts an event that was admitted but then rejected by the index.
-    pub fn record_rejected(&mut self) {
+    /// Counts an event that was admitted but then rejected by the index. When
+    /// an earlier event is still missing, the rejection is likely caused by
+    /// that gap (a parent in the lost events), so the id becomes a hole again
+    /// and a resend of it applies; with nothing missing it stays rejected.
+    pub fn record_rejected(&mut self, event_id: u64) {
         self.rejected += 1;
+        self.applied = self.applied.saturating_sub(1);
+        if self.holes.iter().any(|h| h.start < event_id) {
+            self.open_hole(event_id..event_id.saturating_add(1));
+        }
     }
 
     fn open_hole(&mut self, range: Range<u64>) {
         if range.is_empty() {
             return;
         }
-        self.holes.push(range);
+        let at = self.holes.partition_point(|h| h.start < range.start);
+        self.holes.insert(at, range);
         while self.holes.len() > MAX_HOLES {
             self.holes.remove(0);
             self.holes_given_up += 1;
@@ -194,6 +204,26 @@ mod tests {
         assert_eq!(cursor.admit(3, false), Verdict::Skip);
         assert_eq!(cursor.admit(4, false), Verdict::Apply);
         assert_eq!(cursor.gaps, 1);
+    }
+
+    #[test]
+    fn a_rejection_behind_a_gap_is_asked_for_again() {
+        let mut cursor = EventCursor::default();
+        cursor.admit(0, false);
+        cursor.admit(3, false);
+        cursor.record_rejected(3);
+        assert_eq!(cursor.first_missing(), Some(1));
+        cursor.admit(1, false);
+        cursor.admit(2, false);
+        assert_eq!(cursor.first_missing(), Some(3));
+        assert_eq!(cursor.admit(3, false), Verdict::Apply);
+        assert_eq!(cursor.first_missing(), None);
+        // Without a gap before it, a rejection is final.
+        cursor.admit(4, false);
+        cursor.record_rejected(4);
+        assert_eq!(cursor.first_missing(), None);
+        assert_eq!(cursor.admit(4, false), Verdict::Skip);
+        assert_eq!(cursor.rejected, 2);
     }
 
     #[test]

@@ -206,7 +206,7 @@ fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutcome,
         match index.apply(target, event) {
             Ok(_) => outcome.applied += 1,
             Err(error) => {
-                cursor.record_rejected();
+                cursor.record_rejected(*event_id);
                 outcome.rejected += 1;
                 *reasons.entry(rejection_reason(&error)).or_default() += 1;
                 outcome.first_rejection.get_or_insert(error);

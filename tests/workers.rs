@@ -1,0 +1,376 @@
+//! The worker lifecycle and KV event streams over real gRPC: leases (with
+//! paused tokio time), cursors, resend requests, malformed batches kept to
+//! their own stream, deregistration, and draining an open stream at shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{TestServer, batch, cleared, registration, removed, select_hashes, stored};
+use kvroute::pb;
+use tonic::Code;
+
+async fn cached_blocks(server: &TestServer, worker_id: u64) -> Option<u64> {
+    server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id })
+        .await
+        .ok()
+        .map(|r| r.into_inner().ranks.iter().map(|r| r.cached_blocks).sum())
+}
+
+async fn index_blocks(server: &TestServer) -> u64 {
+    server
+        .admin()
+        .get_index_stats(pb::GetIndexStatsRequest { model: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .blocks
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lapsed_lease_removes_the_worker_and_its_blocks() {
+    let server = TestServer::start().await;
+    let mut short = registration(1, "m");
+    short.lease_ttl_secs = 600;
+    server.register(short).await;
+    let mut long = registration(2, "m");
+    long.lease_ttl_secs = 3600;
+    server.register(long).await;
+    server
+        .publish(batch(1, 0, vec![stored(0, None, &[(11, 1), (12, 2)])]))
+        .await
+        .unwrap();
+    server
+        .publish(batch(2, 0, vec![stored(0, None, &[(21, 1)])]))
+        .await
+        .unwrap();
+    assert_eq!(index_blocks(&server).await, 3);
+
+    // Worker 2 keeps heartbeating; worker 1 goes silent.
+    tokio::time::sleep(Duration::from_secs(500)).await;
+    let load = pb::RankLoad {
+        dp_rank: 0,
+        running_requests: 2,
+        waiting_requests: 0,
+        kv_blocks_used: 10,
+    };
+    server
+        .workers()
+        .heartbeat(pb::HeartbeatRequest {
+            worker_id: 2,
+            load: vec![load],
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(200)).await;
+
+    let status = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    assert_eq!(
+        index_blocks(&server).await,
+        1,
+        "the lapsed worker's blocks are gone"
+    );
+    let survivor = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 2 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(survivor.ranks[0].reported_load.unwrap().running_requests, 2);
+    let (_, metrics) = server.http_get("/metrics").await;
+    assert!(
+        metrics.contains("kvroute_leases_expired_total 1"),
+        "{metrics}"
+    );
+    // Routing no longer considers the lapsed worker.
+    let reply = server
+        .router()
+        .select_worker(select_hashes("r", "m", &[1, 2]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.worker_id, 2);
+}
+
+#[tokio::test]
+async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    let first = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (first.last_applied_event_id, first.resend_from_event_id),
+        (0, None)
+    );
+    // Events 1 and 2 are lost; 3 arrives.
+    tx.send(batch(1, 0, vec![stored(3, Some(13), &[(14, 4)])]))
+        .await
+        .unwrap();
+    let gap = replies.message().await.unwrap().unwrap();
+    assert_eq!(gap.resend_from_event_id, Some(1));
+    assert_eq!(gap.rejected, 1, "its parent was in the lost events");
+    // The worker resends 1..=3, with a duplicate of 1.
+    tx.send(batch(
+        1,
+        0,
+        vec![
+            stored(1, Some(11), &[(12, 2)]),
+            stored(1, Some(11), &[(12, 2)]),
+            stored(2, Some(12), &[(13, 3)]),
+            stored(3, Some(13), &[(14, 4)]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let resent = replies.message().await.unwrap().unwrap();
+    assert_eq!(resent.resend_from_event_id, None);
+    assert_eq!(resent.last_applied_event_id, 3);
+    assert_eq!(resent.skipped, 1, "the duplicate of 1");
+    assert_eq!(resent.rejected, 0, "3 applies now that its parent arrived");
+    assert_eq!(cached_blocks(&server, 1).await, Some(4));
+    let reply = server
+        .router()
+        .select_worker(select_hashes("q", "m", &[1, 2, 3, 4]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.overlap_blocks, 4);
+    // Removed and cleared through the same stream.
+    tx.send(batch(1, 0, vec![removed(4, &[13])])).await.unwrap();
+    replies.message().await.unwrap().unwrap();
+    let after_remove = server
+        .router()
+        .select_worker(select_hashes("q2", "m", &[1, 2, 3, 4]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        after_remove.overlap_blocks, 2,
+        "removing block 3 ends the prefix there"
+    );
+    tx.send(batch(1, 0, vec![cleared(5)])).await.unwrap();
+    replies.message().await.unwrap().unwrap();
+    assert_eq!(cached_blocks(&server, 1).await, Some(0));
+    let info = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.ranks[0].last_event_id, 5);
+    assert_eq!(info.ranks[0].events_skipped, 1);
+    assert_eq!(info.ranks[0].events_rejected, 1);
+}
+
+#[tokio::test]
+async fn a_malformed_batch_ends_only_its_own_stream() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    server.register(registration(2, "m")).await;
+    let (good_tx, mut good) = server.open_events().await;
+    let (bad_tx, mut bad) = server.open_events().await;
+    good_tx
+        .send(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    good.message().await.unwrap().unwrap();
+
+    let empty_store = pb::KvEvent {
+        event_id: 0,
+        kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored::default())),
+    };
+    // A valid event first: the whole batch is refused, nothing applied.
+    bad_tx
+        .send(batch(2, 0, vec![stored(0, None, &[(21, 1)]), empty_store]))
+        .await
+        .unwrap();
+    let status = bad.message().await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("worker 2") && status.message().contains("no blocks"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(cached_blocks(&server, 2).await, Some(0));
+
+    // The other stream goes on.
+    good_tx
+        .send(batch(1, 0, vec![stored(1, Some(11), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let reply = good.message().await.unwrap().unwrap();
+    assert_eq!(reply.last_applied_event_id, 1);
+    assert_eq!(cached_blocks(&server, 1).await, Some(2));
+    let (_, metrics) = server.http_get("/metrics").await;
+    assert!(
+        metrics.contains(r#"kvroute_kv_events_total{outcome="rejected",reason="malformed"} 2"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn events_for_unknown_workers_ranks_and_oversized_batches_are_refused() {
+    let config = kvroute::config::ServeConfig {
+        max_events_per_batch: 2,
+        max_blocks_per_event: 3,
+        ..kvroute::config::ServeConfig::for_tests()
+    };
+    let server = TestServer::start_with(config).await;
+    server.register(registration(1, "m")).await;
+    let cases = [
+        (
+            batch(9, 0, vec![stored(0, None, &[(1, 1)])]),
+            Code::NotFound,
+            "worker 9",
+        ),
+        (
+            batch(1, 5, vec![stored(0, None, &[(1, 1)])]),
+            Code::NotFound,
+            "dp_rank 5",
+        ),
+        (
+            batch(1, 0, vec![cleared(0), cleared(1), cleared(2)]),
+            Code::InvalidArgument,
+            "limit of 2",
+        ),
+        (
+            batch(
+                1,
+                0,
+                vec![stored(0, None, &[(1, 1), (2, 2), (3, 3), (4, 4)])],
+            ),
+            Code::InvalidArgument,
+            "limit of 3",
+        ),
+        (
+            batch(
+                1,
+                0,
+                vec![pb::KvEvent {
+                    event_id: 0,
+                    kind: None,
+                }],
+            ),
+            Code::InvalidArgument,
+            "no event kind",
+        ),
+    ];
+    for (bad, code, needle) in cases {
+        let status = server.publish(bad).await.unwrap_err();
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(
+            status.message().contains(needle),
+            "{needle}: {}",
+            status.message()
+        );
+    }
+    // A wrong-length token block is refused too.
+    let short_block = pb::KvEvent {
+        event_id: 0,
+        kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: None,
+            blocks: vec![pb::StoredBlock {
+                engine_hash: 1,
+                content: Some(pb::stored_block::Content::TokenIds(pb::TokenIds {
+                    ids: vec![1, 2, 3],
+                })),
+                mm_info: None,
+            }],
+            lora_name: String::new(),
+        })),
+    };
+    let status = server
+        .publish(batch(1, 0, vec![short_block]))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("block_size is 16"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(index_blocks(&server).await, 0);
+}
+
+#[tokio::test]
+async fn deregistering_drops_blocks_and_reregistering_updates() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    server
+        .publish(batch(1, 0, vec![stored(0, None, &[(11, 1), (12, 2)])]))
+        .await
+        .unwrap();
+    // Same layout: an update keeps the blocks.
+    let mut update = registration(1, "m");
+    update.taints = vec!["gpu-h100".into()];
+    let reply = server
+        .workers()
+        .register_worker(update)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!reply.created);
+    assert_eq!(cached_blocks(&server, 1).await, Some(2));
+    // Heartbeat for a rank the worker does not have.
+    let load = pb::RankLoad {
+        dp_rank: 3,
+        ..Default::default()
+    };
+    let status = server
+        .workers()
+        .heartbeat(pb::HeartbeatRequest {
+            worker_id: 1,
+            load: vec![load],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    let removed = server
+        .workers()
+        .deregister_worker(pb::DeregisterWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(removed.blocks_removed, 2);
+    assert_eq!(index_blocks(&server).await, 0);
+    let again = server
+        .workers()
+        .deregister_worker(pb::DeregisterWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn shutdown_drains_an_in_flight_stream() {
+    let mut server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    replies.message().await.unwrap().unwrap();
+    server.begin_shutdown();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The open call still works while the server drains...
+    tx.send(batch(1, 0, vec![stored(1, Some(11), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let reply = replies.message().await.unwrap().unwrap();
+    assert_eq!(reply.last_applied_event_id, 1);
+    // ...and the server finishes once the client closes it.
+    drop(tx);
+    assert!(replies.message().await.unwrap().is_none());
+    server.stop().await.expect("clean stop");
+}
