@@ -21,6 +21,9 @@ pub enum Command {
     /// Print the local hash of each complete block of token ids read from
     /// stdin (whitespace-separated or a JSON array), one unsigned decimal per line.
     Hash(HashArgs),
+    /// Replay a request trace through simulated engines under several
+    /// routing policies and compare TTFT, latency, throughput and cache reuse.
+    Replay(Box<crate::sim::cli::ReplayArgs>),
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),

@@ -16,6 +16,7 @@ pub mod oplog;
 pub mod registry;
 pub mod routing;
 pub mod select;
+pub mod sim;
 pub mod telemetry;
 pub mod tools;
 pub mod types;

@@ -33,6 +33,9 @@ fn main() -> ExitCode {
                 &mut stdout.lock(),
             ));
         }
+        Command::Replay(args) => {
+            return report(kvroute::sim::cli::run(&args).map(|_| ()));
+        }
         Command::Bench(BenchCommand::Index {
             oplog,
             implementation,

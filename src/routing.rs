@@ -181,6 +181,23 @@ impl RouterCore {
         Ok(self.decide(&mut state, prepared, &inputs)?)
     }
 
+    /// Routes and books a request at once, whatever its admission mode and
+    /// however busy the fleet (the replay simulator's engines queue by
+    /// themselves).
+    pub fn route_unqueued(&self, prepared: PreparedRequest) -> Result<RouteOutcome, RouteError> {
+        let inputs = self.gather(&prepared.request, &prepared.hashes);
+        let mut state = self.routing.lock();
+        let selection = self.decide(&mut state, &prepared, &inputs)?;
+        let booked = self.commit(&mut state, &prepared, &selection)?;
+        drop(state);
+        let admitted = if booked {
+            Admitted::Now
+        } else {
+            Admitted::Untracked
+        };
+        Ok(self.record(selection, admitted, "admitted"))
+    }
+
     /// Routes a request; WAIT admission queues until `deadline`.
     pub async fn route(
         &self,

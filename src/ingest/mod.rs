@@ -166,7 +166,9 @@ fn remove_worker(core: &RouterCore, worker_id: WorkerId, model: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
+/// Applies one validated batch: the writer thread's work, also called
+/// directly by the replay simulator (which has no channel to go through).
+pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
     let worker_id = batch.worker_id;
     // The registration may have changed since validation: drop the batch
     // rather than write blocks for a worker the registry no longer has.

@@ -1,0 +1,204 @@
+//! `kvroute replay`: runs policies over a trace in the simulator and prints
+//! the comparison (table, or one JSON object per policy), optionally a chart.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::{
+    EngineConfig, KvRouteKnobs, KvRoutePolicy, POLICY_NAMES, Report, Router, SimConfig, Trace,
+    policy_by_name, replay,
+};
+
+/// Every policy `--policy` accepts.
+pub const ALL_POLICIES: &[&str] = &[
+    "kvroute",
+    "round-robin",
+    "random",
+    "least-loaded",
+    "prefix-only",
+];
+
+/// Arguments of `kvroute replay`. Engine defaults follow Dynamo's mocker.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// A Mooncake-format trace (JSONL: timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Simulated engines.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub workers: u64,
+    /// Arrival times are divided by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Policies to compare (repeat or comma-separate): kvroute, round-robin,
+    /// random, least-loaded, prefix-only, or all.
+    #[arg(long = "policy", value_delimiter = ',', default_value = "all")]
+    pub policies: Vec<String>,
+    /// kvroute policy: weight of prefill cost against decode cost.
+    #[arg(long, default_value_t = 1.0)]
+    pub overlap_weight: f64,
+    /// kvroute policy: softmax temperature (0: lowest cost).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Seed of every random choice.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// One JSON object per policy instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write a chart comparing the policies (SVG).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// KV cache blocks per engine.
+    #[arg(long, default_value_t = 16_384)]
+    pub num_blocks: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 64)]
+    pub block_size: usize,
+    /// Most sequences running at once per engine.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 8_192)]
+    pub max_num_batched_tokens: usize,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Turn chunked prefill off.
+    #[arg(long)]
+    pub no_chunked_prefill: bool,
+    /// Prefill step ms = a*N^2 + b*N + c for N new tokens: a.
+    #[arg(long, default_value_t = 4.209989e-7, allow_negative_numbers = true)]
+    pub prefill_quadratic: f64,
+    /// Prefill step: b.
+    #[arg(long, default_value_t = 1.518344e-2, allow_negative_numbers = true)]
+    pub prefill_linear: f64,
+    /// Prefill step: c.
+    #[arg(long, default_value_t = 16.50142, allow_negative_numbers = true)]
+    pub prefill_constant: f64,
+    /// Decode step ms = a*u^2 + b*u + c for KV utilisation u: a.
+    #[arg(long, default_value_t = -25.74, allow_negative_numbers = true)]
+    pub decode_quadratic: f64,
+    /// Decode step: b.
+    #[arg(long, default_value_t = 54.01, allow_negative_numbers = true)]
+    pub decode_linear: f64,
+    /// Decode step: c.
+    #[arg(long, default_value_t = 5.74, allow_negative_numbers = true)]
+    pub decode_constant: f64,
+    /// Shortest decode step, ms.
+    #[arg(long, default_value_t = 1.0)]
+    pub decode_min_ms: f64,
+}
+
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Trace(#[from] super::TraceError),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("writing the chart: {0}")]
+    Plot(String),
+}
+
+impl ReplayArgs {
+    fn sim_config(&self) -> Result<SimConfig, ReplayError> {
+        let engine = EngineConfig {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            enable_prefix_caching: !self.no_prefix_caching,
+            enable_chunked_prefill: !self.no_chunked_prefill,
+            prefill_quadratic: self.prefill_quadratic,
+            prefill_linear: self.prefill_linear,
+            prefill_constant: self.prefill_constant,
+            decode_quadratic: self.decode_quadratic,
+            decode_linear: self.decode_linear,
+            decode_constant: self.decode_constant,
+            decode_min_ms: self.decode_min_ms,
+        };
+        engine.validate().map_err(ReplayError::Invalid)?;
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return Err(ReplayError::Invalid("--speedup must be > 0".into()));
+        }
+        for (name, v) in [
+            ("--overlap-weight", self.overlap_weight),
+            ("--temperature", self.temperature),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ReplayError::Invalid(format!("{name} must be >= 0")));
+            }
+        }
+        Ok(SimConfig {
+            workers: self.workers as usize,
+            speedup: self.speedup,
+            seed: self.seed,
+            engine,
+        })
+    }
+
+    fn policy_names(&self) -> Result<Vec<String>, ReplayError> {
+        let mut names = Vec::new();
+        for name in &self.policies {
+            if name == "all" {
+                names.extend(ALL_POLICIES.iter().map(|s| s.to_string()));
+            } else if ALL_POLICIES.contains(&name.as_str()) {
+                names.push(name.clone());
+            } else {
+                return Err(ReplayError::Invalid(format!(
+                    "unknown policy `{name}` (one of {} or all)",
+                    ALL_POLICIES.join(", ")
+                )));
+            }
+        }
+        names.dedup();
+        Ok(names)
+    }
+
+    fn router(&self, name: &str) -> Result<Box<dyn Router>, ReplayError> {
+        if name == "kvroute" {
+            let knobs = KvRouteKnobs {
+                overlap_weight: self.overlap_weight,
+                temperature: self.temperature,
+                seed: self.seed,
+            };
+            return Ok(Box::new(KvRoutePolicy::new(knobs)?));
+        }
+        policy_by_name(name, self.seed)
+            .ok_or_else(|| ReplayError::Invalid(format!("unknown policy `{name}`")))
+    }
+}
+
+/// Runs `kvroute replay`; returns the reports in policy order.
+pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
+    debug_assert!(POLICY_NAMES.iter().all(|p| ALL_POLICIES.contains(p)));
+    let config = args.sim_config()?;
+    let names = args.policy_names()?;
+    let mut trace = Trace::load(&args.trace)?;
+    if let Some(n) = args.limit {
+        trace = trace.truncated(n);
+    }
+    let mut reports = Vec::new();
+    for name in &names {
+        let mut router = args.router(name)?;
+        let report = replay(&trace, &config, router.as_mut());
+        if args.json {
+            println!("{}", report.to_json());
+        }
+        reports.push(report);
+    }
+    if !args.json {
+        print!("{}", Report::table(&reports));
+    }
+    if let Some(path) = &args.plot {
+        super::plot::write_svg(path, &reports).map_err(ReplayError::Plot)?;
+    }
+    Ok(reports)
+}

@@ -1,0 +1,1052 @@
+//! One simulated inference engine: paged KV cache with prefix caching, a
+//! continuous-batching scheduler with chunked prefill, and step timings.
+//!
+//! It exists so routing policies can be judged against the cache and queueing
+//! behaviour of a real engine without running one. The model follows the
+//! published behaviour of NVIDIA Dynamo's "mocker" engine (vLLM flavour):
+//!
+//! * Cache: `num_blocks` blocks of `block_size` tokens. A full block is
+//!   identified by the chained hash of its tokens (parent hash + contents), so
+//!   equal prefixes share blocks. A block whose last user finishes stays
+//!   cached in an LRU pool and is evicted only when a fresh block is needed
+//!   and no never-used block is left. A sequence's blocks are released tail
+//!   first, so its suffix is evicted before its prefix.
+//! * One step ("pass"): running sequences first, in admission order, each
+//!   taking its next chunk (a decode token, or the rest of its prefill up to
+//!   the remaining token budget); then waiting sequences in FIFO order while
+//!   fewer than `max_num_seqs` run. A waiting sequence is admitted only if
+//!   its whole known length fits in the blocks not held by running sequences
+//!   (its already-active cached prefix excepted); otherwise admission stops
+//!   (strict FIFO). Cache hits are counted in whole blocks and capped so at
+//!   least one token is computed.
+//! * If a chunk cannot get blocks, the newest running sequence is preempted
+//!   (its blocks released, its progress reset, it goes to the front of the
+//!   waiting queue) and no new sequence is admitted in that step.
+//! * Step time = prefill time of the step's newly computed prompt tokens plus
+//!   decode time of the sequences that were already decoding. A sequence whose
+//!   prefill finishes in the step samples its first token from that step (no
+//!   extra decode cost). All tokens of a step are emitted at its end, so TTFT
+//!   ends at the end of the step that computes the prompt's last chunk.
+//! * Decode time uses the KV utilisation `u` = context tokens of the decoding
+//!   sequences / cache capacity in tokens (the mocker's definition; it is
+//!   close to active blocks / total blocks).
+
+use std::collections::{HashMap, VecDeque};
+
+use super::FastBuild;
+use super::trace::output_token;
+
+/// Engine parameters. Defaults are the mocker's defaults.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct EngineConfig {
+    /// KV cache size in blocks.
+    pub num_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one step (prefill chunks + decode tokens).
+    pub max_num_batched_tokens: usize,
+    /// Reuse cached blocks across requests.
+    pub enable_prefix_caching: bool,
+    /// Split a prompt's prefill over several steps. When off, a prompt waits
+    /// until the whole remainder fits in one step's budget.
+    pub enable_chunked_prefill: bool,
+    /// Prefill step ms = a*N^2 + b*N + c for N newly computed prompt tokens.
+    pub prefill_quadratic: f64,
+    pub prefill_linear: f64,
+    pub prefill_constant: f64,
+    /// Decode step ms = a*u^2 + b*u + c (at least `decode_min_ms`).
+    pub decode_quadratic: f64,
+    pub decode_linear: f64,
+    pub decode_constant: f64,
+    pub decode_min_ms: f64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            num_blocks: 16_384,
+            block_size: 64,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8_192,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            prefill_quadratic: 4.209989e-7,
+            prefill_linear: 1.518344e-2,
+            prefill_constant: 16.50142,
+            decode_quadratic: -25.74,
+            decode_linear: 54.01,
+            decode_constant: 5.74,
+            decode_min_ms: 1.0,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Prefill step time in ms for `new_tokens` newly computed tokens.
+    pub fn prefill_ms(&self, new_tokens: usize) -> f64 {
+        if new_tokens == 0 {
+            return 0.0;
+        }
+        let n = new_tokens as f64;
+        (self.prefill_quadratic * n * n + self.prefill_linear * n + self.prefill_constant).max(0.0)
+    }
+
+    /// Decode step time in ms at KV utilisation `u` (clamped to 0..=1).
+    pub fn decode_ms(&self, u: f64) -> f64 {
+        let u = u.clamp(0.0, 1.0);
+        (self.decode_quadratic * u * u + self.decode_linear * u + self.decode_constant)
+            .max(self.decode_min_ms)
+    }
+
+    /// Check the parameters can run a simulation.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.num_blocks == 0 || self.block_size == 0 {
+            return Err("num_blocks and block_size must be positive".into());
+        }
+        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+            return Err("max_num_seqs and max_num_batched_tokens must be positive".into());
+        }
+        if self.num_blocks >= u32::MAX as usize {
+            return Err("num_blocks too large".into());
+        }
+        Ok(())
+    }
+}
+
+/// A KV cache event, in the order the engine's cache changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineKvEvent {
+    /// Blocks became cached. `blocks` form a chain: the first one's parent is
+    /// `parent` (`None` = first block of a sequence), each next one's parent
+    /// is the block before it. Tokens are the block's `block_size` tokens.
+    Stored {
+        parent: Option<u64>,
+        blocks: Vec<(u64, Vec<u32>)>,
+    },
+    /// Cached blocks were evicted.
+    Removed { engine_hashes: Vec<u64> },
+}
+
+/// Chained hash of one full block: depends on the parent block's hash and
+/// on this block's tokens.
+pub fn chain_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut h = parent.map_or(0x0123_4567_89AB_CDEF, |p| p ^ 0xC2B2_AE3D_27D4_EB4F);
+    for pair in tokens.chunks(2) {
+        let word = u64::from(pair[0]) | (pair.get(1).map_or(0, |&t| u64::from(t)) << 32);
+        h = (h.rotate_left(23) ^ word).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    super::mix64(h ^ tokens.len() as u64)
+}
+
+/// The engine hash chain of every full block of `tokens`.
+pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+    let mut parent = None;
+    for block in tokens.chunks_exact(block_size.max(1)) {
+        let h = chain_hash(parent, block);
+        out.push(h);
+        parent = Some(h);
+    }
+    out
+}
+
+/// Load of one engine, as a router may observe it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineLoad {
+    pub running: usize,
+    pub waiting: usize,
+    /// Blocks held by running sequences.
+    pub active_blocks: usize,
+    pub total_blocks: usize,
+    /// Prompt tokens still to prefill (waiting sequences plus running ones
+    /// whose prefill is unfinished; cache hits not yet known are included).
+    pub prefill_tokens_queued: usize,
+}
+
+/// A token produced by a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenEmit {
+    pub request_id: u64,
+    /// The request's first output token.
+    pub first: bool,
+    /// The request's last output token: it is finished.
+    pub done: bool,
+}
+
+/// Everything one step did. Its effects become visible at `now + duration_ms`.
+#[derive(Clone, Debug, Default)]
+pub struct PassOutcome {
+    pub duration_ms: f64,
+    pub emitted: Vec<TokenEmit>,
+    /// (request id, prompt tokens found cached) for each admission.
+    pub admissions: Vec<(u64, usize)>,
+    /// Requests that can never run on this engine (more blocks than the
+    /// cache, or, without chunked prefill, a prompt over the step budget);
+    /// dropped.
+    pub rejected: Vec<u64>,
+    pub kv_events: Vec<EngineKvEvent>,
+    /// Prompt tokens computed in this step (cache hits excluded).
+    pub prefill_tokens: usize,
+    /// Sequences preempted in this step.
+    pub preemptions: usize,
+    /// Whether anything was scheduled, emitted or rejected.
+    pub did_work: bool,
+}
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    hash: u64,
+    cached: bool,
+    refs: u32,
+    prev: u32,
+    next: u32,
+}
+
+/// Physical blocks: never-used/private free blocks, cached blocks indexed by
+/// hash, and an LRU list of cached blocks nobody holds.
+#[derive(Debug)]
+struct BlockPool {
+    blocks: Vec<Block>,
+    free: Vec<u32>,
+    map: HashMap<u64, u32, FastBuild>,
+    lru_head: u32,
+    lru_tail: u32,
+    lru_len: usize,
+}
+
+impl BlockPool {
+    fn new(n: usize) -> Self {
+        let empty = Block {
+            hash: 0,
+            cached: false,
+            refs: 0,
+            prev: NIL,
+            next: NIL,
+        };
+        BlockPool {
+            blocks: vec![empty; n],
+            free: (0..n as u32).rev().collect(),
+            map: HashMap::with_capacity_and_hasher(n, FastBuild::default()),
+            lru_head: NIL,
+            lru_tail: NIL,
+            lru_len: 0,
+        }
+    }
+
+    fn num_active(&self) -> usize {
+        self.blocks.len() - self.free.len() - self.lru_len
+    }
+
+    fn unlink(&mut self, id: u32) {
+        let Block { prev, next, .. } = self.blocks[id as usize];
+        if prev == NIL {
+            self.lru_head = next;
+        } else {
+            self.blocks[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.lru_tail = prev;
+        } else {
+            self.blocks[next as usize].prev = prev;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.prev = NIL;
+        b.next = NIL;
+        self.lru_len -= 1;
+    }
+
+    fn push_lru(&mut self, id: u32) {
+        let tail = self.lru_tail;
+        {
+            let b = &mut self.blocks[id as usize];
+            b.prev = tail;
+            b.next = NIL;
+        }
+        if tail == NIL {
+            self.lru_head = id;
+        } else {
+            self.blocks[tail as usize].next = id;
+        }
+        self.lru_tail = id;
+        self.lru_len += 1;
+    }
+
+    /// Take a reference on a cached block (leaving the LRU if idle).
+    fn acquire(&mut self, id: u32) {
+        if self.blocks[id as usize].refs == 0 {
+            self.unlink(id);
+        }
+        self.blocks[id as usize].refs += 1;
+    }
+
+    /// A fresh private block, evicting the least recently used cached one if
+    /// no never-used block is left.
+    fn alloc(&mut self, events: &mut EventSink) -> Option<u32> {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                let id = self.lru_head;
+                if id == NIL {
+                    return None;
+                }
+                self.unlink(id);
+                let hash = self.blocks[id as usize].hash;
+                self.map.remove(&hash);
+                events.removed(hash);
+                id
+            }
+        };
+        let b = &mut self.blocks[id as usize];
+        b.hash = 0;
+        b.cached = false;
+        b.refs = 1;
+        Some(id)
+    }
+
+    fn release(&mut self, id: u32) {
+        let b = &mut self.blocks[id as usize];
+        b.refs -= 1;
+        if b.refs == 0 {
+            if b.cached {
+                self.push_lru(id);
+            } else {
+                self.free.push(id);
+            }
+        }
+    }
+
+    /// Make a computed private block cached under `hash`. False when another
+    /// block already holds that hash (this one stays private).
+    fn register(&mut self, id: u32, hash: u64) -> bool {
+        if self.map.contains_key(&hash) {
+            return false;
+        }
+        self.map.insert(hash, id);
+        let b = &mut self.blocks[id as usize];
+        b.hash = hash;
+        b.cached = true;
+        true
+    }
+}
+
+/// Collects KV events in order, merging adjacent ones of the same chain.
+#[derive(Debug, Default)]
+struct EventSink {
+    events: Vec<EngineKvEvent>,
+}
+
+impl EventSink {
+    fn removed(&mut self, hash: u64) {
+        if let Some(EngineKvEvent::Removed { engine_hashes }) = self.events.last_mut() {
+            engine_hashes.push(hash);
+        } else {
+            self.events.push(EngineKvEvent::Removed {
+                engine_hashes: vec![hash],
+            });
+        }
+    }
+
+    fn stored(&mut self, parent: Option<u64>, hash: u64, tokens: &[u32]) {
+        if let Some(EngineKvEvent::Stored { parent: p, blocks }) = self.events.last_mut() {
+            let last = blocks.last().map(|b| b.0).or(*p);
+            if last.is_some() && last == parent {
+                blocks.push((hash, tokens.to_vec()));
+                return;
+            }
+        }
+        self.events.push(EngineKvEvent::Stored {
+            parent,
+            blocks: vec![(hash, tokens.to_vec())],
+        });
+    }
+}
+
+/// What a request's sequence did in the current step.
+#[derive(Clone, Copy, Debug, Default)]
+struct Work {
+    pass: u64,
+    tokens: usize,
+    prompt_tokens: usize,
+    prefix_tokens: usize,
+}
+
+#[derive(Debug)]
+struct Seq {
+    id: u64,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_output: usize,
+    generated: usize,
+    /// Chain hashes of the full blocks known so far.
+    hashes: Vec<u64>,
+    /// Blocks held, in sequence order.
+    blocks: Vec<u32>,
+    /// Leading blocks already finalised (cached or a private duplicate).
+    finalized: usize,
+    computed: usize,
+    work: Work,
+}
+
+impl Seq {
+    fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Make sure `hashes` covers the first `n` full blocks.
+    fn ensure_hashes(&mut self, n: usize, block_size: usize) {
+        while self.hashes.len() < n {
+            let j = self.hashes.len();
+            let parent = j.checked_sub(1).map(|p| self.hashes[p]);
+            let h = chain_hash(parent, &self.tokens[j * block_size..(j + 1) * block_size]);
+            self.hashes.push(h);
+        }
+    }
+}
+
+/// A request handed to an engine.
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    /// Engine block hashes of the prompt's full blocks (`block_hashes`).
+    pub block_hashes: Vec<u64>,
+    pub output_length: usize,
+}
+
+enum Outcome {
+    Scheduled { tokens: usize },
+    Blocked,
+    CurrentPreempted,
+}
+
+/// Step-local accumulators.
+#[derive(Default)]
+struct StepAcc {
+    budget: usize,
+    batch_count: usize,
+    total_isl: usize,
+    total_prefix: usize,
+    preempted_any: bool,
+    preemptions: usize,
+    scheduled: Vec<usize>,
+}
+
+/// One simulated engine.
+#[derive(Debug)]
+pub struct SimEngine {
+    cfg: EngineConfig,
+    pool: BlockPool,
+    slots: Vec<Option<Seq>>,
+    free_slots: Vec<usize>,
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+    pass: u64,
+    events: EventSink,
+}
+
+impl SimEngine {
+    pub fn new(cfg: EngineConfig) -> Self {
+        let pool = BlockPool::new(cfg.num_blocks);
+        SimEngine {
+            cfg,
+            pool,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pass: 0,
+            events: EventSink::default(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Queue a request (it is considered at the next step).
+    pub fn enqueue(&mut self, req: EngineRequest) {
+        let seq = Seq {
+            id: req.id,
+            prompt_len: req.tokens.len(),
+            tokens: req.tokens,
+            max_output: req.output_length.max(1),
+            generated: 0,
+            hashes: req.block_hashes,
+            blocks: Vec::new(),
+            finalized: 0,
+            computed: 0,
+            work: Work::default(),
+        };
+        let key = match self.free_slots.pop() {
+            Some(k) => {
+                self.slots[k] = Some(seq);
+                k
+            }
+            None => {
+                self.slots.push(Some(seq));
+                self.slots.len() - 1
+            }
+        };
+        self.waiting.push_back(key);
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn load(&self) -> EngineLoad {
+        let queued = |k: &usize| {
+            self.slots[*k]
+                .as_ref()
+                .map_or(0, |s| s.prompt_len.saturating_sub(s.computed))
+        };
+        EngineLoad {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            active_blocks: self.pool.num_active(),
+            total_blocks: self.cfg.num_blocks,
+            prefill_tokens_queued: self.waiting.iter().map(queued).sum::<usize>()
+                + self.running.iter().map(queued).sum::<usize>(),
+        }
+    }
+
+    /// Whether the engine's cache holds `hash` (test and oracle helper).
+    pub fn is_cached(&self, hash: u64) -> bool {
+        self.pool.map.contains_key(&hash)
+    }
+
+    fn seq(&self, key: usize) -> &Seq {
+        match &self.slots[key] {
+            Some(s) => s,
+            None => unreachable_seq(key),
+        }
+    }
+
+    fn seq_mut(&mut self, key: usize) -> &mut Seq {
+        match &mut self.slots[key] {
+            Some(s) => s,
+            None => unreachable_seq(key),
+        }
+    }
+
+    /// (cached full blocks usable, of which held by running sequences).
+    fn prefix_hits(&self, key: usize) -> (usize, usize) {
+        if !self.cfg.enable_prefix_caching {
+            return (0, 0);
+        }
+        let seq = self.seq(key);
+        let bs = self.cfg.block_size;
+        let cap = seq.len().saturating_sub(1) / bs;
+        let mut hits = 0;
+        let mut active = 0;
+        for h in seq.hashes.iter().take(cap) {
+            match self.pool.map.get(h) {
+                Some(&id) => {
+                    hits += 1;
+                    if self.pool.blocks[id as usize].refs > 0 {
+                        active += 1;
+                    }
+                }
+                None => break,
+            }
+        }
+        (hits, active)
+    }
+
+    /// Release every block of a sequence, tail first.
+    fn release_blocks(&mut self, key: usize) {
+        let blocks = std::mem::take(&mut self.seq_mut(key).blocks);
+        for &id in blocks.iter().rev() {
+            self.pool.release(id);
+        }
+        let seq = self.seq_mut(key);
+        seq.finalized = 0;
+        seq.computed = 0;
+    }
+
+    fn free_slot(&mut self, key: usize) {
+        self.slots[key] = None;
+        self.free_slots.push(key);
+    }
+
+    /// Preempt the newest running sequence. Returns its key.
+    fn preempt_newest(&mut self, acc: &mut StepAcc) -> Option<usize> {
+        let victim = self.running.pop()?;
+        self.release_blocks(victim);
+        let pass = self.pass;
+        let work = self.seq(victim).work;
+        if work.pass == pass {
+            acc.budget += work.tokens;
+            if work.prompt_tokens > 0 {
+                acc.batch_count -= 1;
+                acc.total_isl -= work.prefix_tokens + work.prompt_tokens;
+                acc.total_prefix -= work.prefix_tokens;
+            }
+            acc.scheduled.retain(|&k| k != victim);
+            self.seq_mut(victim).work = Work::default();
+        }
+        self.waiting.push_front(victim);
+        acc.preempted_any = true;
+        acc.preemptions += 1;
+        Some(victim)
+    }
+
+    /// Try to hold blocks for the first `target` tokens, acquiring the first
+    /// `cached` cached blocks if the sequence holds none yet. All or nothing.
+    fn allocate(&mut self, key: usize, target: usize, cached: usize) -> bool {
+        let bs = self.cfg.block_size;
+        let need = target.div_ceil(bs);
+        let seq = self.seq(key);
+        let held = seq.blocks.len();
+        let take_cached = if held == 0 { cached } else { 0 };
+        let mut idle_cached = 0;
+        let mut cached_ids = Vec::with_capacity(take_cached);
+        for h in &seq.hashes[..take_cached] {
+            match self.pool.map.get(h) {
+                Some(&id) => {
+                    if self.pool.blocks[id as usize].refs == 0 {
+                        idle_cached += 1;
+                    }
+                    cached_ids.push(id);
+                }
+                None => return false,
+            }
+        }
+        let fresh = need.saturating_sub(held + take_cached);
+        if fresh > self.pool.free.len() + self.pool.lru_len - idle_cached {
+            return false;
+        }
+        for &id in &cached_ids {
+            self.pool.acquire(id);
+        }
+        let mut new_ids = cached_ids;
+        for _ in 0..fresh {
+            match self.pool.alloc(&mut self.events) {
+                Some(id) => new_ids.push(id),
+                None => return false, // unreachable: capacity checked above
+            }
+        }
+        let seq = self.seq_mut(key);
+        seq.blocks.extend(new_ids);
+        if held == 0 {
+            seq.finalized = take_cached;
+        }
+        true
+    }
+
+    /// Cache the sequence's blocks completed by its computed tokens.
+    fn finalize(&mut self, key: usize) {
+        let bs = self.cfg.block_size;
+        let caching = self.cfg.enable_prefix_caching;
+        let Some(seq) = self.slots[key].as_mut() else {
+            return;
+        };
+        let full = seq.computed / bs;
+        if full <= seq.finalized {
+            return;
+        }
+        seq.ensure_hashes(full, bs);
+        for j in seq.finalized..full {
+            let hash = seq.hashes[j];
+            if caching && self.pool.register(seq.blocks[j], hash) {
+                let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
+                self.events
+                    .stored(parent, hash, &seq.tokens[j * bs..(j + 1) * bs]);
+            }
+        }
+        seq.finalized = full;
+    }
+
+    /// Schedule the next chunk of one sequence (vLLM-style).
+    fn schedule(
+        &mut self,
+        key: usize,
+        from_waiting: bool,
+        cached_tokens: usize,
+        acc: &mut StepAcc,
+    ) -> Outcome {
+        let bs = self.cfg.block_size;
+        let seq = self.seq(key);
+        let cached_tokens = if seq.computed == 0 { cached_tokens } else { 0 };
+        let before = seq.computed + cached_tokens;
+        let prompt_len = seq.prompt_len;
+        let prompt_before = before.min(prompt_len);
+        let remaining = seq.len().saturating_sub(before);
+        let prompt_remaining = prompt_len.saturating_sub(prompt_before);
+        if prompt_remaining > 0 && !self.cfg.enable_chunked_prefill && prompt_remaining > acc.budget
+        {
+            return Outcome::Blocked;
+        }
+        let desired = remaining.min(acc.budget);
+        if desired == 0 && remaining > 0 {
+            return Outcome::Blocked;
+        }
+        let target = before + desired;
+        let mut after = target;
+        loop {
+            if self.allocate(key, target, cached_tokens / bs) {
+                break;
+            }
+            match self.preempt_newest(acc) {
+                None => {
+                    after = before;
+                    break;
+                }
+                Some(v) if v == key => return Outcome::CurrentPreempted,
+                Some(_) => {}
+            }
+        }
+        let used = after - before;
+        if used == 0 && after < self.seq(key).len() {
+            return Outcome::Blocked;
+        }
+        self.seq_mut(key).computed = after;
+        self.finalize(key);
+        let prompt_tokens = after.min(prompt_len) - prompt_before;
+        let pass = self.pass;
+        self.seq_mut(key).work = Work {
+            pass,
+            tokens: used,
+            prompt_tokens,
+            prefix_tokens: prompt_before,
+        };
+        acc.scheduled.push(key);
+        if prompt_tokens > 0 {
+            acc.batch_count += 1;
+            acc.total_isl += prompt_before + prompt_tokens;
+            acc.total_prefix += prompt_before;
+        }
+        if from_waiting {
+            if let Some(pos) = self.waiting.iter().position(|&k| k == key) {
+                self.waiting.remove(pos);
+            }
+            self.running.push(key);
+        }
+        acc.budget = acc.budget.saturating_sub(used);
+        Outcome::Scheduled { tokens: used }
+    }
+
+    /// Run one step. The caller owns the clock: the step starts when called
+    /// and its effects become visible `duration_ms` later.
+    pub fn step(&mut self) -> PassOutcome {
+        self.pass += 1;
+        let bs = self.cfg.block_size;
+        let mut out = PassOutcome::default();
+        let mut acc = StepAcc {
+            budget: self.cfg.max_num_batched_tokens,
+            ..StepAcc::default()
+        };
+
+        // 1. Running sequences, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && acc.budget > 0 {
+            let key = self.running[i];
+            match self.schedule(key, false, 0, &mut acc) {
+                Outcome::Scheduled { .. } => i += 1,
+                Outcome::Blocked => break,
+                Outcome::CurrentPreempted => {}
+            }
+        }
+
+        // 2. Waiting sequences, FIFO.
+        while !acc.preempted_any && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&key) = self.waiting.front() else {
+                break;
+            };
+            let seq = self.seq(key);
+            let id = seq.id;
+            let total_blocks = seq.len().div_ceil(bs);
+            let never_fits = total_blocks > self.cfg.num_blocks
+                || (!self.cfg.enable_chunked_prefill
+                    && seq.len() > self.cfg.max_num_batched_tokens);
+            if never_fits {
+                self.waiting.pop_front();
+                out.rejected.push(id);
+                self.free_slot(key);
+                continue;
+            }
+            let (hits, active_hits) = self.prefix_hits(key);
+            let needed = total_blocks - active_hits;
+            let available = self.cfg.num_blocks - self.pool.num_active();
+            if needed > available {
+                break;
+            }
+            let cached_tokens = hits * bs;
+            match self.schedule(key, true, cached_tokens, &mut acc) {
+                Outcome::Scheduled { tokens } => {
+                    out.admissions.push((id, cached_tokens));
+                    if tokens == 0 && acc.budget == 0 {
+                        break;
+                    }
+                }
+                Outcome::Blocked | Outcome::CurrentPreempted => break,
+            }
+        }
+
+        // 3. Timing and token emission.
+        let mut ready = Vec::new();
+        let mut decode_count = 0usize;
+        let mut decode_len = 0usize;
+        for &key in &self.running {
+            let seq = self.seq(key);
+            if seq.computed < seq.len() {
+                continue;
+            }
+            ready.push(key);
+            let first_from_prefill =
+                seq.generated == 0 && seq.work.pass == self.pass && seq.work.prompt_tokens > 0;
+            if !first_from_prefill {
+                decode_count += 1;
+                decode_len += seq.len();
+            }
+        }
+        // Like the mocker: batch size times the (integer) mean new tokens per
+        // prefilling sequence, which is the step's new prompt tokens up to
+        // rounding.
+        let prefill_ms = match (
+            acc.total_isl.checked_div(acc.batch_count),
+            acc.total_prefix.checked_div(acc.batch_count),
+        ) {
+            (Some(mean_isl), Some(mean_prefix)) => self
+                .cfg
+                .prefill_ms(acc.batch_count * mean_isl.saturating_sub(mean_prefix)),
+            _ => 0.0,
+        };
+        let decode_ms = if decode_count > 0 {
+            let capacity = (self.cfg.num_blocks * bs) as f64;
+            self.cfg.decode_ms(decode_len as f64 / capacity)
+        } else {
+            0.0
+        };
+        out.duration_ms = prefill_ms + decode_ms;
+        out.prefill_tokens = acc.total_isl - acc.total_prefix;
+        out.preemptions = acc.preemptions;
+
+        let mut finished = Vec::new();
+        for key in ready {
+            let seq = self.seq_mut(key);
+            let pos = seq.generated;
+            seq.tokens.push(output_token(seq.id, pos));
+            seq.generated += 1;
+            let done = seq.generated >= seq.max_output;
+            out.emitted.push(TokenEmit {
+                request_id: seq.id,
+                first: seq.generated == 1,
+                done,
+            });
+            if done {
+                finished.push(key);
+            }
+        }
+        if !finished.is_empty() {
+            for &key in &finished {
+                self.release_blocks(key);
+                self.free_slot(key);
+            }
+            self.running.retain(|k| !finished.contains(k));
+        }
+        out.did_work =
+            !acc.scheduled.is_empty() || !out.emitted.is_empty() || !out.rejected.is_empty();
+        out.kv_events = std::mem::take(&mut self.events.events);
+        out
+    }
+}
+
+#[cold]
+fn unreachable_seq(key: usize) -> ! {
+    // Keys in `waiting`/`running` always name live slots; reaching this is a
+    // simulator bug, not an input error.
+    panic!("simulated engine lost sequence slot {key}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(id: u64, tokens: Vec<u32>, out: usize, bs: usize) -> EngineRequest {
+        let block_hashes = block_hashes(&tokens, bs);
+        EngineRequest {
+            id,
+            tokens,
+            block_hashes,
+            output_length: out,
+        }
+    }
+
+    fn small_cfg() -> EngineConfig {
+        EngineConfig {
+            num_blocks: 16,
+            block_size: 4,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 8,
+            ..EngineConfig::default()
+        }
+    }
+
+    fn run_to_idle(e: &mut SimEngine) -> Vec<PassOutcome> {
+        let mut passes = Vec::new();
+        for _ in 0..10_000 {
+            if !e.has_work() {
+                break;
+            }
+            passes.push(e.step());
+        }
+        passes
+    }
+
+    #[test]
+    fn timing_polynomials_match_the_mocker_defaults() {
+        let c = EngineConfig::default();
+        assert!((c.prefill_ms(1000) - (4.209989e-7 * 1e6 + 15.18344 + 16.50142)).abs() < 1e-9);
+        assert_eq!(c.prefill_ms(0), 0.0);
+        assert!((c.decode_ms(0.0) - 5.74).abs() < 1e-12);
+        assert!((c.decode_ms(1.0) - (5.74 + 54.01 - 25.74)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn chained_hashes_share_prefixes_only() {
+        let a: Vec<u32> = (0..12).collect();
+        let mut b = a.clone();
+        b[9] = 99;
+        let ha = block_hashes(&a, 4);
+        let hb = block_hashes(&b, 4);
+        assert_eq!(ha.len(), 3);
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+        // same contents at another position hash differently
+        let c: Vec<u32> = (4..8).chain(0..4).collect();
+        assert_ne!(block_hashes(&c, 4)[1], ha[1]);
+    }
+
+    #[test]
+    fn long_prompt_is_chunked_and_first_token_ends_last_chunk() {
+        let mut e = SimEngine::new(small_cfg());
+        e.enqueue(req(1, (0..20).collect(), 3, 4));
+        let passes = run_to_idle(&mut e);
+        // 20 tokens at 8 per step: 8, 8, 4 (+ first token), then 2 decodes.
+        let prefill: Vec<usize> = passes.iter().map(|p| p.prefill_tokens).collect();
+        assert_eq!(prefill, vec![8, 8, 4, 0, 0]);
+        assert!(passes[2].emitted[0].first);
+        assert!(passes[0].emitted.is_empty());
+        assert!(passes[4].emitted[0].done);
+        // prefill-only step: no decode cost
+        let cfg = small_cfg();
+        assert!((passes[0].duration_ms - cfg.prefill_ms(8)).abs() < 1e-9);
+        assert!(!e.has_work());
+    }
+
+    #[test]
+    fn shared_prefix_is_reused_and_events_are_emitted() {
+        let mut e = SimEngine::new(small_cfg());
+        let a: Vec<u32> = (0..8).collect();
+        e.enqueue(req(1, a.clone(), 1, 4));
+        let p = run_to_idle(&mut e);
+        let stored: usize = p
+            .iter()
+            .flat_map(|p| &p.kv_events)
+            .map(|ev| match ev {
+                EngineKvEvent::Stored { blocks, .. } => blocks.len(),
+                EngineKvEvent::Removed { .. } => 0,
+            })
+            .sum();
+        assert_eq!(stored, 2);
+        let mut b = a.clone();
+        b.extend(100..106);
+        e.enqueue(req(2, b, 1, 4));
+        let p = run_to_idle(&mut e);
+        assert_eq!(p[0].admissions, vec![(2, 8)]);
+        assert_eq!(p[0].prefill_tokens, 6);
+        // the parent of the newly stored block is the cached prefix
+        let hashes = block_hashes(&a, 4);
+        assert!(p[0].kv_events.iter().any(|ev| matches!(
+            ev,
+            EngineKvEvent::Stored { parent: Some(h), .. } if *h == hashes[1]
+        )));
+    }
+
+    #[test]
+    fn full_hit_still_computes_a_token() {
+        let mut e = SimEngine::new(small_cfg());
+        let a: Vec<u32> = (0..8).collect();
+        e.enqueue(req(1, a.clone(), 1, 4));
+        run_to_idle(&mut e);
+        e.enqueue(req(2, a, 1, 4));
+        let p = run_to_idle(&mut e);
+        assert_eq!(p[0].admissions, vec![(2, 4)]);
+        assert_eq!(p[0].prefill_tokens, 4);
+    }
+
+    #[test]
+    fn lru_evicts_oldest_idle_blocks_and_reports_them() {
+        let cfg = EngineConfig {
+            num_blocks: 4,
+            block_size: 4,
+            max_num_batched_tokens: 64,
+            ..small_cfg()
+        };
+        let mut e = SimEngine::new(cfg);
+        let a: Vec<u32> = (0..8).collect();
+        let b: Vec<u32> = (50..58).collect();
+        let c: Vec<u32> = (90..98).collect();
+        for (id, t) in [(1, a.clone()), (2, b.clone()), (3, c)] {
+            e.enqueue(req(id, t, 1, 4));
+            run_to_idle(&mut e);
+        }
+        // a's blocks were the least recently used: evicted for c
+        let ha = block_hashes(&a, 4);
+        assert!(!e.is_cached(ha[0]) && !e.is_cached(ha[1]));
+        assert!(block_hashes(&b, 4).iter().all(|&h| e.is_cached(h)));
+    }
+
+    #[test]
+    fn cache_pressure_preempts_the_newest_and_everything_finishes() {
+        let cfg = EngineConfig {
+            num_blocks: 6,
+            block_size: 4,
+            max_num_batched_tokens: 64,
+            ..small_cfg()
+        };
+        let mut e = SimEngine::new(cfg);
+        e.enqueue(req(1, (0..8).collect(), 10, 4));
+        e.enqueue(req(2, (100..108).collect(), 10, 4));
+        let passes = run_to_idle(&mut e);
+        let done: Vec<u64> = passes
+            .iter()
+            .flat_map(|p| &p.emitted)
+            .filter(|t| t.done)
+            .map(|t| t.request_id)
+            .collect();
+        assert_eq!(done.len(), 2);
+        let admissions: usize = passes.iter().map(|p| p.admissions.len()).sum();
+        assert!(admissions > 2, "expected a preemption and re-admission");
+        assert_eq!(e.pool.num_active(), 0);
+    }
+
+    #[test]
+    fn prompt_over_budget_is_rejected_without_chunking() {
+        let cfg = EngineConfig {
+            enable_chunked_prefill: false,
+            ..small_cfg()
+        };
+        let mut e = SimEngine::new(cfg);
+        e.enqueue(req(1, (0..9).collect(), 1, 4));
+        e.enqueue(req(2, (0..8).collect(), 1, 4));
+        let p = e.step();
+        assert_eq!(p.rejected, vec![1]);
+        assert_eq!(p.prefill_tokens, 8);
+    }
+
+    #[test]
+    fn oversized_request_is_rejected() {
+        let mut e = SimEngine::new(small_cfg());
+        e.enqueue(req(1, (0..100).collect(), 1, 4));
+        let p = e.step();
+        assert_eq!(p.rejected, vec![1]);
+        assert!(!e.has_work());
+    }
+}

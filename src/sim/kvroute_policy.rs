@@ -1,0 +1,237 @@
+//! The `kvroute` policy of the simulator: routes with the service's own
+//! core, not a copy of it. Requests go through the same protobuf conversion
+//! (hashing), selection, booking and lifecycle code as `SelectWorker`; each
+//! engine's KV events go through the same batch validation and index writer
+//! code as `PublishEvents` (called directly, without the channel).
+//!
+//! Differences from the service, on purpose: admission never queues (the
+//! simulated engines keep their own waiting queues, and the router's WAIT
+//! queue would need virtual time), and workers report load on every
+//! routing call instead of by heartbeat.
+
+use std::sync::Arc;
+
+use crate::{
+    config::ServeConfig,
+    core::RouterCore,
+    grpc::convert::{self, BatchLimits},
+    ingest, pb,
+    registry::Registration,
+    routing::RouteError,
+    types::{RankLoad, WorkerRole},
+};
+
+use super::{
+    engine::EngineKvEvent,
+    fleet::{FleetView, SimRequest, worker_rank},
+    policy::Router,
+};
+
+const MODEL: &str = "sim";
+
+/// Scoring knobs of one `kvroute` run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvRouteKnobs {
+    pub overlap_weight: f64,
+    pub temperature: f64,
+    pub seed: u64,
+}
+
+impl Default for KvRouteKnobs {
+    fn default() -> Self {
+        Self {
+            overlap_weight: 1.0,
+            temperature: 0.0,
+            seed: 42,
+        }
+    }
+}
+
+/// kvroute's router core behind the simulator's [`Router`] seam.
+pub struct KvRoutePolicy {
+    core: Arc<RouterCore>,
+    knobs: KvRouteKnobs,
+    registered: bool,
+    next_event_id: Vec<u64>,
+    /// Routing or ingest failures (none are expected; counted, not hidden).
+    pub errors: u64,
+}
+
+impl KvRoutePolicy {
+    pub fn new(knobs: KvRouteKnobs) -> Result<Self, prometheus::Error> {
+        let config = ServeConfig {
+            overlap_weight: knobs.overlap_weight,
+            temperature: knobs.temperature,
+            seed: knobs.seed.max(1),
+            ..ServeConfig::default()
+        };
+        let metrics = crate::metrics::Metrics::new()?;
+        Ok(Self {
+            core: Arc::new(RouterCore::new(config, metrics)),
+            knobs,
+            registered: false,
+            next_event_id: Vec::new(),
+            errors: 0,
+        })
+    }
+
+    fn register(&mut self, fleet: &FleetView) {
+        for (engine, load) in fleet.engines.iter().enumerate() {
+            let registration = Registration {
+                worker_id: worker_rank(engine).worker_id,
+                model: MODEL.into(),
+                role: WorkerRole::Aggregated,
+                endpoint: format!("sim://engine/{engine}"),
+                block_size: fleet.block_size as u32,
+                dp_start_rank: 0,
+                dp_size: 1,
+                total_kv_blocks: load.total_blocks as u64,
+                max_num_batched_tokens: fleet.max_num_batched_tokens as u64,
+                taints: Vec::new(),
+                lease_ttl: Some(std::time::Duration::from_secs(365 * 24 * 3600)),
+            };
+            if self.core.register_worker(registration).is_err() {
+                self.errors += 1;
+            }
+        }
+        self.next_event_id = vec![0; fleet.len()];
+        self.registered = true;
+    }
+
+    fn report_load(&mut self, fleet: &FleetView) {
+        for (engine, load) in fleet.engines.iter().enumerate() {
+            let rank_load = RankLoad {
+                running_requests: load.running as u32,
+                waiting_requests: load.waiting as u32,
+                kv_blocks_used: load.active_blocks as u64,
+            };
+            if self
+                .core
+                .heartbeat(worker_rank(engine).worker_id, &[(0, rank_load)])
+                .is_err()
+            {
+                self.errors += 1;
+            }
+        }
+    }
+
+    fn select(&self, request: &SimRequest, block_size: u32) -> Result<u64, RouteError> {
+        let request = pb::SelectWorkerRequest {
+            request_id: request.id.to_string(),
+            model: MODEL.into(),
+            prompt: Some(pb::Prompt {
+                content: Some(pb::prompt::Content::TokenIds(pb::TokenIds {
+                    ids: request.tokens.clone(),
+                })),
+            }),
+            ..Default::default()
+        };
+        let max_blocks = self.core.config.max_blocks_per_event as usize;
+        let prepared = convert::select_request_from_pb(request, block_size, max_blocks)
+            .map_err(|e| RouteError::ShuttingDown {
+                request_id: e.to_string(),
+            })?;
+        let outcome = self.core.route_unqueued(prepared)?;
+        Ok(outcome.selection.target.worker_id)
+    }
+}
+
+impl Router for KvRoutePolicy {
+    fn name(&self) -> String {
+        let k = self.knobs;
+        if k.overlap_weight == 1.0 && k.temperature == 0.0 {
+            "kvroute".into()
+        } else {
+            format!("kvroute(w={},t={})", k.overlap_weight, k.temperature)
+        }
+    }
+
+    fn route(&mut self, request: &SimRequest, _now_ms: f64, fleet: &FleetView) -> usize {
+        if !self.registered {
+            self.register(fleet);
+        }
+        self.report_load(fleet);
+        match self.select(request, fleet.block_size as u32) {
+            Ok(worker_id) => usize::try_from(worker_id)
+                .ok()
+                .filter(|engine| *engine < fleet.len())
+                .unwrap_or(0),
+            Err(error) => {
+                tracing::warn!(%error, "kvroute policy could not route; engine 0");
+                self.errors += 1;
+                0
+            }
+        }
+    }
+
+    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent]) {
+        let Some(next_id) = self.next_event_id.get_mut(engine) else {
+            self.errors += 1;
+            return;
+        };
+        let events = events
+            .iter()
+            .map(|event| {
+                let kind = match event {
+                    EngineKvEvent::Stored { parent, blocks } => {
+                        pb::kv_event::Kind::Stored(pb::BlocksStored {
+                            parent_engine_hash: *parent,
+                            blocks: blocks
+                                .iter()
+                                .map(|(engine_hash, tokens)| pb::StoredBlock {
+                                    engine_hash: *engine_hash,
+                                    content: Some(pb::stored_block::Content::TokenIds(
+                                        pb::TokenIds {
+                                            ids: tokens.clone(),
+                                        },
+                                    )),
+                                    mm_info: None,
+                                })
+                                .collect(),
+                            lora_name: String::new(),
+                        })
+                    }
+                    EngineKvEvent::Removed { engine_hashes } => {
+                        pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+                            engine_hashes: engine_hashes.clone(),
+                        })
+                    }
+                };
+                let event_id = *next_id;
+                *next_id += 1;
+                pb::KvEvent {
+                    event_id,
+                    kind: Some(kind),
+                }
+            })
+            .collect();
+        let batch = pb::KvEventBatch {
+            worker_id: worker_rank(engine).worker_id,
+            dp_rank: 0,
+            events,
+        };
+        let limits = BatchLimits {
+            max_events: usize::MAX,
+            max_blocks_per_event: usize::MAX,
+        };
+        let validated = {
+            let registry = self.core.registry.read();
+            match registry.rank(batch.worker_id, 0) {
+                Ok(worker) => convert::batch_from_pb(batch, worker, limits).ok(),
+                Err(_) => None,
+            }
+        };
+        match validated.map(|batch| ingest::apply_batch(&self.core, batch)) {
+            Some(Ok(outcome)) => self.errors += u64::from(outcome.rejected),
+            _ => self.errors += 1,
+        }
+    }
+
+    fn on_prefill_complete(&mut self, request_id: u64) {
+        self.core.mark_prefill_complete(&request_id.to_string());
+    }
+
+    fn on_request_complete(&mut self, request_id: u64) {
+        self.core.release_request(&request_id.to_string());
+    }
+}
