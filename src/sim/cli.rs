@@ -36,7 +36,7 @@ pub struct ReplayArgs {
     #[arg(long = "policy", value_delimiter = ',', default_value = "all")]
     pub policies: Vec<String>,
     /// kvroute policy: weight of prefill cost against decode cost.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = crate::config::DEFAULT_OVERLAP_WEIGHT)]
     pub overlap_weight: f64,
     /// kvroute policy: softmax temperature (0: lowest cost).
     #[arg(long, default_value_t = 0.0)]

@@ -40,7 +40,7 @@ pub struct KvRouteKnobs {
 impl Default for KvRouteKnobs {
     fn default() -> Self {
         Self {
-            overlap_weight: 1.0,
+            overlap_weight: crate::config::DEFAULT_OVERLAP_WEIGHT,
             temperature: 0.0,
             seed: 42,
         }
@@ -127,9 +127,11 @@ impl KvRoutePolicy {
             ..Default::default()
         };
         let max_blocks = self.core.config.max_blocks_per_event as usize;
-        let prepared = convert::select_request_from_pb(request, block_size, max_blocks)
-            .map_err(|e| RouteError::ShuttingDown {
-                request_id: e.to_string(),
+        let prepared =
+            convert::select_request_from_pb(request, block_size, max_blocks).map_err(|e| {
+                RouteError::ShuttingDown {
+                    request_id: e.to_string(),
+                }
             })?;
         let outcome = self.core.route_unqueued(prepared)?;
         Ok(outcome.selection.target.worker_id)
@@ -139,7 +141,7 @@ impl KvRoutePolicy {
 impl Router for KvRoutePolicy {
     fn name(&self) -> String {
         let k = self.knobs;
-        if k.overlap_weight == 1.0 && k.temperature == 0.0 {
+        if k.overlap_weight == crate::config::DEFAULT_OVERLAP_WEIGHT && k.temperature == 0.0 {
             "kvroute".into()
         } else {
             format!("kvroute(w={},t={})", k.overlap_weight, k.temperature)

@@ -9,8 +9,8 @@
 //!
 //! Entry point: [`replay`]. Routing policies plug in through [`Router`].
 
-pub mod engine;
 pub mod cli;
+pub mod engine;
 pub mod fleet;
 pub mod kvroute_policy;
 pub mod plot;
@@ -19,8 +19,8 @@ pub mod report;
 pub mod trace;
 
 pub use engine::{EngineConfig, EngineKvEvent, EngineLoad, SimEngine, block_hashes};
-pub use kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 pub use fleet::{FleetView, SimConfig, SimRequest, replay, worker_rank};
+pub use kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 pub use policy::{
     LeastLoaded, POLICY_NAMES, PrefixOnly, RandomRouter, RoundRobin, Router, policy_by_name,
 };

@@ -32,8 +32,14 @@ pub fn write_svg(path: &Path, reports: &[Report]) -> Result<(), String> {
         reports.first().map(|r| r.ideal_reuse_ratio),
     )
     .map_err(|e| e.to_string())?;
-    bar_panel(&panels[2], reports, "imbalance (max/mean prefill)", |r| r.imbalance, None)
-        .map_err(|e| e.to_string())?;
+    bar_panel(
+        &panels[2],
+        reports,
+        "imbalance (max/mean prefill)",
+        |r| r.imbalance,
+        None,
+    )
+    .map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())
 }
 
