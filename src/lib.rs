@@ -18,6 +18,7 @@ pub mod routing;
 pub mod select;
 pub mod telemetry;
 pub mod tools;
+pub mod trace;
 pub mod types;
 
 /// Code generated from `proto/kvroute/v1/*.proto`.
