@@ -7,6 +7,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod core;
+pub mod ctl;
 pub mod grpc;
 pub mod hashing;
 pub mod index;
