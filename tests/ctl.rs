@@ -137,7 +137,15 @@ async fn workers_lists_every_worker_as_a_table_and_as_json() {
         assert!(header.contains(column), "{column} missing: {table}");
     }
     assert_eq!(table.lines().count(), 4, "{table}");
-    // Columns line up: every row is as wide as the header at the ID column.
+    // Columns line up: every row's model starts under the MODEL header and
+    // right-aligned numbers end under BLOCKS.
+    let model_at = header.find("MODEL").unwrap();
+    let blocks_end = header.find("BLOCKS").unwrap() + "BLOCKS".len();
+    for line in table.lines().skip(1) {
+        assert!(line[model_at..].starts_with(MODEL), "{table}");
+        assert_ne!(line.as_bytes()[blocks_end - 1], b' ', "{table}");
+        assert_eq!(line.as_bytes()[blocks_end], b' ', "{table}");
+    }
     let one = row(&table, "1");
     assert_eq!(one[1..4], [MODEL, "aggregated", "0"]);
     assert_eq!((one[4], one[5], one[7]), ("1", "0", "no"));
