@@ -27,6 +27,9 @@ pub enum Command {
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Ask a running kvroute what it knows (workers, index stats), why it
+    /// would route a prompt where it does, and cordon or uncordon workers.
+    Ctl(crate::ctl::CtlArgs),
 }
 
 /// Arguments of `kvroute hash`.

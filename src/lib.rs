@@ -7,6 +7,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod core;
+pub mod ctl;
 pub mod grpc;
 pub mod hashing;
 pub mod index;
@@ -19,6 +20,7 @@ pub mod select;
 pub mod sim;
 pub mod telemetry;
 pub mod tools;
+pub mod trace;
 pub mod types;
 
 /// Code generated from `proto/kvroute/v1/*.proto`.

@@ -45,6 +45,7 @@ fn main() -> ExitCode {
                     .map(|report| println!("{}", report.to_json())),
             );
         }
+        Command::Ctl(args) => return report(kvroute::ctl::run(args)),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
