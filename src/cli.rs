@@ -104,13 +104,21 @@ fn clap_error(error: clap::Error) -> CliError {
         | ErrorKind::DisplayVersion
         | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => CliError::Display(error),
         _ => {
+            // clap's first line says what is wrong; when it ends with a colon
+            // (missing arguments) the next lines name them.
             let rendered = error.to_string();
-            let line = rendered
-                .lines()
-                .find(|l| !l.trim().is_empty())
+            let mut lines = rendered.lines().filter(|l| !l.trim().is_empty());
+            let mut line = lines
+                .next()
                 .unwrap_or("invalid arguments")
                 .trim_start_matches("error: ")
                 .to_string();
+            while line.ends_with(':') {
+                let Some(next) = lines.next().filter(|l| l.starts_with("  ")) else {
+                    break;
+                };
+                line = format!("{line} {}", next.trim());
+            }
             CliError::Usage(line)
         }
     }

@@ -178,28 +178,11 @@ fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
 
-/// The `k`-th token of the 512-token run of `hash_id`.
-fn hash_id_token(hash_id: u64, k: usize) -> u32 {
-    let x = super::mix64(
-        hash_id
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .wrapping_add(k as u64 + 1),
-    );
-    (x >> 32) as u32 % TOKEN_VOCAB
-}
-
 /// Prompt tokens of a record: each hash id expands to its own fixed
-/// 512-token run, truncated to `input_length`.
+/// 512-token run, truncated to `input_length` (the expansion `kvroute ctl
+/// explain --trace` and the benchmarks use too, so their prompts match).
 pub fn tokenize(record: &TraceRecord) -> Vec<u32> {
-    let mut tokens = Vec::with_capacity(record.input_length);
-    for &id in &record.hash_ids {
-        let take = (record.input_length - tokens.len()).min(TRACE_BLOCK_TOKENS);
-        tokens.extend((0..take).map(|k| hash_id_token(id, k)));
-        if tokens.len() == record.input_length {
-            break;
-        }
-    }
-    tokens
+    crate::trace::tokens_for(&record.hash_ids, record.input_length)
 }
 
 /// A synthetic output token: unique per request and position, so generated
