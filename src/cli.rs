@@ -59,6 +59,12 @@ pub enum BenchCommand {
         #[arg(long = "impl", default_value = "kvroute")]
         implementation: String,
     },
+    /// Many concurrent gRPC clients calling SelectWorker with trace prompts,
+    /// then Health/Check on the same server: calls/s and latency of each.
+    Select(crate::bench::select::SelectBenchArgs),
+    /// Replay an op log's events through PublishEvents, check the server's
+    /// block counts against an in-process replay, print blocks/s.
+    Ingest(crate::bench::ingest::IngestBenchArgs),
 }
 
 /// Why the command line was refused.

@@ -37,8 +37,8 @@ pub struct RouterCore {
     /// One exact index per model (block sizes differ between models).
     indexes: RwLock<HashMap<String, Arc<KvIndex>>>,
     pub cursors: Mutex<HashMap<WorkerRank, EventCursor>>,
-    /// Bookings, sessions, the WAIT queue and the tie-break RNG (`routing`).
-    pub routing: Mutex<crate::routing::RoutingState>,
+    /// Bookings, sessions and the WAIT queue (`routing`).
+    pub routing: RwLock<crate::routing::RoutingState>,
     /// When this core started: zero of the routing clock.
     pub started: Instant,
 }
@@ -60,7 +60,7 @@ impl RouterCore {
             registry: RwLock::new(Registry::new()),
             indexes: RwLock::new(HashMap::new()),
             cursors: Mutex::new(HashMap::new()),
-            routing: Mutex::new(crate::routing::RoutingState::new(
+            routing: RwLock::new(crate::routing::RoutingState::new(
                 config.queue_capacity,
                 config.session_ttl,
                 config.seed,

@@ -4,6 +4,7 @@
 
 pub mod admission;
 pub mod app;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod core;

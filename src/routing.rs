@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use rand::{SeedableRng, rngs::StdRng};
+use rand::{RngCore, SeedableRng, rngs::StdRng};
 use tokio::sync::oneshot;
 
 use crate::{
@@ -24,7 +24,7 @@ use crate::{
         self, SelectConfig, SelectContext, SelectMode, SelectRequest, Selection,
         affinity::SessionTable, error::SelectError, scoring::cost::CostScorer,
     },
-    types::{LocalHash, WorkerId, WorkerRank},
+    types::{LocalHash, RankMap, WorkerId, WorkerRank},
 };
 
 /// Why a SelectWorker call failed.
@@ -64,26 +64,38 @@ pub struct RouteOutcome {
     pub admitted: Admitted,
 }
 
-/// Mutable routing state, behind one lock (see the module docs).
+/// Mutable routing state, behind one read-write lock (see the module docs):
+/// QUERY_ONLY, ADVISORY and explain calls read it in parallel; RESERVE
+/// calls and the queue write it.
 pub struct RoutingState {
     pub ledger: BookingLedger,
     pub sessions: SessionTable,
     pub queue: WaitQueue<Waiter>,
-    rng: StdRng,
+    /// Seed of every call's tie-break and sampling draws.
+    seed: u64,
 }
 
 impl RoutingState {
+    /// `seed` 0 draws a seed for this process from the OS.
     pub fn new(queue_capacity: usize, session_ttl: Duration, seed: u64) -> Self {
         Self {
             ledger: BookingLedger::new(),
             sessions: SessionTable::new(millis(session_ttl)),
             queue: WaitQueue::new(queue_capacity),
-            rng: if seed == 0 {
-                StdRng::from_os_rng()
+            seed: if seed == 0 {
+                StdRng::from_os_rng().next_u64()
             } else {
-                StdRng::seed_from_u64(seed)
+                seed
             },
         }
+    }
+
+    /// The random source of one call: the router's seed mixed with the
+    /// request id, so a request's draws are reproducible (the same preview
+    /// twice gives the same answer) without a shared, locked generator.
+    fn rng_for(&self, request_id: &str) -> StdRng {
+        let id = xxhash_rust::xxh3::xxh3_64_with_seed(request_id.as_bytes(), self.seed);
+        StdRng::seed_from_u64(id)
     }
 }
 
@@ -99,9 +111,9 @@ fn millis(d: Duration) -> u64 {
 
 /// The inputs of one decision gathered from the registry and the index.
 struct Inputs {
-    workers: Vec<crate::types::WorkerSnapshot>,
-    overlaps: std::collections::HashMap<WorkerRank, u32>,
-    cached_blocks: std::collections::HashMap<WorkerRank, u64>,
+    workers: std::sync::Arc<[crate::types::WorkerSnapshot]>,
+    overlaps: RankMap<u32>,
+    cached_blocks: RankMap<u64>,
 }
 
 impl RouterCore {
@@ -124,18 +136,19 @@ impl RouterCore {
 
     fn gather(&self, request: &SelectRequest, hashes: &[LocalHash]) -> Inputs {
         let workers = self.registry.read().model_snapshots(&request.model);
-        let mut overlaps = std::collections::HashMap::new();
-        let mut cached_blocks = std::collections::HashMap::new();
+        let targets: Vec<WorkerRank> = workers
+            .iter()
+            .flat_map(|w| w.ranks().map(|r| WorkerRank::new(w.worker_id, r)))
+            .collect();
+        let mut overlaps = RankMap::with_capacity_and_hasher(targets.len(), Default::default());
+        let mut cached_blocks =
+            RankMap::with_capacity_and_hasher(targets.len(), Default::default());
         if let Some(index) = self.index_of(&request.model) {
             for overlap in index.find_matches(hashes).scores {
                 overlaps.insert(overlap.worker, overlap.blocks);
             }
-            for worker in &workers {
-                for dp_rank in worker.ranks() {
-                    let target = WorkerRank::new(worker.worker_id, dp_rank);
-                    cached_blocks.insert(target, index.worker_blocks(target));
-                }
-            }
+            let counts = index.worker_blocks_many(&targets);
+            cached_blocks.extend(targets.into_iter().zip(counts));
         }
         Inputs {
             workers,
@@ -146,39 +159,33 @@ impl RouterCore {
 
     fn decide(
         &self,
-        state: &mut RoutingState,
+        state: &RoutingState,
         prepared: &PreparedRequest,
         inputs: &Inputs,
     ) -> Result<Selection, SelectError> {
-        let now_ms = self.now_ms();
-        let RoutingState {
-            ledger,
-            sessions,
-            rng,
-            ..
-        } = state;
         let context = SelectContext {
             workers: &inputs.workers,
             overlaps: &inputs.overlaps,
             cached_blocks: &inputs.cached_blocks,
-            booked: ledger,
-            sessions,
-            now_ms,
+            booked: &state.ledger,
+            sessions: &state.sessions,
+            now_ms: self.now_ms(),
         };
+        let mut rng = state.rng_for(&prepared.request.request_id);
         select::select(
             &prepared.request,
             &context,
             &self.select_config(),
             &CostScorer,
-            rng,
+            &mut rng,
         )
     }
 
     /// Scores a request without changing anything (ExplainSelection).
     pub fn explain(&self, prepared: &PreparedRequest) -> Result<Selection, RouteError> {
         let inputs = self.gather(&prepared.request, &prepared.hashes);
-        let mut state = self.routing.lock();
-        Ok(self.decide(&mut state, prepared, &inputs)?)
+        let state = self.routing.read();
+        Ok(self.decide(&state, prepared, &inputs)?)
     }
 
     /// Routes and books a request at once, whatever its admission mode and
@@ -186,8 +193,8 @@ impl RouterCore {
     /// themselves).
     pub fn route_unqueued(&self, prepared: PreparedRequest) -> Result<RouteOutcome, RouteError> {
         let inputs = self.gather(&prepared.request, &prepared.hashes);
-        let mut state = self.routing.lock();
-        let selection = self.decide(&mut state, &prepared, &inputs)?;
+        let mut state = self.routing.write();
+        let selection = self.decide(&state, &prepared, &inputs)?;
         let booked = self.commit(&mut state, &prepared, &selection)?;
         drop(state);
         let admitted = if booked {
@@ -207,15 +214,21 @@ impl RouterCore {
         let inputs = self.gather(&prepared.request, &prepared.hashes);
         let request_id = prepared.request.request_id.clone();
         let query_only = prepared.request.mode == SelectMode::QueryOnly;
+        if query_only || prepared.admission == AdmissionMode::Advisory {
+            // Nothing to book: decide under the read lock, in parallel.
+            let selection = self.decide(&self.routing.read(), &prepared, &inputs)?;
+            let outcome = match admission::admit(&request_id, prepared.admission, &selection)? {
+                Admission::Advisory => "advisory",
+                _ => "query_only",
+            };
+            return Ok(self.record(selection, Admitted::Untracked, outcome));
+        }
         let (receiver, target) = {
-            let mut state = self.routing.lock();
-            let selection = self.decide(&mut state, &prepared, &inputs)?;
+            let mut state = self.routing.write();
+            let selection = self.decide(&state, &prepared, &inputs)?;
             match admission::admit(&request_id, prepared.admission, &selection)? {
                 Admission::Advisory => {
                     return Ok(self.record(selection, Admitted::Untracked, "advisory"));
-                }
-                Admission::Queue if query_only => {
-                    return Ok(self.record(selection, Admitted::Untracked, "query_only"));
                 }
                 Admission::Admit => {
                     let booked = self.commit(&mut state, &prepared, &selection)?;
@@ -334,7 +347,11 @@ impl RouterCore {
 
     /// Drops a request's booked prefill; idempotent.
     pub fn mark_prefill_complete(&self, request_id: &str) -> bool {
-        let changed = self.routing.lock().ledger.mark_prefill_complete(request_id);
+        let changed = self
+            .routing
+            .write()
+            .ledger
+            .mark_prefill_complete(request_id);
         if changed {
             self.drain_queue();
         }
@@ -344,7 +361,7 @@ impl RouterCore {
     /// Drops all of a request's booked load; idempotent.
     pub fn release_request(&self, request_id: &str) -> bool {
         let changed = {
-            let mut state = self.routing.lock();
+            let mut state = self.routing.write();
             let changed = state.ledger.release(request_id);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             changed
@@ -358,7 +375,7 @@ impl RouterCore {
     /// Drops bookings and sessions of a worker that left.
     pub fn forget_worker(&self, worker_id: WorkerId) {
         {
-            let mut state = self.routing.lock();
+            let mut state = self.routing.write();
             state.ledger.release_worker(worker_id);
             state.sessions.remove_worker(worker_id);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
@@ -371,7 +388,7 @@ impl RouterCore {
     pub fn expire_bookings(&self) -> usize {
         let now_ms = self.now_ms();
         let expired = {
-            let mut state = self.routing.lock();
+            let mut state = self.routing.write();
             let expired = state.ledger.expire(now_ms, millis(self.config.booking_ttl));
             state.sessions.expire(now_ms);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
@@ -386,13 +403,13 @@ impl RouterCore {
 
     /// Admits queued calls, head first, while their choice is not busy.
     pub fn drain_queue(&self) {
-        let mut state = self.routing.lock();
+        let mut state = self.routing.write();
         while let Some(entry) = state.queue.pop() {
             let inputs = self.gather(
                 &entry.payload.prepared.request,
                 &entry.payload.prepared.hashes,
             );
-            let selection = match self.decide(&mut state, &entry.payload.prepared, &inputs) {
+            let selection = match self.decide(&state, &entry.payload.prepared, &inputs) {
                 Ok(selection) => selection,
                 Err(error) => {
                     let _ = entry.payload.reply.send(Err(error.into()));
@@ -423,7 +440,7 @@ impl RouterCore {
 
     /// Fails every queued call (shutdown).
     pub fn fail_queue(&self) {
-        let mut state = self.routing.lock();
+        let mut state = self.routing.write();
         while let Some(entry) = state.queue.pop() {
             let request_id = entry.request_id.clone();
             let _ = entry
@@ -449,7 +466,7 @@ impl Drop for QueueTicket<'_> {
         let Some(mut receiver) = self.receiver.take() else {
             return;
         };
-        let mut state = self.core.routing.lock();
+        let mut state = self.core.routing.write();
         state.queue.remove(&self.request_id);
         if let Ok(Ok(_)) = receiver.try_recv() {
             state.ledger.release(&self.request_id);

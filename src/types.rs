@@ -14,6 +14,10 @@ pub type LocalHash = u64;
 /// The engine's own id of a block: opaque, never used for matching.
 pub type EngineHash = u64;
 
+/// A map keyed by routing target, with a fast non-cryptographic hasher (keys
+/// are server-side ids, and these maps are rebuilt on every routing call).
+pub type RankMap<V> = std::collections::HashMap<WorkerRank, V, rustc_hash::FxBuildHasher>;
+
 /// A routing target: one data-parallel rank of one worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerRank {

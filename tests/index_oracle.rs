@@ -17,20 +17,31 @@ enum Action {
 }
 
 fn action(workers: u64, ranks: u32) -> impl Strategy<Value = Action> {
+    action_with(workers, ranks, 16, 4, 6)
+}
+
+/// `engines` / `locals`: alphabet sizes; `len`: longest store.
+fn action_with(
+    workers: u64,
+    ranks: u32,
+    engines: u64,
+    locals: u64,
+    len: usize,
+) -> impl Strategy<Value = Action> {
     let wr = (0..workers, 0..ranks).prop_map(|(w, r)| WorkerRank::new(w, r));
     // small alphabets so paths collide, engine hashes repeat and parents miss
-    let engine = 0u64..16;
-    let local = 0u64..4;
+    let engine = 0u64..engines;
+    let local = 0u64..locals;
     prop_oneof![
         5 => (wr.clone(), proptest::option::weighted(0.6, engine.clone()),
-              proptest::collection::vec((engine.clone(), local.clone()), 0..6))
+              proptest::collection::vec((engine.clone(), local.clone()), 0..len))
             .prop_map(|(w, parent, blocks)| Action::Event(w, KvEvent::Stored { parent, blocks })),
         2 => (wr.clone(), proptest::collection::vec(engine, 0..5))
             .prop_map(|(w, blocks)| Action::Event(w, KvEvent::Removed { blocks })),
         1 => wr.clone().prop_map(|w| Action::Event(w, KvEvent::Cleared)),
         1 => (0..workers).prop_map(Action::RemoveWorker),
         1 => wr.prop_map(Action::RemoveRank),
-        4 => proptest::collection::vec(local, 0..7).prop_map(Action::Query),
+        4 => proptest::collection::vec(local, 0..len + 1).prop_map(Action::Query),
     ]
 }
 
@@ -83,10 +94,17 @@ fn check(actions: Vec<Action>) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn few_targets(actions in proptest::collection::vec(action(3, 2), 1..80)) {
+        check(actions)?;
+    }
+
+    /// Long stores over a tiny local alphabet: long segments that split
+    /// (branching, partial holds, removes mid-segment) and merge back.
+    #[test]
+    fn long_chains_split_segments(actions in proptest::collection::vec(action_with(3, 2, 48, 2, 14), 1..120)) {
         check(actions)?;
     }
 

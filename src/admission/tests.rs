@@ -1,6 +1,6 @@
 //! Admission verdicts and the RESERVE commit, end to end with `select`.
 
-use std::collections::HashMap;
+use crate::types::RankMap;
 
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -36,8 +36,8 @@ fn request(id: &str, blocks: u64) -> SelectRequest {
 
 struct World {
     workers: Vec<WorkerSnapshot>,
-    overlaps: HashMap<WorkerRank, u32>,
-    cached: HashMap<WorkerRank, u64>,
+    overlaps: RankMap<u32>,
+    cached: RankMap<u64>,
     ledger: BookingLedger,
     sessions: SessionTable,
 }
@@ -46,8 +46,8 @@ impl World {
     fn new(n: u64) -> Self {
         Self {
             workers: (1..=n).map(worker).collect(),
-            overlaps: HashMap::new(),
-            cached: HashMap::new(),
+            overlaps: RankMap::default(),
+            cached: RankMap::default(),
             ledger: BookingLedger::new(),
             sessions: SessionTable::new(10_000),
         }

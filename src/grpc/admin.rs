@@ -38,7 +38,7 @@ impl AdminService {
     fn worker_info(&self, record: &WorkerRecord) -> pb::WorkerInfo {
         let r = &record.registration;
         let booked: Vec<_> = {
-            let state = self.core.routing.lock();
+            let state = self.core.routing.read();
             (0..r.dp_size)
                 .map(|i| {
                     state

@@ -190,6 +190,12 @@ impl KvIndex {
         self.core.read().worker_blocks(worker)
     }
 
+    /// Blocks held by each of `targets`, under one read lock.
+    pub fn worker_blocks_many(&self, targets: &[WorkerRank]) -> Vec<u64> {
+        let core = self.core.read();
+        targets.iter().map(|t| core.worker_blocks(*t)).collect()
+    }
+
     pub fn stats(&self) -> IndexStats {
         self.core.read().stats()
     }

@@ -1,34 +1,61 @@
-//! The single-writer core of the exact index: a block tree in a slab.
+//! The single-writer core of the exact index: a path-compressed block tree.
 //!
 //! Why this exists: it is the fast, compact data structure behind
 //! [`super::KvIndex`]; the rules it implements are in the parent module.
+//! KV trees are mostly long chains (a conversation's turns extend one
+//! chain), so runs of blocks are stored as SEGMENTS: a query compares its
+//! hashes against a segment's contiguous array (no lookup per block) and
+//! does one child lookup per segment.
 //!
-//! Layout (invariants):
-//! * Nodes live in a chunked slab (fixed 4096-node chunks, so growth never
-//!   copies or doubles) and are named by `u32` ids; id 0 is the root. Freed
-//!   ids go on a LIFO free list and are reused. A node is live while some
-//!   target holds it or it has live children; a node left with neither is
-//!   freed at once, and so, in turn, are its ancestors that end up alike.
-//! * Children: a node with at most one child keeps it in `first`; once a node
-//!   has had two children at once it is a BRANCH, and ALL its children are
-//!   in one tree-wide table of node ids hashed by (parent id, local hash) and
-//!   compared against the node itself (4 bytes plus a control byte per edge);
-//!   `first` is then only a hint. The root is always a branch. A branch with
-//!   no children left reverts to a plain node. So chains, the common shape of
-//!   a KV tree, are stored and walked without hashing.
-//! * Targets (worker, dp_rank) are interned into dense slots; the lowest free
-//!   slot is reused. A node records its holders as a bitmask: slots 0..32
-//!   inline, higher slots in the `wide` side table (only nodes with such
-//!   holders have an entry there, flagged by `WIDE`).
-//! * Engine hashes: a node remembers the engine hash it was created with.
-//!   Each slot has a compact table of node ids for the engine hashes that
-//!   equal their node's creation hash (the usual case), and an `alias` map
-//!   for the others. When one slot holds a node through several engine
-//!   hashes, the extra references are counted in `extra_refs`; the holder
-//!   bit is cleared only with the last one.
-//! * A query walks the path once, ANDing the set of still-matching slots
-//!   with each node's holders; a slot that drops out scores the depth
-//!   reached, and the walk stops as soon as the set is empty.
+//! Layout (invariants, checked by `check_invariants` in the tests):
+//! * A segment is a non-empty run of tree positions (blocks) in path order,
+//!   each stored as `[local hash, creation engine hash]`. Positions
+//!   `[0, held)` share the segment's holder set; positions `[held, len)` are
+//!   held by no one (they stay only because deeper positions are held);
+//!   `held == 0` exactly when the holder set is empty, and a childless
+//!   segment has `held == len`. Only the last position has children (each
+//!   child segment's first position). Segments live in a slab of `u32` ids
+//!   with a LIFO free list; id 0 is the root, an always-empty segment.
+//! * A position is named by `(segment id, absolute index)` packed in a u64;
+//!   `Seg::start` is the absolute index of `pairs[0]`, so a split renames
+//!   only the positions that change segment.
+//! * Children: a doubly linked sibling list from `first` (so a split can
+//!   re-parent them), plus one tree-wide table of segment ids hashed by
+//!   (parent id, first local hash) for lookups; `first` is tried first.
+//! * Changes: a store that extends a childless segment held by the storing
+//!   target alone appends to it (turn-by-turn chains stay one array); a
+//!   store that diverges mid-segment, or adds a target to part of one,
+//!   splits it. A remove of the last held position by the only holder just
+//!   lowers `held` (and drops the unheld tail when childless); the last
+//!   position of a shared segment joins the front of its only child when
+//!   that child has the remaining holders; any other remove isolates the
+//!   position by splits. A split moves the smaller side (counting children
+//!   to re-parent) to a new segment and rewrites the moved positions in the
+//!   holders' maps. Segments are not merged otherwise. A segment left with
+//!   no held position and no children is freed, and so, in turn, are its
+//!   ancestors alike.
+//! * Targets (worker, dp_rank) are interned into dense slots; the lowest
+//!   free slot is reused. Holder sets are bitmasks: slots 0..64 inline in
+//!   `mask`, higher slots in a per-segment `wide` vector (empty for most).
+//! * Engine hashes: each slot maps engine hash -> position in a table of
+//!   positions keyed by the position's creation engine hash (the usual
+//!   case; compared through the segment) and an `alias` map for the others.
+//!   When one slot holds a position through several engine hashes, the
+//!   extra references are counted in `extra_refs`; the holder bit goes only
+//!   with the last one. `count` is the slot's number of engine hashes.
+//!   `alias_at` / `alias_more` index the aliases by position, so a split
+//!   renames exactly the moved entries (no scans), even when every target
+//!   has its own engine hashes and aliases are the norm.
+//! * A remove whose blocks are exactly the last held positions of one
+//!   segment held by its target alone (any order, e.g. head first) drops
+//!   them in one step; others go block by block.
+//! * A store runs in one pass; the rare conflict is undone by removing the
+//!   engine hashes it added (`undo`), which restores every observable
+//!   (splits it made remain; they change no answer or stat). Blocks are
+//!   probed before they are written, and a remove finds all its blocks
+//!   before dropping them, so the table misses of one event overlap.
+//! * A query walks segment by segment, ANDing the still-matching slots with
+//!   each segment's holders and comparing hashes linearly up to `held`.
 
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
@@ -37,51 +64,173 @@ use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 
 const NIL: u32 = u32::MAX;
+/// `parent` of a free segment.
+const FREE: u32 = u32::MAX - 1;
 const ROOT: u32 = 0;
-type Mask = u32;
-const INLINE_SLOTS: u32 = Mask::BITS;
-const CHUNK_BITS: u32 = 12;
-const CHUNK: usize = 1 << CHUNK_BITS;
-const BRANCH: u32 = 1 << 31;
-const WIDE: u32 = 1 << 30;
-const KIDS: u32 = WIDE - 1;
+const INLINE_SLOTS: u32 = 64;
 
-#[derive(Clone, Copy, Debug)]
-struct Node {
-    local: LocalHash,
-    /// The engine hash the node was created with (see the module docs).
-    engine: EngineHash,
-    parent: u32,
-    /// The only child, or (for a branch) a hint; NIL if none.
-    first: u32,
-    /// Live children (low bits) | WIDE | BRANCH.
-    kids: u32,
-    /// Holder bits of slots 0..32.
-    mask: Mask,
+type Pos = u64;
+
+#[inline(always)]
+fn pos(seg: u32, abs: u32) -> Pos {
+    (u64::from(seg) << 32) | u64::from(abs)
 }
 
-impl Node {
-    fn held(&self) -> bool {
-        self.mask != 0 || self.kids & WIDE != 0
+#[inline(always)]
+fn pos_seg(p: Pos) -> u32 {
+    (p >> 32) as u32
+}
+
+#[inline(always)]
+fn pos_abs(p: Pos) -> u32 {
+    p as u32
+}
+
+#[derive(Clone, Debug)]
+struct Seg {
+    /// `[local hash, creation engine hash]` per position.
+    pairs: Vec<[u64; 2]>,
+    /// Absolute index of `pairs[0]`.
+    start: u32,
+    /// Parent segment (NIL for the root, FREE for a free segment; then
+    /// `first` links the free list).
+    parent: u32,
+    /// Head of the children list (NIL if none); for a free segment, the
+    /// next free segment.
+    first: u32,
+    /// Sibling links in the parent's children list.
+    prev: u32,
+    next: u32,
+    /// Live children.
+    kids: u32,
+    /// Positions `[0, held)` are held by the holder set, the rest by no
+    /// one (0 exactly when the holder set is empty).
+    held: u32,
+    /// Holder bits of slots 0..64.
+    mask: u64,
+    /// Holder bits of slots 64.., word i covering 64 + 64 * i...
+    wide: Vec<u64>,
+}
+
+impl Seg {
+    fn empty(parent: u32) -> Self {
+        Self {
+            pairs: Vec::new(),
+            start: 0,
+            parent,
+            first: NIL,
+            prev: NIL,
+            next: NIL,
+            kids: 0,
+            held: 0,
+            mask: 0,
+            wide: Vec::new(),
+        }
+    }
+
+    fn has(&self, s: u32) -> bool {
+        if s < INLINE_SLOTS {
+            self.mask & (1 << s) != 0
+        } else {
+            let i = ((s - INLINE_SLOTS) / 64) as usize;
+            self.wide
+                .get(i)
+                .is_some_and(|w| w & (1 << ((s - INLINE_SLOTS) % 64)) != 0)
+        }
+    }
+
+    /// Add holder `s` (to every position, if the segment was unheld).
+    fn set(&mut self, s: u32) {
+        if self.held == 0 {
+            self.held = self.pairs.len() as u32;
+        }
+        if s < INLINE_SLOTS {
+            self.mask |= 1 << s;
+        } else {
+            let i = ((s - INLINE_SLOTS) / 64) as usize;
+            if self.wide.len() <= i {
+                self.wide.resize(i + 1, 0);
+            }
+            if let Some(w) = self.wide.get_mut(i) {
+                *w |= 1 << ((s - INLINE_SLOTS) % 64);
+            }
+        }
+    }
+
+    fn clear(&mut self, s: u32) {
+        if s < INLINE_SLOTS {
+            self.mask &= !(1 << s);
+        } else {
+            let i = ((s - INLINE_SLOTS) / 64) as usize;
+            if let Some(w) = self.wide.get_mut(i) {
+                *w &= !(1 << ((s - INLINE_SLOTS) % 64));
+            }
+            while self.wide.last() == Some(&0) {
+                self.wide.pop();
+            }
+            if self.wide.is_empty() {
+                self.wide = Vec::new();
+            }
+        }
+        if self.mask == 0 && self.wide.is_empty() {
+            self.held = 0;
+        }
+    }
+
+    /// Holder bits for a part of this segment holding `held` positions.
+    fn part(&self, held: u32) -> (u32, u64, Vec<u64>) {
+        if held == 0 {
+            (0, 0, Vec::new())
+        } else {
+            (held, self.mask, self.wide.clone())
+        }
+    }
+
+    /// Held by slot `s` alone.
+    fn only(&self, s: u32) -> bool {
+        s < INLINE_SLOTS && self.mask == 1 << s && self.wide.is_empty() && self.held > 0
+    }
+
+    /// The lowest holder slot >= `from`.
+    fn next_holder(&self, from: u32) -> Option<u32> {
+        if from < INLINE_SLOTS {
+            let m = self.mask & (u64::MAX << from);
+            if m != 0 {
+                return Some(m.trailing_zeros());
+            }
+        }
+        let from = from.max(INLINE_SLOTS) - INLINE_SLOTS;
+        let first = (from / 64) as usize;
+        for (i, &w) in self.wide.iter().enumerate().skip(first) {
+            let w = if i == first {
+                w & (u64::MAX << (from % 64))
+            } else {
+                w
+            };
+            if w != 0 {
+                return Some(INLINE_SLOTS + 64 * i as u32 + w.trailing_zeros());
+            }
+        }
+        None
+    }
+
+    fn end(&self) -> u32 {
+        self.start + self.pairs.len() as u32
     }
 }
-
-const FREE_NODE: Node = Node {
-    local: 0,
-    engine: 0,
-    parent: NIL,
-    first: NIL,
-    kids: 0,
-    mask: 0,
-};
 
 struct Slot {
     worker: WorkerRank,
     live: bool,
-    /// Node ids, keyed by their node's creation engine hash.
-    table: HashTable<u32>,
-    /// Engine hashes that differ from their node's creation hash.
-    alias: FxHashMap<EngineHash, u32>,
+    /// Positions, keyed by their creation engine hash.
+    table: HashTable<Pos>,
+    /// Engine hashes that differ from their position's creation hash.
+    alias: FxHashMap<EngineHash, Pos>,
+    /// The reverse of `alias`, so a split renames an aliased position
+    /// without a scan: one alias hash per position here, any others in
+    /// `alias_more`.
+    alias_at: FxHashMap<Pos, EngineHash>,
+    alias_more: FxHashMap<Pos, Vec<EngineHash>>,
     count: u64,
 }
 
@@ -92,7 +241,59 @@ impl Slot {
             live: true,
             table: HashTable::new(),
             alias: FxHashMap::default(),
+            alias_at: FxHashMap::default(),
+            alias_more: FxHashMap::default(),
             count: 0,
+        }
+    }
+}
+
+impl Slot {
+    fn add_alias(&mut self, e: EngineHash, p: Pos) {
+        self.alias.insert(e, p);
+        match self.alias_at.entry(p) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.alias_more.entry(p).or_default().push(e);
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(e);
+            }
+        }
+    }
+
+    fn remove_alias(&mut self, e: EngineHash) -> Option<Pos> {
+        let p = self.alias.remove(&e)?;
+        if self.alias_at.get(&p) == Some(&e) {
+            let next = self.alias_more.get_mut(&p).and_then(|v| v.pop());
+            match next {
+                Some(x) => {
+                    self.alias_at.insert(p, x);
+                }
+                None => {
+                    self.alias_at.remove(&p);
+                }
+            }
+        } else if let Some(v) = self.alias_more.get_mut(&p) {
+            v.retain(|&x| x != e);
+        }
+        if self.alias_more.get(&p).is_some_and(|v| v.is_empty()) {
+            self.alias_more.remove(&p);
+        }
+        Some(p)
+    }
+
+    /// Position `old` is now named `new`.
+    fn rename_alias(&mut self, old: Pos, new: Pos) {
+        let Some(e) = self.alias_at.remove(&old) else {
+            return;
+        };
+        self.alias_at.insert(new, e);
+        self.alias.insert(e, new);
+        if let Some(v) = self.alias_more.remove(&old) {
+            for &x in &v {
+                self.alias.insert(x, new);
+            }
+            self.alias_more.insert(new, v);
         }
     }
 }
@@ -100,19 +301,27 @@ impl Slot {
 /// The index core. Not synchronized: [`super::KvIndex`] wraps it in a lock.
 pub struct IndexCore {
     block_size: u32,
-    chunks: Vec<Box<[Node]>>,
-    len: u32,
-    free: Vec<u32>,
+    segs: Vec<Seg>,
+    free_head: u32,
+    free_len: u32,
+    /// Live positions (tree nodes).
+    positions: u64,
     edges: HashTable<u32>,
     slots: Vec<Slot>,
     slot_of: FxHashMap<WorkerRank, u32>,
     free_slots: BTreeSet<u32>,
-    /// Holder bits of slots >= 32, per node: word i covers slots 32+64*i...
-    wide: FxHashMap<u32, Vec<u64>>,
-    /// (node, slot) -> references beyond the first.
-    extra_refs: FxHashMap<(u32, u32), u32>,
-    /// Scratch: engine hashes newly added by the event being applied.
+    /// (position, slot) -> references beyond the first.
+    extra_refs: FxHashMap<(Pos, u32), u32>,
+    /// Scratch: engine hashes added by the store being applied.
     undo: Vec<EngineHash>,
+    /// Scratch: positions found by the remove being applied.
+    found: Vec<Option<Pos>>,
+    /// Scratch: positions already seen by a batch remove.
+    seen: Vec<bool>,
+    /// Scratch: (engine hash, index) pairs, sorted to find repeats.
+    scratch: Vec<(EngineHash, usize)>,
+    /// Splits so far (a split moves positions).
+    splits: u64,
     events_applied: u64,
     events_rejected: u64,
     blocks_skipped: u64,
@@ -135,253 +344,379 @@ fn engine_hash(e: EngineHash) -> u64 {
     mix(e, 0x5851_F42D_4C95_7F2D)
 }
 
+/// Where a store's walk stands: after `used` positions of segment `seg`
+/// (relative to its start).
+#[derive(Clone, Copy)]
+struct Cursor {
+    seg: u32,
+    used: u32,
+}
+
 impl IndexCore {
     pub fn new(block_size: u32) -> Self {
-        let mut core = Self {
+        Self {
             block_size,
-            chunks: Vec::new(),
-            len: 0,
-            free: Vec::new(),
+            segs: vec![Seg::empty(NIL)],
+            free_head: NIL,
+            free_len: 0,
+            positions: 0,
             edges: HashTable::new(),
             slots: Vec::new(),
             slot_of: FxHashMap::default(),
             free_slots: BTreeSet::new(),
-            wide: FxHashMap::default(),
             extra_refs: FxHashMap::default(),
             undo: Vec::new(),
+            found: Vec::new(),
+            seen: Vec::new(),
+            scratch: Vec::new(),
+            splits: 0,
             events_applied: 0,
             events_rejected: 0,
             blocks_skipped: 0,
-        };
-        let root = core.alloc(Node {
-            kids: BRANCH,
-            ..FREE_NODE
-        });
-        debug_assert_eq!(root, ROOT);
-        core
+        }
     }
 
     pub fn block_size(&self) -> u32 {
         self.block_size
     }
 
-    // ---- slab ------------------------------------------------------------
+    // ---- segments ----------------------------------------------------------
 
     #[inline(always)]
-    fn node(&self, id: u32) -> Option<&Node> {
-        self.chunks
-            .get((id >> CHUNK_BITS) as usize)
-            .and_then(|c| c.get(id as usize & (CHUNK - 1)))
+    fn seg(&self, id: u32) -> Option<&Seg> {
+        self.segs.get(id as usize)
     }
 
     #[inline(always)]
-    fn node_mut(&mut self, id: u32) -> Option<&mut Node> {
-        self.chunks
-            .get_mut((id >> CHUNK_BITS) as usize)
-            .and_then(|c| c.get_mut(id as usize & (CHUNK - 1)))
+    fn seg_mut(&mut self, id: u32) -> Option<&mut Seg> {
+        self.segs.get_mut(id as usize)
     }
 
-    fn alloc(&mut self, node: Node) -> u32 {
-        if let Some(id) = self.free.pop() {
-            if let Some(n) = self.node_mut(id) {
-                *n = node;
+    fn alloc(&mut self, seg: Seg) -> u32 {
+        match self.free_head {
+            NIL => {
+                self.segs.push(seg);
+                (self.segs.len() - 1) as u32
             }
-            return id;
+            id => {
+                let next = self.seg(id).map_or(NIL, |s| s.first);
+                self.free_head = next;
+                self.free_len -= 1;
+                if let Some(s) = self.seg_mut(id) {
+                    *s = seg;
+                }
+                id
+            }
         }
-        let id = self.len;
-        if id as usize >= self.chunks.len() * CHUNK {
-            self.chunks.push(vec![FREE_NODE; CHUNK].into_boxed_slice());
-        }
-        self.len += 1;
-        if let Some(n) = self.node_mut(id) {
-            *n = node;
-        }
-        id
     }
 
-    // ---- tree primitives -------------------------------------------------
+    /// The local hash at `pairs[0]` of `id` (its edge key).
+    fn head_local(&self, id: u32) -> LocalHash {
+        self.seg(id)
+            .and_then(|s| s.pairs.first())
+            .map_or(0, |p| p[0])
+    }
 
-    /// The child of `parent` (whose node is `p`) with `local`, or NIL.
+    /// The child segment of `parent` whose first local hash is `local`.
     #[inline(always)]
-    fn child_of(&self, parent: u32, p: &Node, local: LocalHash) -> u32 {
-        if let Some(c) = self.node(p.first)
-            && c.local == local
+    fn child(&self, parent: u32, local: LocalHash) -> u32 {
+        let Some(p) = self.seg(parent) else {
+            return NIL;
+        };
+        if p.kids == 0 {
+            return NIL;
+        }
+        if let Some(c) = self.seg(p.first)
+            && c.parent == parent
+            && c.pairs.first().is_some_and(|x| x[0] == local)
         {
             return p.first;
         }
-        if p.kids & BRANCH == 0 {
+        if p.kids == 1 {
             return NIL;
         }
         self.edges
             .find(edge_hash(parent, local), |&id| {
-                self.node(id)
-                    .is_some_and(|n| n.parent == parent && n.local == local)
+                self.seg(id).is_some_and(|n| {
+                    n.parent == parent && n.pairs.first().is_some_and(|x| x[0] == local)
+                })
             })
             .copied()
             .unwrap_or(NIL)
     }
 
-    #[inline(always)]
-    fn child(&self, parent: u32, local: LocalHash) -> u32 {
-        match self.node(parent) {
-            Some(p) => self.child_of(parent, p, local),
-            None => NIL,
-        }
-    }
-
-    fn insert_edge(&mut self, id: u32) {
-        let Some(n) = self.node(id) else {
-            return;
-        };
-        let h = edge_hash(n.parent, n.local);
-        let chunks = &self.chunks;
+    fn insert_edge(&mut self, parent: u32, id: u32) {
+        let h = edge_hash(parent, self.head_local(id));
+        let segs = &self.segs;
         self.edges.insert_unique(h, id, |&x| {
-            chunks
-                .get((x >> CHUNK_BITS) as usize)
-                .and_then(|c| c.get(x as usize & (CHUNK - 1)))
-                .map_or(0, |n| edge_hash(n.parent, n.local))
+            segs.get(x as usize).map_or(0, |n| {
+                edge_hash(n.parent, n.pairs.first().map_or(0, |p| p[0]))
+            })
         });
     }
 
-    /// Create a child of `parent` (known not to have one with `local`).
-    fn new_child(&mut self, parent: u32, local: LocalHash, engine: EngineHash) -> u32 {
-        let id = self.alloc(Node {
-            local,
-            engine,
-            parent,
-            ..FREE_NODE
-        });
-        let Some(p) = self.node(parent).copied() else {
-            return id;
-        };
-        let kids = p.kids & KIDS;
-        let mut branch = p.kids & BRANCH != 0;
-        if !branch && kids >= 1 {
-            // second child at once: the node becomes a branch
-            branch = true;
-            if p.first != NIL {
-                self.insert_edge(p.first);
-            }
+    fn remove_edge(&mut self, parent: u32, id: u32) {
+        let h = edge_hash(parent, self.head_local(id));
+        if let Ok(e) = self.edges.find_entry(h, |&x| x == id) {
+            e.remove();
         }
-        if branch {
-            self.insert_edge(id);
-        }
-        if let Some(pm) = self.node_mut(parent) {
-            pm.kids = (pm.kids & !KIDS) | (kids + 1) | if branch { BRANCH } else { 0 };
-            pm.first = id;
-        }
+    }
+
+    /// A new child segment of `parent`.
+    fn new_child(&mut self, parent: u32, seg: Seg) -> u32 {
+        let id = self.alloc(seg);
+        self.link(parent, id);
         id
     }
 
-    /// Free `id` and then its ancestors while each is unheld and childless.
+    /// Put `id` (whose `parent` is set) into `parent`'s children.
+    fn link(&mut self, parent: u32, id: u32) {
+        self.insert_edge(parent, id);
+        let head = self.seg(parent).map_or(NIL, |p| p.first);
+        if let Some(c) = self.seg_mut(id) {
+            c.prev = NIL;
+            c.next = head;
+        }
+        if let Some(h) = self.seg_mut(head) {
+            h.prev = id;
+        }
+        if let Some(p) = self.seg_mut(parent) {
+            p.first = id;
+            p.kids += 1;
+        }
+    }
+
+    /// Take `id` out of `parent`'s children.
+    fn unlink(&mut self, parent: u32, id: u32) {
+        self.remove_edge(parent, id);
+        let (prev, next) = self.seg(id).map_or((NIL, NIL), |c| (c.prev, c.next));
+        if let Some(p) = self.seg_mut(prev) {
+            p.next = next;
+        }
+        if let Some(n) = self.seg_mut(next) {
+            n.prev = prev;
+        }
+        if let Some(p) = self.seg_mut(parent) {
+            if p.first == id {
+                p.first = next;
+            }
+            p.kids = p.kids.saturating_sub(1);
+        }
+    }
+
+    /// Restore the invariants of a segment that may have lost holders or
+    /// children: a childless segment drops its unheld tail; one left with
+    /// no held position is freed, and its parent is checked in turn.
     fn prune(&mut self, mut id: u32) {
         while id != ROOT {
-            let Some(&n) = self.node(id) else {
+            let Some(g) = self.seg_mut(id) else {
                 return;
             };
-            if n.held() || n.kids & KIDS != 0 {
+            let len = g.pairs.len() as u32;
+            if g.parent == FREE || g.kids != 0 || (g.held == len && len > 0) {
                 return;
             }
-            let Some(p) = self.node(n.parent).copied() else {
+            if g.held > 0 {
+                g.pairs.truncate(g.held as usize);
+                if g.pairs.len() * 4 < g.pairs.capacity() {
+                    g.pairs.shrink_to_fit();
+                }
+                self.positions -= u64::from(len - g.held);
                 return;
-            };
-            if p.kids & BRANCH != 0
-                && let Ok(e) = self
-                    .edges
-                    .find_entry(edge_hash(n.parent, n.local), |&x| x == id)
-            {
-                e.remove();
             }
-            if let Some(slot) = self.node_mut(id) {
-                *slot = FREE_NODE;
+            let parent = g.parent;
+            self.unlink(parent, id);
+            let next_free = self.free_head;
+            if let Some(x) = self.seg_mut(id) {
+                *x = Seg::empty(FREE);
+                x.first = next_free;
             }
-            self.free.push(id);
-            let parent = n.parent;
-            if let Some(pm) = self.node_mut(parent) {
-                let kids = (pm.kids & KIDS).saturating_sub(1);
-                let mut flags = pm.kids & !KIDS;
-                if kids == 0 && parent != ROOT {
-                    flags &= !BRANCH;
-                }
-                pm.kids = flags | kids;
-                if pm.first == id {
-                    pm.first = NIL;
-                }
-            }
+            self.free_head = id;
+            self.free_len += 1;
+            self.positions -= u64::from(len);
             id = parent;
         }
     }
 
-    /// Set `slot`'s holder bit on `id`; returns false if it was already set.
-    fn set_bit(&mut self, id: u32, slot: u32) -> bool {
-        if slot < INLINE_SLOTS {
-            return match self.node_mut(id) {
-                Some(n) => {
-                    let b: Mask = 1 << slot;
-                    let newly = n.mask & b == 0;
-                    n.mask |= b;
-                    newly
-                }
-                None => false,
-            };
-        }
-        let word = ((slot - INLINE_SLOTS) / 64) as usize;
-        let b = 1u64 << ((slot - INLINE_SLOTS) % 64);
-        let words = self.wide.entry(id).or_default();
-        if words.len() <= word {
-            words.resize(word + 1, 0);
-        }
-        let newly = words.get_mut(word).is_some_and(|w| {
-            let newly = *w & b == 0;
-            *w |= b;
-            newly
-        });
-        if let Some(n) = self.node_mut(id) {
-            n.kids |= WIDE;
-        }
-        newly
-    }
-
-    fn clear_bit(&mut self, id: u32, slot: u32) {
-        if slot < INLINE_SLOTS {
-            if let Some(n) = self.node_mut(id) {
-                n.mask &= !(1 << slot);
-            }
-            return;
-        }
-        let word = ((slot - INLINE_SLOTS) / 64) as usize;
-        let b = 1u64 << ((slot - INLINE_SLOTS) % 64);
-        let mut empty = false;
-        if let Some(words) = self.wide.get_mut(&id) {
-            if let Some(w) = words.get_mut(word) {
-                *w &= !b;
-            }
-            empty = words.iter().all(|&w| w == 0);
-        }
-        if empty {
-            self.wide.remove(&id);
-            if let Some(n) = self.node_mut(id) {
-                n.kids &= !WIDE;
-            }
+    /// Split segment `id` before relative index `k` (0 < k < len) and
+    /// return (head, tail); one of them is `id`. The side with fewer
+    /// positions (plus children to re-parent) moves to a new segment.
+    fn split(&mut self, id: u32, k: u32) -> (u32, u32) {
+        let Some(s) = self.seg(id) else {
+            return (NIL, NIL);
+        };
+        let len = s.pairs.len() as u32;
+        if k <= len - k + s.kids {
+            (self.split_head(id, k), id)
+        } else {
+            (id, self.split_tail(id, k))
         }
     }
 
-    /// Drop one reference of `slot` to node `id`, pruning if it was the last.
-    fn release(&mut self, id: u32, slot: u32) {
-        if !self.extra_refs.is_empty()
-            && let Some(r) = self.extra_refs.get_mut(&(id, slot))
+    /// Split moving the head `[0, k)` to a new segment (returned), which
+    /// takes `id`'s place under its parent; `id` becomes its only child.
+    fn split_head(&mut self, id: u32, k: u32) -> u32 {
+        self.splits += 1;
+        let Some(s) = self.seg_mut(id) else {
+            return NIL;
+        };
+        let head_pairs: Vec<[u64; 2]> = s.pairs.drain(..k as usize).collect();
+        let (held, mask, wide) = s.part(s.held.min(k));
+        let (t_held, t_mask, t_wide) = s.part(s.held.saturating_sub(k));
+        (s.held, s.mask, s.wide) = (t_held, t_mask, t_wide);
+        let head = Seg {
+            pairs: head_pairs,
+            start: s.start,
+            parent: s.parent,
+            first: id,
+            prev: s.prev,
+            next: s.next,
+            kids: 1,
+            held,
+            mask,
+            wide,
+        };
+        let old_start = s.start;
+        s.start += k;
+        let (parent, prev, next) = (s.parent, s.prev, s.next);
+        let h = self.alloc(head);
+        // the head takes the segment's place under its parent
+        let key = edge_hash(parent, self.head_local(h));
+        if let Some(slot) = self.edges.find_mut(key, |&x| x == id) {
+            *slot = h;
+        }
+        if let Some(p) = self.seg_mut(prev) {
+            p.next = h;
+        }
+        if let Some(n) = self.seg_mut(next) {
+            n.prev = h;
+        }
+        if let Some(p) = self.seg_mut(parent)
+            && p.first == id
         {
-            *r -= 1;
-            if *r == 0 {
-                self.extra_refs.remove(&(id, slot));
-            }
-            return;
+            p.first = h;
         }
-        self.clear_bit(id, slot);
-        self.prune(id);
+        if let Some(s) = self.seg_mut(id) {
+            s.parent = h;
+            s.prev = NIL;
+            s.next = NIL;
+        }
+        self.insert_edge(h, id);
+        self.moved(id, h, old_start, old_start + k);
+        h
     }
 
-    // ---- slots -----------------------------------------------------------
+    /// Split moving the tail `[k, len)` and `id`'s children to a new
+    /// segment (returned), `id`'s only child.
+    fn split_tail(&mut self, id: u32, k: u32) -> u32 {
+        self.splits += 1;
+        let Some(s) = self.seg_mut(id) else {
+            return NIL;
+        };
+        let tail_pairs: Vec<[u64; 2]> = s.pairs.drain(k as usize..).collect();
+        let (held, mask, wide) = s.part(s.held.saturating_sub(k));
+        let (h_held, h_mask, h_wide) = s.part(s.held.min(k));
+        (s.held, s.mask, s.wide) = (h_held, h_mask, h_wide);
+        if s.pairs.len() * 4 < s.pairs.capacity() {
+            s.pairs.shrink_to_fit();
+        }
+        let tail = Seg {
+            pairs: tail_pairs,
+            start: s.start + k,
+            parent: id,
+            first: s.first,
+            prev: NIL,
+            next: NIL,
+            kids: s.kids,
+            held,
+            mask,
+            wide,
+        };
+        let (from, to) = (tail.start, tail.start + tail.pairs.len() as u32);
+        s.first = NIL;
+        s.kids = 0;
+        let t = self.alloc(tail);
+        let mut c = self.seg(t).map_or(NIL, |g| g.first);
+        while c != NIL {
+            self.remove_edge(id, c);
+            if let Some(g) = self.seg_mut(c) {
+                g.parent = t;
+            }
+            self.insert_edge(t, c);
+            c = self.seg(c).map_or(NIL, |g| g.next);
+        }
+        self.link(id, t);
+        self.moved(id, t, from, to);
+        t
+    }
+
+    /// Move the last position of `id` (fully held, two or more positions)
+    /// to the front of its only child `c`, contiguous with it; the caller
+    /// has checked that `c`'s holders are the position's holders after the
+    /// change.
+    fn shift_into_child(&mut self, id: u32, c: u32) {
+        self.splits += 1;
+        self.remove_edge(id, c);
+        let Some(g) = self.seg_mut(id) else {
+            return;
+        };
+        let Some(last) = g.pairs.pop() else {
+            return;
+        };
+        g.held -= 1;
+        if let Some(k) = self.seg_mut(c) {
+            k.pairs.insert(0, last);
+            k.start -= 1;
+            k.held += 1;
+            let abs = k.start;
+            self.insert_edge(id, c);
+            self.moved(id, c, abs, abs + 1);
+        }
+    }
+
+    /// Positions `[from, to)` of segment `old` now belong to `new`: update
+    /// every holder's maps.
+    fn moved(&mut self, old: u32, new: u32, from: u32, to: u32) {
+        let Some(n) = self.segs.get(new as usize) else {
+            return;
+        };
+        let start = n.start;
+        let to = to.min(start + n.held);
+        let mut next = 0u32;
+        while let Some(s) = n.next_holder(next) {
+            next = s + 1;
+            let Some(slot) = self.slots.get_mut(s as usize) else {
+                continue;
+            };
+            for abs in from..to {
+                let Some(&[_, e]) = n.pairs.get((abs - start) as usize) else {
+                    continue;
+                };
+                let (old_p, new_p) = (pos(old, abs), pos(new, abs));
+                if let Some(v) = slot.table.find_mut(engine_hash(e), |&p| p == old_p) {
+                    *v = new_p;
+                }
+                if !slot.alias.is_empty() {
+                    slot.rename_alias(old_p, new_p);
+                }
+                if !self.extra_refs.is_empty()
+                    && let Some(r) = self.extra_refs.remove(&(old_p, s))
+                {
+                    self.extra_refs.insert((new_p, s), r);
+                }
+            }
+        }
+    }
+
+    /// The creation engine hash at position `p`.
+    #[inline(always)]
+    fn engine_at(&self, p: Pos) -> Option<EngineHash> {
+        let s = self.seg(pos_seg(p))?;
+        let i = pos_abs(p).checked_sub(s.start)? as usize;
+        s.pairs.get(i).map(|x| x[1])
+    }
+
+    // ---- slots -------------------------------------------------------------
 
     fn slot_or_create(&mut self, worker: WorkerRank) -> u32 {
         if let Some(&s) = self.slot_of.get(&worker) {
@@ -412,13 +747,14 @@ impl IndexCore {
         }
     }
 
-    /// The node slot `s` holds under engine hash `e`.
-    fn lookup(&self, s: u32, e: EngineHash) -> Option<u32> {
+    /// The position slot `s` holds under engine hash `e`.
+    fn lookup(&self, s: u32, e: EngineHash) -> Option<Pos> {
         let slot = self.slots.get(s as usize)?;
-        if let Some(&id) = slot.table.find(engine_hash(e), |&id| {
-            self.node(id).is_some_and(|n| n.engine == e)
-        }) {
-            return Some(id);
+        if let Some(&p) = slot
+            .table
+            .find(engine_hash(e), |&p| self.engine_at(p) == Some(e))
+        {
+            return Some(p);
         }
         if slot.alias.is_empty() {
             None
@@ -427,77 +763,220 @@ impl IndexCore {
         }
     }
 
+    /// Record that slot `s` holds position `p` under `e` (known not yet in
+    /// its maps); the caller sets the holder bit or counts the extra ref.
+    fn map_insert(&mut self, s: u32, p: Pos, e: EngineHash) {
+        let canonical = self.engine_at(p) == Some(e);
+        let segs = &self.segs;
+        let Some(slot) = self.slots.get_mut(s as usize) else {
+            return;
+        };
+        if canonical {
+            slot.table.insert_unique(engine_hash(e), p, |&x| {
+                engine_hash(engine_in(segs, x).unwrap_or(0))
+            });
+        } else {
+            slot.add_alias(e, p);
+        }
+        slot.count += 1;
+    }
+
     /// Drop every block of slot `s`; the slot stays registered.
     fn clear_slot(&mut self, s: u32) -> u64 {
-        let (table, alias, n) = match self.slots.get_mut(s as usize) {
-            Some(slot) => (
-                std::mem::take(&mut slot.table),
-                std::mem::take(&mut slot.alias),
-                std::mem::replace(&mut slot.count, 0),
-            ),
+        let n = match self.slots.get_mut(s as usize) {
+            Some(slot) => {
+                slot.table = HashTable::new();
+                slot.alias = FxHashMap::default();
+                slot.alias_at = FxHashMap::default();
+                slot.alias_more = FxHashMap::default();
+                std::mem::replace(&mut slot.count, 0)
+            }
             None => return 0,
         };
-        for id in table.into_iter().chain(alias.into_values()) {
-            self.release(id, s);
+        if n == 0 {
+            return 0;
+        }
+        if !self.extra_refs.is_empty() {
+            self.extra_refs.retain(|&(_, x), _| x != s);
+        }
+        for id in 1..self.segs.len() as u32 {
+            let held = self.seg(id).is_some_and(|g| g.parent != FREE && g.has(s));
+            if held {
+                if let Some(g) = self.seg_mut(id) {
+                    g.clear(s);
+                }
+                self.prune(id);
+            }
         }
         n
     }
 
     fn remove_engine_hash(&mut self, s: u32, e: EngineHash) -> bool {
-        let chunks = &self.chunks;
-        let Some(slot) = self.slots.get_mut(s as usize) else {
-            return false;
-        };
-        let found = match slot.table.find_entry(engine_hash(e), |&id| {
-            chunks
-                .get((id >> CHUNK_BITS) as usize)
-                .and_then(|c| c.get(id as usize & (CHUNK - 1)))
-                .is_some_and(|n| n.engine == e)
-        }) {
-            Ok(entry) => Some(entry.remove().0),
-            Err(_) => {
-                if slot.alias.is_empty() {
-                    None
-                } else {
-                    slot.alias.remove(&e)
-                }
-            }
-        };
-        match found {
-            Some(id) => {
-                slot.count -= 1;
-                self.release(id, s);
-                true
-            }
+        match self.lookup(s, e) {
+            Some(p) => self.remove_at(s, e, p),
             None => false,
         }
     }
 
-    /// Record that slot `s` holds node `id` under `e` (known not yet held).
-    fn hold(&mut self, s: u32, id: u32, e: EngineHash) {
-        let canonical = self.node(id).is_some_and(|n| n.engine == e);
-        let chunks = &self.chunks;
-        let Some(slot) = self.slots.get_mut(s as usize) else {
-            return;
-        };
-        if canonical {
-            slot.table.insert_unique(engine_hash(e), id, |&x| {
-                chunks
-                    .get((x >> CHUNK_BITS) as usize)
-                    .and_then(|c| c.get(x as usize & (CHUNK - 1)))
-                    .map_or(0, |n| engine_hash(n.engine))
+    /// The batch case of a remove: when `blocks` (found at `found`) are
+    /// exactly the last held positions of one segment held by `s` alone,
+    /// through canonical entries, in any order, drop them at once (no
+    /// isolating splits even when they are removed head first). None, and
+    /// nothing changed, otherwise.
+    fn remove_suffix(
+        &mut self,
+        s: u32,
+        blocks: &[EngineHash],
+        found: &[Option<Pos>],
+    ) -> Option<u64> {
+        let n = blocks.len() as u32;
+        let first = (*found.first()?)?;
+        let id = pos_seg(first);
+        let g = self.seg(id)?;
+        if n < 2 || !g.only(s) || g.held < n {
+            return None;
+        }
+        let lo = g.start + g.held - n;
+        let mut seen = std::mem::take(&mut self.seen);
+        seen.clear();
+        seen.resize(n as usize, false);
+        let mut all = true;
+        for (&e, &p) in blocks.iter().zip(found) {
+            let ok = p.is_some_and(|p| {
+                pos_seg(p) == id
+                    && pos_abs(p) >= lo
+                    && pos_abs(p) - lo < n
+                    && self.engine_at(p) == Some(e)
+                    && (self.extra_refs.is_empty() || !self.extra_refs.contains_key(&(p, s)))
+                    && !seen
+                        .get((pos_abs(p) - lo) as usize)
+                        .copied()
+                        .unwrap_or(true)
             });
-        } else {
-            slot.alias.insert(e, id);
+            if !ok {
+                all = false;
+                break;
+            }
+            if let Some(x) = p.and_then(|p| seen.get_mut((pos_abs(p) - lo) as usize)) {
+                *x = true;
+            }
         }
-        slot.count += 1;
-        self.undo.push(e);
-        if !self.set_bit(id, s) {
-            *self.extra_refs.entry((id, s)).or_insert(0) += 1;
+        self.seen = seen;
+        if !all {
+            return None;
         }
+        let slot = self.slots.get_mut(s as usize)?;
+        for (&e, &p) in blocks.iter().zip(found) {
+            if let Ok(entry) = slot.table.find_entry(engine_hash(e), |&x| Some(x) == p) {
+                entry.remove();
+            }
+        }
+        slot.count -= u64::from(n);
+        if let Some(g) = self.seg_mut(id) {
+            g.held -= n;
+            if g.held == 0 {
+                g.mask = 0;
+            }
+        }
+        self.prune(id);
+        Some(u64::from(n))
     }
 
-    // ---- events ----------------------------------------------------------
+    /// Drop slot `s`'s engine hash `e`, which it holds at position `p`
+    /// (false if that entry is gone, e.g. removed earlier in the event).
+    fn remove_at(&mut self, s: u32, e: EngineHash, p: Pos) -> bool {
+        let canonical = self.engine_at(p) == Some(e);
+        let Some(slot) = self.slots.get_mut(s as usize) else {
+            return false;
+        };
+        let removed = if canonical {
+            match slot.table.find_entry(engine_hash(e), |&x| x == p) {
+                Ok(entry) => {
+                    entry.remove();
+                    true
+                }
+                Err(_) => false,
+            }
+        } else {
+            slot.remove_alias(e).is_some()
+        };
+        if !removed {
+            return false;
+        }
+        slot.count -= 1;
+        if !self.extra_refs.is_empty()
+            && let Some(r) = self.extra_refs.get_mut(&(p, s))
+        {
+            *r -= 1;
+            if *r == 0 {
+                self.extra_refs.remove(&(p, s));
+            }
+            return true;
+        }
+        self.unhold(s, p);
+        true
+    }
+
+    /// Slot `s` no longer holds position `p` (its last reference is gone).
+    fn unhold(&mut self, s: u32, p: Pos) {
+        let id = pos_seg(p);
+        let Some(g) = self.seg_mut(id) else {
+            return;
+        };
+        let Some(i) = pos_abs(p).checked_sub(g.start) else {
+            return;
+        };
+        if i + 1 == g.held && g.only(s) {
+            // the usual eviction: the last held position, held by `s` alone
+            g.held -= 1;
+            if g.held == 0 {
+                g.mask = 0;
+            }
+            self.prune(id);
+            return;
+        }
+        let len = g.pairs.len() as u32;
+        if i + 1 == len && g.held == len && len > 1 && g.kids == 1 && g.wide.is_empty() {
+            // the last position of a shared segment: if its only child is
+            // held by the others alone, the position joins that child
+            let (c, end) = (g.first, g.end());
+            let others = g.mask & !(1u64 << s.min(63));
+            if s < INLINE_SLOTS
+                && self.seg(c).is_some_and(|k| {
+                    k.start == end && k.held > 0 && k.mask == others && k.wide.is_empty()
+                })
+            {
+                self.shift_into_child(id, c);
+                return;
+            }
+        }
+        let Some(g) = self.seg(id) else {
+            return;
+        };
+        if g.held < len {
+            // make the segment fully held: its unheld tail moves out
+            let k = g.held;
+            self.split_tail(id, k);
+        }
+        let Some(g) = self.seg(id) else {
+            return;
+        };
+        let len = g.pairs.len() as u32;
+        // isolate the position in a segment of its own
+        let mut t = id;
+        if i + 1 < len {
+            t = self.split(t, i + 1).0;
+        }
+        if i > 0 {
+            t = self.split(t, i).1;
+        }
+        if let Some(g) = self.seg_mut(t) {
+            g.clear(s);
+        }
+        self.prune(t);
+    }
+
+    // ---- events ------------------------------------------------------------
 
     pub fn apply(
         &mut self,
@@ -533,15 +1012,69 @@ impl IndexCore {
                 skipped: blocks.len() as u64,
             };
         };
+        // pass 1: find every block (independent reads the CPU overlaps)
+        let mut found = std::mem::take(&mut self.found);
+        found.clear();
+        found.extend(blocks.iter().map(|&e| self.lookup(s, e)));
+        if let Some(n) = self.remove_suffix(s, blocks, &found) {
+            self.found = found;
+            return ApplyOutcome {
+                applied: n,
+                skipped: 0,
+            };
+        }
+        // pass 2: drop them; a split moves positions, so after one the
+        // remaining blocks are looked up again
         let mut out = ApplyOutcome::default();
-        for &e in blocks {
-            if self.remove_engine_hash(s, e) {
+        let splits = self.splits;
+        for (&e, &p) in blocks.iter().zip(found.iter()) {
+            let p = if self.splits == splits {
+                p
+            } else {
+                self.lookup(s, e)
+            };
+            if p.is_some_and(|p| self.remove_at(s, e, p)) {
                 out.applied += 1;
             } else {
                 out.skipped += 1;
             }
         }
+        self.found = found;
         out
+    }
+
+    /// The existing position a walk reaches from `c` with `local`, advancing
+    /// the cursor; None if the path ends (the block would be new).
+    #[inline(always)]
+    fn step(&self, c: &mut Cursor, local: LocalHash) -> Option<Pos> {
+        let g = self.seg(c.seg)?;
+        if (c.used as usize) < g.pairs.len() {
+            if g.pairs.get(c.used as usize).is_some_and(|x| x[0] == local) {
+                let p = pos(c.seg, g.start + c.used);
+                c.used += 1;
+                return Some(p);
+            }
+            return None;
+        }
+        let ch = self.child(c.seg, local);
+        let g = self.seg(ch)?;
+        c.seg = ch;
+        c.used = 1;
+        Some(pos(ch, g.start))
+    }
+
+    fn start_cursor(&self, parent: Option<Pos>) -> Cursor {
+        match parent {
+            None => Cursor { seg: ROOT, used: 0 },
+            Some(p) => {
+                let id = pos_seg(p);
+                let start = self.seg(id).map_or(0, |g| g.start);
+                Cursor {
+                    seg: id,
+                    used: pos_abs(p) - start + 1,
+                }
+            }
+        }
     }
 
     fn store(
@@ -551,10 +1084,10 @@ impl IndexCore {
         blocks: &[(EngineHash, LocalHash)],
     ) -> Result<ApplyOutcome, IndexError> {
         let existing = self.slot_of.get(&worker).copied();
-        let mut cur = match parent {
-            None => ROOT,
+        let parent_pos = match parent {
+            None => None,
             Some(p) => match existing.and_then(|s| self.lookup(s, p)) {
-                Some(id) => id,
+                Some(x) => Some(x),
                 None => return Err(IndexError::UnknownParent { worker, parent: p }),
             },
         };
@@ -563,62 +1096,22 @@ impl IndexCore {
         }
         let s = self.slot_or_create(worker);
         self.undo.clear();
-        let mut out = ApplyOutcome::default();
-        // once a block is new to the tree, every later block is too
-        let mut fresh = false;
-        for &(e, local) in blocks {
-            let id = if fresh { NIL } else { self.child(cur, local) };
-            let (id, created) = if id == NIL {
-                fresh = true;
-                (self.new_child(cur, local, e), true)
-            } else {
-                (id, false)
-            };
-            let held = if created
-                && self
-                    .slots
-                    .get(s as usize)
-                    .is_some_and(|sl| sl.alias.is_empty())
-            {
-                // only a canonical entry could clash; probe the table alone
-                self.table_get(s, e)
-            } else {
-                self.lookup(s, e)
-            };
-            match held {
-                Some(h) if h == id => out.skipped += 1,
-                Some(_) => {
-                    self.rollback(s, id, existing.is_none());
-                    return Err(IndexError::EngineHashConflict {
-                        worker,
-                        engine_hash: e,
-                    });
-                }
-                None => {
-                    self.hold(s, id, e);
-                    out.applied += 1;
-                }
-            }
-            cur = id;
-        }
-        Ok(out)
-    }
-
-    fn table_get(&self, s: u32, e: EngineHash) -> Option<u32> {
-        self.slots.get(s as usize).and_then(|slot| {
-            slot.table
-                .find(engine_hash(e), |&id| {
-                    self.node(id).is_some_and(|n| n.engine == e)
+        match self.store_blocks(s, parent_pos, blocks) {
+            Ok(out) => Ok(out),
+            Err(engine_hash) => {
+                self.rollback(s, existing.is_none());
+                Err(IndexError::EngineHashConflict {
+                    worker,
+                    engine_hash,
                 })
-                .copied()
-        })
+            }
+        }
     }
 
-    /// Undo the blocks the current store added, prune `pending` (a node the
-    /// store may have created without holding it), and drop a slot the store
-    /// created.
-    fn rollback(&mut self, s: u32, pending: u32, new_slot: bool) {
-        self.prune(pending);
+    /// Undo the blocks the failed store added (every structural change it
+    /// made either goes with them or is a split, which changes nothing a
+    /// query or the stats can see), and drop a slot the store created.
+    fn rollback(&mut self, s: u32, new_slot: bool) {
         let undo = std::mem::take(&mut self.undo);
         for &e in undo.iter().rev() {
             self.remove_engine_hash(s, e);
@@ -627,6 +1120,228 @@ impl IndexCore {
         if new_slot {
             self.release_slot(s);
         }
+    }
+
+    /// The store proper, in one pass; on a conflict returns the engine hash
+    /// with everything it added recorded in `undo`.
+    fn store_blocks(
+        &mut self,
+        s: u32,
+        parent_pos: Option<Pos>,
+        blocks: &[(EngineHash, LocalHash)],
+    ) -> Result<ApplyOutcome, EngineHash> {
+        let mut out = ApplyOutcome::default();
+        let mut c = self.start_cursor(parent_pos);
+        let mut i = 0usize;
+        while i < blocks.len() {
+            let Some(&(e, local)) = blocks.get(i) else {
+                break;
+            };
+            let Some(g) = self.seg(c.seg) else {
+                break;
+            };
+            let len = g.pairs.len() as u32;
+            let mut next = c;
+            let Some(p) = self.step(&mut next, local) else {
+                // the rest is new
+                if c.used < len {
+                    c = Cursor {
+                        seg: self.split(c.seg, c.used).0,
+                        used: c.used,
+                    };
+                }
+                let rest = blocks.get(i..).unwrap_or(&[]);
+                self.append_new(s, c.seg, rest)?;
+                out.applied += rest.len() as u64;
+                break;
+            };
+            let id = pos_seg(p);
+            let Some(g) = self.seg(id) else {
+                break;
+            };
+            let rel = pos_abs(p) - g.start;
+            let glen = g.pairs.len() as u32;
+            if rel < g.held && g.has(s) {
+                match self.lookup(s, e) {
+                    Some(x) if x == p => out.skipped += 1,
+                    Some(_) => return Err(e),
+                    None => {
+                        self.map_insert(s, p, e);
+                        self.undo.push(e);
+                        *self.extra_refs.entry((p, s)).or_insert(0) += 1;
+                        out.applied += 1;
+                    }
+                }
+                c = next;
+                i += 1;
+                continue;
+            }
+            if g.held > 0 && g.held < glen {
+                // make the segment uniform first: its unheld tail moves out
+                let k = g.held;
+                let t = self.split_tail(id, k);
+                if c.seg == id && c.used > k {
+                    c = Cursor {
+                        seg: t,
+                        used: c.used - k,
+                    };
+                }
+                continue;
+            }
+            // `s` holds no position of this segment: add it to the run of
+            // positions the event covers, splitting off the rest
+            let mut run = 1u32;
+            while rel + run < glen
+                && let (Some(x), Some(b)) = (
+                    g.pairs.get((rel + run) as usize),
+                    blocks.get(i + run as usize),
+                )
+                && x[0] == b.1
+            {
+                run += 1;
+            }
+            let run_blocks = blocks.get(i..i + run as usize).unwrap_or(&[]);
+            self.check_new(s, run_blocks)?;
+            let mut r = id;
+            if rel > 0 {
+                r = self.split(r, rel).1;
+            }
+            if run < glen - rel {
+                r = self.split(r, run).0;
+            }
+            if let Some(g) = self.seg_mut(r) {
+                g.set(s);
+            }
+            let start = self.seg(r).map_or(0, |g| g.start);
+            for (k, &(e, _)) in run_blocks.iter().enumerate() {
+                self.map_insert(s, pos(r, start + k as u32), e);
+                self.undo.push(e);
+            }
+            out.applied += u64::from(run);
+            i += run as usize;
+            c = Cursor { seg: r, used: run };
+        }
+        Ok(out)
+    }
+
+    /// Err(e) for the first of `blocks` whose engine hash slot `s`
+    /// already holds or that repeats an earlier one of them.
+    fn check_new(&mut self, s: u32, blocks: &[(EngineHash, LocalHash)]) -> Result<(), EngineHash> {
+        let held = blocks.iter().position(|b| self.lookup(s, b.0).is_some());
+        let dup = self.first_dup(blocks);
+        match (held, dup) {
+            (Some(i), Some(j)) => Err(blocks.get(i.min(j)).map_or(0, |b| b.0)),
+            (Some(i), None) | (None, Some(i)) => Err(blocks.get(i).map_or(0, |b| b.0)),
+            (None, None) => Ok(()),
+        }
+    }
+
+    /// The first index of `blocks` whose engine hash repeats an earlier one.
+    fn first_dup(&mut self, blocks: &[(EngineHash, LocalHash)]) -> Option<usize> {
+        if blocks.len() < 2 {
+            return None;
+        }
+        let sorted = &mut self.scratch;
+        sorted.clear();
+        sorted.extend(blocks.iter().enumerate().map(|(i, b)| (b.0, i)));
+        sorted.sort_unstable();
+        sorted
+            .windows(2)
+            .filter_map(|w| match w {
+                [a, b] if a.0 == b.0 => Some(b.1),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// Hang new `blocks` under the end of segment `at` for slot `s`; on a
+    /// conflict, the blocks added so far are in `undo`.
+    fn append_new(
+        &mut self,
+        s: u32,
+        at: u32,
+        blocks: &[(EngineHash, LocalHash)],
+    ) -> Result<(), EngineHash> {
+        let Some(&(e0, l0)) = blocks.first() else {
+            return Ok(());
+        };
+        let appendable = at != ROOT
+            && self
+                .seg(at)
+                .is_some_and(|g| g.kids == 0 && g.only(s) && g.held as usize == g.pairs.len());
+        let id = if appendable {
+            at
+        } else {
+            // probe the first block before a segment exists for it
+            if self.lookup(s, e0).is_some() {
+                return Err(e0);
+            }
+            let mut g = Seg::empty(at);
+            g.pairs.reserve_exact(blocks.len());
+            g.pairs.push([l0, e0]);
+            g.set(s);
+            self.positions += 1;
+            let id = self.new_child(at, g);
+            let abs = self.seg(id).map_or(0, |g| g.start);
+            self.map_insert(s, pos(id, abs), e0);
+            self.undo.push(e0);
+            id
+        };
+        let rest = blocks.get(usize::from(!appendable)..).unwrap_or(&[]);
+        // probe every block first (independent reads the CPU overlaps), then
+        // write up to the first conflict; a block repeated within the event
+        // shows up as an occupied entry while writing
+        let held = rest.iter().position(|b| self.lookup(s, b.0).is_some());
+        let n = held.unwrap_or(rest.len());
+        let todo = rest.get(..n).unwrap_or(&[]);
+        let Some(g) = self.segs.get_mut(id as usize) else {
+            return Ok(());
+        };
+        let first_abs = g.end();
+        g.pairs.reserve_exact(todo.len());
+        g.pairs.extend(todo.iter().map(|&(e, l)| [l, e]));
+        g.held = g.pairs.len() as u32;
+        self.positions += todo.len() as u64;
+        let has_alias = self
+            .slots
+            .get(s as usize)
+            .is_some_and(|sl| !sl.alias.is_empty());
+        let segs = &self.segs;
+        let Some(slot) = self.slots.get_mut(s as usize) else {
+            return Ok(());
+        };
+        let mut done = todo.len();
+        for (k, &(e, _)) in todo.iter().enumerate() {
+            let p = pos(id, first_abs + k as u32);
+            let clash = has_alias && slot.alias.contains_key(&e);
+            match slot.table.entry(
+                engine_hash(e),
+                |&x| x != p && engine_in(segs, x) == Some(e),
+                |&x| engine_hash(engine_in(segs, x).unwrap_or(0)),
+            ) {
+                hashbrown::hash_table::Entry::Vacant(v) if !clash => {
+                    v.insert(p);
+                }
+                _ => {
+                    done = k;
+                    break;
+                }
+            }
+        }
+        slot.count += done as u64;
+        self.undo.extend(todo.iter().take(done).map(|b| b.0));
+        if done < todo.len() || held.is_some() {
+            // drop the positions pushed for the blocks not added
+            let drop = (todo.len() - done) as u32;
+            if let Some(g) = self.segs.get_mut(id as usize) {
+                let keep = g.pairs.len() - drop as usize;
+                g.pairs.truncate(keep);
+                g.held -= drop;
+            }
+            self.positions -= u64::from(drop);
+            return Err(rest.get(done).map_or(0, |b| b.0));
+        }
+        Ok(())
     }
 
     pub fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
@@ -650,7 +1365,7 @@ impl IndexCore {
         ranks.into_iter().map(|r| self.remove_rank(r)).sum()
     }
 
-    // ---- queries ---------------------------------------------------------
+    // ---- queries -----------------------------------------------------------
 
     fn push_score(&self, out: &mut OverlapScores, s: u32, depth: u32) {
         if let Some(slot) = self.slots.get(s as usize) {
@@ -663,121 +1378,95 @@ impl IndexCore {
         }
     }
 
+    fn push_word(&self, out: &mut OverlapScores, word: usize, bits: u64, depth: u32) {
+        let mut bits = bits;
+        while bits != 0 {
+            let b = bits.trailing_zeros();
+            bits &= bits - 1;
+            let s = if word == 0 {
+                b
+            } else {
+                INLINE_SLOTS + 64 * (word as u32 - 1) + b
+            };
+            self.push_score(out, s, depth);
+        }
+    }
+
     pub fn find_matches_into(&self, query: &[LocalHash], out: &mut OverlapScores) {
         out.scores.clear();
         if self.slots.len() > INLINE_SLOTS as usize {
             return self.find_matches_wide(query, out);
         }
-        let Some((&first, rest)) = query.split_first() else {
-            return;
-        };
-        let mut cur = self.child(ROOT, first);
-        let Some(mut n) = self.node(cur) else {
-            return;
-        };
-        let mut active = n.mask;
-        let mut depth = 1u32;
-        for &local in rest {
+        let mut active = u64::MAX;
+        let mut depth = 0usize;
+        let mut cur = ROOT;
+        while let Some(&q) = query.get(depth) {
+            let id = self.child(cur, q);
+            let Some(g) = self.seg(id) else {
+                break;
+            };
+            let kept = active & g.mask;
+            if depth > 0 {
+                self.push_word(out, 0, active & !kept, depth as u32);
+            }
+            active = kept;
             if active == 0 {
                 return;
             }
-            let next = self.child_of(cur, n, local);
-            let Some(nn) = self.node(next) else {
+            let rest = query.get(depth..).unwrap_or(&[]);
+            let n = g.pairs.len().min(rest.len());
+            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held as usize);
+            depth += m;
+            if m < g.pairs.len() {
                 break;
-            };
-            DBGC[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if next == cur + 1 {
-                DBGC[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            if next.abs_diff(cur) < 64 {
-                DBGC[2].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            if next != n.first {
-                DBGC[3].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            let kept = active & nn.mask;
-            let mut dropped = active & !kept;
-            while dropped != 0 {
-                let b = dropped.trailing_zeros();
-                dropped &= dropped - 1;
-                self.push_score(out, b, depth);
-            }
-            active = kept;
-            cur = next;
-            n = nn;
-            depth += 1;
+            cur = id;
         }
-        while active != 0 {
-            let b = active.trailing_zeros();
-            active &= active - 1;
-            self.push_score(out, b, depth);
+        if depth > 0 {
+            self.push_word(out, 0, active, depth as u32);
         }
     }
 
-    /// The holder words of node `id`: word 0 is the inline mask (32 bits),
-    /// word i > 0 is wide word i - 1.
-    fn holder_word(&self, id: u32, n: &Node, i: usize) -> u64 {
-        if i == 0 {
-            u64::from(n.mask)
-        } else if n.kids & WIDE == 0 {
-            0
-        } else {
-            self.wide
-                .get(&id)
-                .and_then(|w| w.get(i - 1))
-                .copied()
-                .unwrap_or(0)
-        }
-    }
-
-    fn slot_of_bit(i: usize, b: u32) -> u32 {
-        if i == 0 {
-            b
-        } else {
-            INLINE_SLOTS + (i as u32 - 1) * 64 + b
-        }
-    }
-
-    /// The same walk as `find_matches_into`, for more than 32 slots.
+    /// The same walk as `find_matches_into`, for more than 64 slots.
     fn find_matches_wide(&self, query: &[LocalHash], out: &mut OverlapScores) {
         let words = 1 + (self.slots.len() - INLINE_SLOTS as usize).div_ceil(64);
-        let mut active: Vec<u64> = vec![0; words];
+        let mut active: Vec<u64> = vec![u64::MAX; words];
+        let mut depth = 0usize;
         let mut cur = ROOT;
-        let mut depth = 0u32;
-        for &local in query {
-            let next = self.child(cur, local);
-            let Some(n) = self.node(next) else {
+        while let Some(&q) = query.get(depth) {
+            let id = self.child(cur, q);
+            let Some(g) = self.seg(id) else {
                 break;
             };
             let mut any = false;
             for (i, a) in active.iter_mut().enumerate() {
-                let w = self.holder_word(next, n, i);
-                if depth == 0 {
-                    *a = w;
+                let w = if i == 0 {
+                    g.mask
                 } else {
-                    let kept = *a & w;
-                    let mut dropped = *a & !kept;
-                    while dropped != 0 {
-                        let b = dropped.trailing_zeros();
-                        dropped &= dropped - 1;
-                        self.push_score(out, Self::slot_of_bit(i, b), depth);
-                    }
-                    *a = kept;
+                    g.wide.get(i - 1).copied().unwrap_or(0)
+                };
+                let kept = *a & w;
+                if depth > 0 {
+                    self.push_word(out, i, *a & !kept, depth as u32);
                 }
-                any |= *a != 0;
+                *a = kept;
+                any |= kept != 0;
             }
-            cur = next;
-            depth += 1;
             if !any {
                 return;
             }
+            let rest = query.get(depth..).unwrap_or(&[]);
+            let n = g.pairs.len().min(rest.len());
+            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held as usize);
+            depth += m;
+            if m < g.pairs.len() {
+                break;
+            }
+            cur = id;
         }
-        for (i, a) in active.iter().enumerate() {
-            let mut a = *a;
-            while a != 0 {
-                let b = a.trailing_zeros();
-                a &= a - 1;
-                self.push_score(out, Self::slot_of_bit(i, b), depth);
+        if depth > 0 {
+            for (i, &a) in active.iter().enumerate() {
+                self.push_word(out, i, a, depth as u32);
             }
         }
     }
@@ -799,7 +1488,7 @@ impl IndexCore {
         per_worker.sort_unstable();
         IndexStats {
             blocks: per_worker.iter().map(|(_, n)| n).sum(),
-            nodes: u64::from(self.len) - 1 - self.free.len() as u64,
+            nodes: self.positions,
             workers: self.slot_of.len() as u64,
             per_worker,
             bytes_used: self.bytes_used(),
@@ -819,27 +1508,526 @@ impl IndexCore {
             let buckets = (capacity * 8 / 7).next_power_of_two();
             (buckets * (entry + 1) + 16) as u64
         }
-        let mut b = (self.chunks.len() * CHUNK * size_of::<Node>()) as u64;
-        b += (self.chunks.capacity() * size_of::<Box<[Node]>>()) as u64;
-        b += (self.free.capacity() * 4) as u64;
+        let mut b = (self.segs.capacity() * size_of::<Seg>()) as u64;
+        b += self
+            .segs
+            .iter()
+            .map(|g| (g.pairs.capacity() * 16 + g.wide.capacity() * 8) as u64)
+            .sum::<u64>();
         b += table_bytes(self.edges.capacity(), 4);
         b += (self.slots.capacity() * size_of::<Slot>()) as u64;
         for s in &self.slots {
-            b += table_bytes(s.table.capacity(), 4);
+            b += table_bytes(s.table.capacity(), 8);
             b += table_bytes(s.alias.capacity(), 16);
+            b += table_bytes(s.alias_at.capacity(), 16);
+            b += table_bytes(s.alias_more.capacity(), 32);
+            b += s
+                .alias_more
+                .values()
+                .map(|v| (v.capacity() * 8) as u64)
+                .sum::<u64>();
         }
         b += table_bytes(self.slot_of.capacity(), 24);
-        b += table_bytes(self.wide.capacity(), 32);
-        b += self
-            .wide
-            .values()
-            .map(|w| (w.capacity() * 8) as u64)
-            .sum::<u64>();
-        b += table_bytes(self.extra_refs.capacity(), 12);
-        b += (self.undo.capacity() * 8) as u64;
+        b += table_bytes(self.extra_refs.capacity(), 24);
+        b += (self.undo.capacity() * 8 + self.found.capacity() * 16 + self.seen.capacity()) as u64;
         b
     }
 }
 
-pub static DBGC: [std::sync::atomic::AtomicU64; 4] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 4];
+/// How many leading positions of `pairs` match `query` (equal lengths).
+#[inline(always)]
+fn match_len(pairs: &[[u64; 2]], query: &[LocalHash]) -> usize {
+    // compare 4 at a time without early exits, then find the first miss
+    let mut i = 0;
+    let mut pc = pairs.chunks_exact(4);
+    let mut qc = query.chunks_exact(4);
+    for (p, q) in (&mut pc).zip(&mut qc) {
+        if let ([p0, p1, p2, p3], [q0, q1, q2, q3]) = (p, q) {
+            let all = (p0[0] == *q0) & (p1[0] == *q1) & (p2[0] == *q2) & (p3[0] == *q3);
+            if !all {
+                break;
+            }
+        }
+        i += 4;
+    }
+    while let (Some(p), Some(q)) = (pairs.get(i), query.get(i)) {
+        if p[0] != *q {
+            break;
+        }
+        i += 1;
+    }
+    i
+}
+
+#[inline(always)]
+fn engine_in(segs: &[Seg], p: Pos) -> Option<EngineHash> {
+    let s = segs.get(pos_seg(p) as usize)?;
+    let i = pos_abs(p).checked_sub(s.start)? as usize;
+    s.pairs.get(i).map(|x| x[1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(id: u64) -> WorkerRank {
+        WorkerRank::new(id, 0)
+    }
+
+    fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
+        KvEvent::Stored {
+            parent: p,
+            blocks: b.to_vec(),
+        }
+    }
+
+    fn rm(b: &[u64]) -> KvEvent {
+        KvEvent::Removed { blocks: b.to_vec() }
+    }
+
+    fn prefix(c: &IndexCore, q: &[u64], who: WorkerRank) -> u32 {
+        let mut out = OverlapScores::default();
+        c.find_matches_into(q, &mut out);
+        out.get(who).map_or(0, |s| s.blocks)
+    }
+
+    /// A chain of `n` blocks: engine hashes `base + i`, local hashes `i`.
+    fn chain(base: u64, n: u64) -> Vec<(u64, u64)> {
+        (0..n).map(|i| (base + i, i)).collect()
+    }
+
+    impl IndexCore {
+        /// Every layout invariant of the module docs.
+        fn check_invariants(&self) -> Result<(), String> {
+            let mut positions = 0u64;
+            let mut live = 0usize;
+            for (id, g) in self.segs.iter().enumerate() {
+                let id = id as u32;
+                if g.parent == FREE {
+                    continue;
+                }
+                live += 1;
+                let len = g.pairs.len() as u32;
+                if id == ROOT {
+                    if len != 0 {
+                        return Err("root has positions".into());
+                    }
+                } else {
+                    if len == 0 {
+                        return Err(format!("seg {id} empty"));
+                    }
+                    if g.held > len {
+                        return Err(format!("seg {id} held > len"));
+                    }
+                    if (g.held == 0) != (g.mask == 0 && g.wide.is_empty()) {
+                        return Err(format!("seg {id} held/mask mismatch"));
+                    }
+                    if g.wide.last() == Some(&0) {
+                        return Err(format!("seg {id} wide not trimmed"));
+                    }
+                    if g.kids == 0 && g.held != len {
+                        return Err(format!("seg {id} childless with unheld tail"));
+                    }
+                    if self.child(g.parent, self.head_local(id)) != id {
+                        return Err(format!("seg {id} not found under its parent"));
+                    }
+                }
+                positions += u64::from(len);
+                // children list
+                let (mut n, mut c, mut prev) = (0u32, g.first, NIL);
+                while c != NIL {
+                    let k = self.seg(c).ok_or("dangling child")?;
+                    if k.parent != id || k.prev != prev {
+                        return Err(format!("seg {id}: bad child link {c}"));
+                    }
+                    n += 1;
+                    prev = c;
+                    c = k.next;
+                }
+                if n != g.kids {
+                    return Err(format!("seg {id}: kids {} but {n} linked", g.kids));
+                }
+            }
+            if positions != self.positions {
+                return Err(format!("positions {} != {positions}", self.positions));
+            }
+            if self.edges.len() + 1 != live {
+                return Err(format!("{} edges for {live} segments", self.edges.len()));
+            }
+            for (s, slot) in self.slots.iter().enumerate() {
+                let s = s as u32;
+                let mut n = 0u64;
+                let held_at = |p: Pos| -> Result<(), String> {
+                    let g = self.seg(pos_seg(p)).ok_or("entry to no segment")?;
+                    let i = pos_abs(p)
+                        .checked_sub(g.start)
+                        .ok_or("entry before segment")?;
+                    if g.parent == FREE || i >= g.held || !g.has(s) {
+                        return Err(format!("slot {s}: entry at unheld position {p:x}"));
+                    }
+                    Ok(())
+                };
+                for &p in slot.table.iter() {
+                    held_at(p)?;
+                    let e = self.engine_at(p).ok_or("no engine")?;
+                    if self.lookup(s, e) != Some(p) {
+                        return Err(format!("slot {s}: entry {e} not found by lookup"));
+                    }
+                    n += 1;
+                }
+                for (&e, &p) in &slot.alias {
+                    held_at(p)?;
+                    if self.engine_at(p) == Some(e) {
+                        return Err(format!("slot {s}: canonical hash {e} in alias"));
+                    }
+                    n += 1;
+                }
+                let rev =
+                    slot.alias_at.len() + slot.alias_more.values().map(Vec::len).sum::<usize>();
+                if rev != slot.alias.len() {
+                    return Err(format!(
+                        "slot {s}: {rev} reverse aliases for {}",
+                        slot.alias.len()
+                    ));
+                }
+                for (&e, &p) in &slot.alias {
+                    let back = slot.alias_at.get(&p) == Some(&e)
+                        || slot.alias_more.get(&p).is_some_and(|v| v.contains(&e));
+                    if !back {
+                        return Err(format!("slot {s}: alias {e} has no reverse"));
+                    }
+                }
+                if n != slot.count {
+                    return Err(format!("slot {s}: count {} but {n} entries", slot.count));
+                }
+            }
+            // every held position is referenced by each holder's maps
+            for (id, g) in self.segs.iter().enumerate() {
+                if g.parent == FREE {
+                    continue;
+                }
+                let mut next = 0;
+                while let Some(s) = g.next_holder(next) {
+                    next = s + 1;
+                    let slot = self.slots.get(s as usize).ok_or("holder slot")?;
+                    for abs in g.start..g.start + g.held {
+                        let p = pos(id as u32, abs);
+                        let refs = slot.table.iter().filter(|&&x| x == p).count()
+                            + slot.alias.values().filter(|&&x| x == p).count();
+                        let extra = self.extra_refs.get(&(p, s)).copied().unwrap_or(0);
+                        if refs == 0 || refs != 1 + extra as usize {
+                            return Err(format!("slot {s}: {refs} refs to {p:x}, extra {extra}"));
+                        }
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+
+    fn ok(c: &IndexCore) -> Result<(), String> {
+        c.check_invariants()
+    }
+
+    #[test]
+    fn appends_keep_one_segment() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        c.apply(w(1), &store(None, &chain(100, 10)))
+            .map_err(|e| e.to_string())?;
+        for t in 1..5u64 {
+            let b: Vec<(u64, u64)> = (0..10).map(|i| (100 + 10 * t + i, 10 * t + i)).collect();
+            c.apply(w(1), &store(Some(100 + 10 * t - 1), &b))
+                .map_err(|e| e.to_string())?;
+        }
+        ok(&c)?;
+        assert_eq!(c.segs.len(), 2, "root + one segment");
+        let q: Vec<u64> = (0..50).collect();
+        assert_eq!(prefix(&c, &q, w(1)), 50);
+        Ok(())
+    }
+
+    #[test]
+    fn store_branching_mid_segment() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        c.apply(w(1), &store(None, &chain(100, 8)))
+            .map_err(|e| e.to_string())?;
+        // worker 2 shares the first 3 blocks, then diverges
+        let b = vec![(100, 0), (101, 1), (102, 2), (900, 77), (901, 78)];
+        c.apply(w(2), &store(None, &b)).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &[0, 1, 2, 3, 4], w(1)), 5);
+        assert_eq!(prefix(&c, &[0, 1, 2, 3, 4], w(2)), 3);
+        assert_eq!(prefix(&c, &[0, 1, 2, 77, 78], w(2)), 5);
+        assert_eq!(prefix(&c, &[0, 1, 2, 77, 78], w(1)), 3);
+        // worker 1 branches off its own chain mid-segment, by parent
+        c.apply(w(1), &store(Some(104), &[(500, 9)]))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &[0, 1, 2, 3, 4, 9], w(1)), 6);
+        assert_eq!(c.stats().nodes, 8 + 2 + 1);
+        Ok(())
+    }
+
+    #[test]
+    fn remove_mid_segment_and_restore() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        c.apply(w(1), &store(None, &chain(100, 10)))
+            .map_err(|e| e.to_string())?;
+        c.apply(w(2), &store(None, &chain(100, 10)))
+            .map_err(|e| e.to_string())?;
+        c.apply(w(1), &rm(&[104])).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        let q: Vec<u64> = (0..10).collect();
+        assert_eq!(prefix(&c, &q, w(1)), 4);
+        assert_eq!(prefix(&c, &q, w(2)), 10);
+        c.apply(w(1), &store(Some(103), &[(104, 4)]))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 10);
+        // tail evictions of a shared chain, deepest first
+        let tail: Vec<u64> = (100..110).rev().collect();
+        c.apply(w(1), &rm(&tail)).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 0);
+        assert_eq!(prefix(&c, &q, w(2)), 10);
+        assert_eq!(c.stats().nodes, 10);
+        c.apply(w(2), &rm(&tail)).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!((c.stats().nodes, c.stats().blocks), (0, 0));
+        Ok(())
+    }
+
+    #[test]
+    fn evicting_a_held_tail_keeps_deeper_blocks() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        c.apply(w(1), &store(None, &chain(100, 6)))
+            .map_err(|e| e.to_string())?;
+        c.apply(w(2), &store(None, &chain(100, 3)))
+            .map_err(|e| e.to_string())?;
+        // worker 1 drops blocks 2 and 1, keeps 0 and 3..6
+        c.apply(w(1), &rm(&[102, 101])).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        let q: Vec<u64> = (0..6).collect();
+        assert_eq!(prefix(&c, &q, w(1)), 1);
+        assert_eq!(prefix(&c, &q, w(2)), 3);
+        c.apply(w(1), &store(Some(100), &[(101, 1), (102, 2)]))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 6);
+        Ok(())
+    }
+
+    #[test]
+    fn batch_removes_in_any_order() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        let q: Vec<u64> = (0..10).collect();
+        // head first, whole chain
+        c.apply(w(1), &store(None, &chain(100, 10)))
+            .map_err(|e| e.to_string())?;
+        let out = c
+            .apply(w(1), &rm(&(100..110).collect::<Vec<_>>()))
+            .map_err(|e| e.to_string())?;
+        assert_eq!(
+            out,
+            ApplyOutcome {
+                applied: 10,
+                skipped: 0
+            }
+        );
+        ok(&c)?;
+        assert_eq!((c.stats().nodes, c.segs.len()), (0, 2));
+        // a shuffled suffix, with a deeper branch keeping the tail alive
+        c.apply(w(1), &store(None, &chain(100, 10)))
+            .map_err(|e| e.to_string())?;
+        c.apply(w(1), &store(Some(109), &[(500, 50)]))
+            .map_err(|e| e.to_string())?;
+        c.apply(w(1), &rm(&[107, 109, 105, 108, 106]))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 5);
+        assert_eq!(c.stats().nodes, 11);
+        // not a suffix (a hole, a repeat, an unknown hash): general path
+        c.apply(w(1), &rm(&[100, 102])).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 0);
+        let out = c
+            .apply(w(1), &rm(&[104, 104, 999]))
+            .map_err(|e| e.to_string())?;
+        assert_eq!(
+            out,
+            ApplyOutcome {
+                applied: 1,
+                skipped: 2
+            }
+        );
+        ok(&c)?;
+        assert_eq!(c.worker_blocks(w(1)), 3);
+        Ok(())
+    }
+
+    #[test]
+    fn store_remove_cycles_reuse_one_segment() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        let blocks: Vec<(u64, u64)> = (0..64).map(|d| (mix(7, d), mix(8, d))).collect();
+        let removes: Vec<u64> = blocks.iter().map(|b| b.0).collect();
+        for _ in 0..3 {
+            let s0 = c.splits;
+            c.apply(w(9), &store(None, &blocks))
+                .map_err(|e| e.to_string())?;
+            c.apply(w(9), &rm(&removes)).map_err(|e| e.to_string())?;
+            ok(&c)?;
+            assert_eq!((c.splits - s0, c.segs.len(), c.stats().nodes), (0, 2, 0));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn splits_rename_aliases_and_extra_refs() -> Result<(), String> {
+        // per-worker engine hashes: worker 2 holds worker 1's path by alias
+        let mut c = IndexCore::new(1);
+        c.apply(w(1), &store(None, &chain(100, 8)))
+            .map_err(|e| e.to_string())?;
+        c.apply(w(2), &store(None, &chain(200, 8)))
+            .map_err(|e| e.to_string())?;
+        c.apply(w(2), &store(None, &chain(300, 3)))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        // splits in the middle move aliased and doubly held positions
+        c.apply(w(1), &rm(&[104])).map_err(|e| e.to_string())?;
+        c.apply(w(3), &store(None, &[(1, 0), (2, 1), (3, 99)]))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        let q: Vec<u64> = (0..8).collect();
+        assert_eq!(prefix(&c, &q, w(1)), 4);
+        assert_eq!(prefix(&c, &q, w(2)), 8);
+        c.apply(w(2), &rm(&[201, 300, 302]))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        // position 1 is still held through 301
+        assert_eq!(prefix(&c, &q, w(2)), 8);
+        c.apply(w(2), &rm(&[301])).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(2)), 1);
+        assert_eq!(c.worker_blocks(w(2)), 7);
+        Ok(())
+    }
+
+    #[test]
+    fn remove_worker_on_shared_segments() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        for r in 0..3u32 {
+            let who = WorkerRank::new(7, r);
+            c.apply(who, &store(None, &chain(100, 5 + u64::from(r))))
+                .map_err(|e| e.to_string())?;
+        }
+        c.apply(w(8), &store(None, &chain(100, 4)))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(c.remove_worker(7), 5 + 6 + 7);
+        ok(&c)?;
+        let st = c.stats();
+        assert_eq!((st.nodes, st.blocks, st.workers), (4, 4, 1));
+        assert_eq!(prefix(&c, &[0, 1, 2, 3, 4], w(8)), 4);
+        Ok(())
+    }
+
+    #[test]
+    fn same_engine_hash_twice_and_aliases() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        c.apply(w(1), &store(None, &chain(100, 4)))
+            .map_err(|e| e.to_string())?;
+        // same path, other engine hashes: kept as aliases (refcounted)
+        c.apply(w(1), &store(None, &[(200, 0), (201, 1)]))
+            .map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(c.worker_blocks(w(1)), 6);
+        // a resent event is a no-op
+        let out = c
+            .apply(w(1), &store(None, &chain(100, 4)))
+            .map_err(|e| e.to_string())?;
+        assert_eq!(
+            out,
+            ApplyOutcome {
+                applied: 0,
+                skipped: 4
+            }
+        );
+        // the same hash twice in one event: rejected, nothing changes
+        let before = c.stats();
+        let bad = store(Some(103), &[(300, 4), (301, 5), (300, 6)]);
+        assert_eq!(
+            c.apply(w(1), &bad),
+            Err(IndexError::EngineHashConflict {
+                worker: w(1),
+                engine_hash: 300
+            })
+        );
+        ok(&c)?;
+        let after = c.stats();
+        assert_eq!((after.nodes, after.blocks), (before.nodes, before.blocks));
+        // a held hash at another path, after new blocks were written
+        let bad = store(Some(103), &[(400, 4), (401, 5), (102, 6)]);
+        assert!(c.apply(w(1), &bad).is_err());
+        ok(&c)?;
+        assert_eq!(c.stats().nodes, before.nodes);
+        // removing the canonical hash keeps the aliased prefix
+        c.apply(w(1), &rm(&[100, 101])).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &[0, 1, 2, 3], w(1)), 4);
+        c.apply(w(1), &rm(&[200])).map_err(|e| e.to_string())?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &[0, 1, 2, 3], w(1)), 0);
+        Ok(())
+    }
+
+    #[test]
+    fn clear_and_wide_slots() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        for i in 0..100u64 {
+            c.apply(w(i), &store(None, &chain(1000 * i, 1 + i % 7)))
+                .map_err(|e| e.to_string())?;
+        }
+        ok(&c)?;
+        for i in (0..100u64).step_by(3) {
+            c.apply(w(i), &KvEvent::Cleared)
+                .map_err(|e| e.to_string())?;
+        }
+        ok(&c)?;
+        let mut out = OverlapScores::default();
+        c.find_matches_into(&[0, 1, 2, 3, 4, 5, 6], &mut out);
+        assert_eq!(out.scores.len(), 66);
+        for s in &out.scores {
+            assert_eq!(u64::from(s.blocks), 1 + s.worker.worker_id % 7);
+        }
+        for i in 0..100u64 {
+            c.remove_rank(w(i));
+        }
+        ok(&c)?;
+        assert_eq!((c.stats().nodes, c.stats().workers), (0, 0));
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 300, ..Default::default() })]
+
+        /// Random events on long chains over a tiny alphabet keep every
+        /// layout invariant.
+        #[test]
+        fn invariants_hold(ops in proptest::collection::vec(
+            (0u64..4, 0u8..10, proptest::option::of(0u64..40),
+             proptest::collection::vec((0u64..40, 0u64..2), 0..12)), 1..80)) {
+            let mut c = IndexCore::new(1);
+            for (who, kind, parent, blocks) in ops {
+                let who = WorkerRank::new(who, 0);
+                match kind {
+                    0..=5 => { let _ = c.apply(who, &store(parent, &blocks)); }
+                    6..=8 => { let _ = c.apply(who, &rm(&blocks.iter().map(|b| b.0).collect::<Vec<_>>())); }
+                    _ => { let _ = c.apply(who, &KvEvent::Cleared); }
+                }
+                if let Err(e) = c.check_invariants() {
+                    proptest::prop_assert!(false, "{}", e);
+                }
+            }
+        }
+    }
+}

@@ -10,6 +10,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -125,6 +126,10 @@ pub struct RegisterOutcome {
 pub struct Registry {
     workers: HashMap<WorkerId, WorkerRecord>,
     next_generation: u64,
+    /// Per model, its workers' snapshots sorted by id, rebuilt on every
+    /// change to one of them: routing reads them on every request, changes
+    /// (registration, heartbeat, cordon, removal) are rare by comparison.
+    snapshots: HashMap<String, Arc<[WorkerSnapshot]>>,
 }
 
 impl Registry {
@@ -202,6 +207,16 @@ impl Registry {
                 load,
             },
         );
+        if let Some(old) = &invalidated {
+            self.refresh_snapshots(&old.model.clone());
+        }
+        if let Some(model) = self
+            .workers
+            .get(&worker_id)
+            .map(|w| w.registration.model.clone())
+        {
+            self.refresh_snapshots(&model);
+        }
         Ok(RegisterOutcome {
             created,
             lease_ttl,
@@ -233,14 +248,21 @@ impl Registry {
             record.load.insert(*rank, *load);
         }
         record.lease_deadline = now + record.lease_ttl;
-        Ok(record.lease_ttl)
+        let (ttl, model) = (record.lease_ttl, record.registration.model.clone());
+        if !loads.is_empty() {
+            self.refresh_snapshots(&model);
+        }
+        Ok(ttl)
     }
 
     /// Removes a worker, returning its record.
     pub fn deregister(&mut self, worker_id: WorkerId) -> Result<WorkerRecord, RegistryError> {
-        self.workers
+        let record = self
+            .workers
             .remove(&worker_id)
-            .ok_or(RegistryError::UnknownWorker { worker_id })
+            .ok_or(RegistryError::UnknownWorker { worker_id })?;
+        self.refresh_snapshots(&record.registration.model);
+        Ok(record)
     }
 
     /// Removes every worker whose lease lapsed before `now`.
@@ -251,10 +273,14 @@ impl Registry {
             .filter(|w| w.lease_deadline <= now)
             .map(|w| w.registration.worker_id)
             .collect();
-        expired
+        let reaped: Vec<WorkerRecord> = expired
             .into_iter()
             .filter_map(|id| self.workers.remove(&id))
-            .collect()
+            .collect();
+        for record in &reaped {
+            self.refresh_snapshots(&record.registration.model);
+        }
+        reaped
     }
 
     pub fn set_cordoned(
@@ -267,7 +293,11 @@ impl Registry {
             .get_mut(&worker_id)
             .ok_or(RegistryError::UnknownWorker { worker_id })?;
         record.cordoned = cordoned;
-        Ok(record)
+        let model = record.registration.model.clone();
+        self.refresh_snapshots(&model);
+        self.workers
+            .get(&worker_id)
+            .ok_or(RegistryError::UnknownWorker { worker_id })
     }
 
     pub fn get(&self, worker_id: WorkerId) -> Option<&WorkerRecord> {
@@ -303,16 +333,27 @@ impl Registry {
         all
     }
 
-    /// Snapshots of a model's workers, by id.
-    pub fn model_snapshots(&self, model: &str) -> Vec<WorkerSnapshot> {
+    /// Snapshots of a model's workers, by id (shared, cheap to take).
+    pub fn model_snapshots(&self, model: &str) -> Arc<[WorkerSnapshot]> {
+        self.snapshots
+            .get(model)
+            .cloned()
+            .unwrap_or_else(|| Arc::from(Vec::new()))
+    }
+
+    fn refresh_snapshots(&mut self, model: &str) {
         let mut snapshots: Vec<WorkerSnapshot> = self
             .workers
             .values()
             .filter(|w| w.registration.model == model)
             .map(WorkerRecord::snapshot)
             .collect();
+        if snapshots.is_empty() {
+            self.snapshots.remove(model);
+            return;
+        }
         snapshots.sort_by_key(|w| w.worker_id);
-        snapshots
+        self.snapshots.insert(model.to_string(), snapshots.into());
     }
 
     /// The block size of a model, if it has a worker.
@@ -441,6 +482,41 @@ mod tests {
             registry.reap_expired(start + Duration::from_secs(19)).len(),
             1
         );
+    }
+
+    #[test]
+    fn snapshots_follow_every_change() {
+        let mut registry = Registry::new();
+        let now = Instant::now();
+        let ttl = Duration::from_secs(10);
+        registry
+            .register(registration(2, "m", 16), ttl, now)
+            .unwrap();
+        registry
+            .register(registration(1, "m", 16), ttl, now)
+            .unwrap();
+        let ids = |r: &Registry| -> Vec<u64> {
+            r.model_snapshots("m").iter().map(|w| w.worker_id).collect()
+        };
+        assert_eq!(ids(&registry), vec![1, 2]);
+        registry.set_cordoned(2, true).unwrap();
+        assert!(registry.model_snapshots("m")[1].cordoned);
+        let load = RankLoad {
+            running_requests: 7,
+            ..RankLoad::default()
+        };
+        registry.heartbeat(1, &[(0, load)], now).unwrap();
+        assert_eq!(registry.model_snapshots("m")[0].rank_load(0), load);
+        // Moving a worker to another model moves its snapshot.
+        registry
+            .register(registration(1, "other", 32), ttl, now)
+            .unwrap();
+        assert_eq!(ids(&registry), vec![2]);
+        assert_eq!(registry.model_snapshots("other").len(), 1);
+        registry.deregister(2).unwrap();
+        assert!(registry.model_snapshots("m").is_empty());
+        registry.reap_expired(now + ttl);
+        assert!(registry.model_snapshots("other").is_empty());
     }
 
     #[test]

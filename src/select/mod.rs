@@ -23,7 +23,9 @@ pub mod error;
 pub mod pins;
 pub mod scoring;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+
+use crate::types::RankMap;
 
 use rand::RngCore;
 
@@ -158,9 +160,9 @@ pub struct SelectContext<'a> {
     /// Registry snapshots of the request's model.
     pub workers: &'a [WorkerSnapshot],
     /// Leading prompt blocks cached per target (index lookup); absent = 0.
-    pub overlaps: &'a HashMap<WorkerRank, u32>,
+    pub overlaps: &'a RankMap<u32>,
     /// Total blocks cached per target (index); absent = 0. Tie-break input.
-    pub cached_blocks: &'a HashMap<WorkerRank, u64>,
+    pub cached_blocks: &'a RankMap<u64>,
     pub booked: &'a dyn BookedLoads,
     pub sessions: &'a SessionTable,
     /// Time for session lookups, in the session table's milliseconds.

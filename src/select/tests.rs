@@ -1,6 +1,7 @@
 //! Behaviour tests of the whole decision (the reference's tests re-expressed
 //! through `select`, plus scoring scenarios).
 
+use crate::types::RankMap;
 use std::collections::{HashMap, HashSet};
 
 use rand::SeedableRng;
@@ -43,8 +44,8 @@ fn wr(w: WorkerId, r: DpRank) -> WorkerRank {
 #[derive(Default)]
 struct Fixture {
     workers: Vec<WorkerSnapshot>,
-    overlaps: HashMap<WorkerRank, u32>,
-    cached: HashMap<WorkerRank, u64>,
+    overlaps: RankMap<u32>,
+    cached: RankMap<u64>,
     booked: HashMap<WorkerRank, BookedLoad>,
     sessions: SessionTable,
     config: SelectConfig,
@@ -316,12 +317,9 @@ fn affinity_validation_ignores_transient_overload() {
 
 /// A tiny index: each worker holds block sequences; overlap is the longest
 /// cached prefix, the total is the number of distinct cached prefixes.
-fn index(
-    held: &[(WorkerId, Vec<Vec<char>>)],
-    prompt: &[char],
-) -> (HashMap<WorkerRank, u32>, HashMap<WorkerRank, u64>) {
-    let mut overlaps = HashMap::new();
-    let mut totals = HashMap::new();
+fn index(held: &[(WorkerId, Vec<Vec<char>>)], prompt: &[char]) -> (RankMap<u32>, RankMap<u64>) {
+    let mut overlaps = RankMap::default();
+    let mut totals = RankMap::default();
     for (w, seqs) in held {
         let mut prefixes: HashSet<Vec<char>> = HashSet::new();
         for s in seqs {

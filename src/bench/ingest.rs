@@ -1,0 +1,227 @@
+//! `kvroute bench ingest`: replays an op log's store / remove / clear events
+//! through `PublishEvents` (one stream per worker) into a server, checks the
+//! server's per-(worker, rank) block counts against an in-process replay of
+//! the same events, and prints blocks/s over gRPC beside the in-process rate.
+
+use std::{collections::BTreeMap, time::Instant};
+
+use clap::Args;
+
+use super::{BenchError, LocalServer, connect};
+use crate::{
+    config::ServeConfig,
+    index::{KvEvent, KvIndex},
+    oplog::{Op, OpLog},
+    pb::{self, admin_client::AdminClient, workers_client::WorkersClient},
+    types::{WorkerId, WorkerRank},
+};
+
+/// Arguments of `kvroute bench ingest`.
+#[derive(Debug, Args)]
+pub struct IngestBenchArgs {
+    /// The op log (shared/bench/make_oplog.py).
+    #[arg(long)]
+    pub oplog: std::path::PathBuf,
+    /// Target an already running server instead of starting one.
+    #[arg(long)]
+    pub addr: Option<String>,
+    /// Events per KvEventBatch.
+    #[arg(long, default_value_t = 128)]
+    pub batch: usize,
+}
+
+/// The figures printed as one JSON line.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct IngestReport {
+    pub bench: &'static str,
+    pub workers: usize,
+    pub events: u64,
+    pub blocks: u64,
+    pub secs: f64,
+    pub blocks_per_s: f64,
+    pub in_process_secs: f64,
+    pub in_process_blocks_per_s: f64,
+    pub ratio: f64,
+    pub rejected: u64,
+    pub exact: bool,
+}
+
+const MODEL: &str = "bench-ingest";
+
+/// Runs the benchmark; fails when the server's block counts differ from
+/// the in-process replay's.
+pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
+    let log = OpLog::load(&args.oplog)?;
+    let block_size = log.header.block_size;
+    let events: Vec<(WorkerRank, KvEvent)> = log
+        .ops
+        .into_iter()
+        .filter_map(|op| match op {
+            Op::Event { worker, event } => Some((worker, event)),
+            Op::Match(_) => None,
+        })
+        .collect();
+    let blocks: u64 = events
+        .iter()
+        .map(|(_, e)| match e {
+            KvEvent::Stored { blocks, .. } => blocks.len() as u64,
+            KvEvent::Removed { blocks } => blocks.len() as u64,
+            KvEvent::Cleared => 0,
+        })
+        .sum();
+
+    // The in-process reference: the same events straight into an index.
+    let reference = KvIndex::new(block_size);
+    let started = Instant::now();
+    for (target, event) in &events {
+        let _ = reference.apply(*target, event);
+    }
+    let in_process_secs = started.elapsed().as_secs_f64();
+    let expected: BTreeMap<WorkerRank, u64> = reference.stats().per_worker.into_iter().collect();
+
+    // Per worker, its events in log order as protobuf batches (not timed).
+    let mut per_worker: BTreeMap<WorkerId, Vec<pb::KvEventBatch>> = BTreeMap::new();
+    let mut next_id: BTreeMap<WorkerRank, u64> = BTreeMap::new();
+    let mut ranks: BTreeMap<WorkerId, u32> = BTreeMap::new();
+    for (target, event) in events.iter() {
+        let id = next_id.entry(*target).or_default();
+        let event = to_pb(*id, event);
+        *id += 1;
+        let span = ranks.entry(target.worker_id).or_default();
+        *span = (*span).max(target.dp_rank + 1);
+        let batches = per_worker.entry(target.worker_id).or_default();
+        match batches.last_mut() {
+            Some(b) if b.dp_rank == target.dp_rank && b.events.len() < args.batch => {
+                b.events.push(event)
+            }
+            _ => batches.push(pb::KvEventBatch {
+                worker_id: target.worker_id,
+                dp_rank: target.dp_rank,
+                events: vec![event],
+            }),
+        }
+    }
+
+    let local = match &args.addr {
+        Some(_) => None,
+        None => Some(
+            LocalServer::start(ServeConfig {
+                block_size,
+                max_events_per_batch: args.batch.max(1) as u32,
+                ..ServeConfig::for_tests()
+            })
+            .await?,
+        ),
+    };
+    let addr = args
+        .addr
+        .clone()
+        .or_else(|| local.as_ref().map(|l| l.addr.to_string()))
+        .unwrap_or_default();
+    let channel = connect(&addr).await?;
+    let mut workers = WorkersClient::new(channel.clone());
+    for (&worker_id, &dp_size) in &ranks {
+        workers
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id,
+                model: MODEL.into(),
+                block_size,
+                dp_size,
+                total_kv_blocks: 1 << 20,
+                max_num_batched_tokens: 8192,
+                lease_ttl_secs: 3600,
+                ..Default::default()
+            })
+            .await?;
+    }
+
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (worker_id, batches) in per_worker {
+        let mut client = WorkersClient::new(connect(&addr).await?);
+        tasks.push(tokio::spawn(async move {
+            let count = batches.len();
+            let mut replies = client
+                .publish_events(tokio_stream::iter(batches))
+                .await?
+                .into_inner();
+            let mut rejected = 0u64;
+            for _ in 0..count {
+                match replies.message().await? {
+                    Some(reply) => rejected += u64::from(reply.rejected),
+                    None => break,
+                }
+            }
+            Ok::<_, tonic::Status>((worker_id, rejected))
+        }));
+    }
+    let mut rejected = 0;
+    for task in tasks {
+        let (_, r) = task.await.map_err(|e| BenchError::Setup(e.to_string()))??;
+        rejected += r;
+    }
+    let secs = started.elapsed().as_secs_f64();
+
+    // Exactness: the server's per-rank block counts equal the reference's.
+    let mut admin = AdminClient::new(channel);
+    let mut mismatches = Vec::new();
+    for &worker_id in ranks.keys() {
+        let info = admin
+            .get_worker(pb::GetWorkerRequest { worker_id })
+            .await?
+            .into_inner();
+        for rank in info.ranks {
+            let target = WorkerRank::new(worker_id, rank.dp_rank);
+            let want = expected.get(&target).copied().unwrap_or(0);
+            if rank.cached_blocks != want {
+                mismatches.push(format!("{target}: server {} vs {want}", rank.cached_blocks));
+            }
+        }
+    }
+    if let Some(local) = local {
+        local.stop().await;
+    }
+    let report = IngestReport {
+        bench: "ingest",
+        workers: ranks.len(),
+        events: events.len() as u64,
+        blocks,
+        secs,
+        blocks_per_s: blocks as f64 / secs.max(1e-9),
+        in_process_secs,
+        in_process_blocks_per_s: blocks as f64 / in_process_secs.max(1e-9),
+        ratio: in_process_secs / secs.max(1e-9),
+        rejected,
+        exact: mismatches.is_empty(),
+    };
+    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    if !mismatches.is_empty() {
+        return Err(BenchError::Mismatch(mismatches.join("; ")));
+    }
+    Ok(report)
+}
+
+fn to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
+    let kind = match event {
+        KvEvent::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: *parent,
+            blocks: blocks
+                .iter()
+                .map(|&(engine, local)| pb::StoredBlock {
+                    engine_hash: engine,
+                    content: Some(pb::stored_block::Content::LocalHash(local)),
+                    mm_info: None,
+                })
+                .collect(),
+            lora_name: String::new(),
+        }),
+        KvEvent::Removed { blocks } => pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+            engine_hashes: blocks.clone(),
+        }),
+        KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::CacheCleared {}),
+    };
+    pb::KvEvent {
+        event_id,
+        kind: Some(kind),
+    }
+}

@@ -1,0 +1,111 @@
+//! Load benchmarks against a real server over loopback gRPC:
+//! `kvroute bench select` (SelectWorker beside health checks) and
+//! `kvroute bench ingest` (PublishEvents throughput and exactness). Each
+//! starts kvroute in-process on 127.0.0.1:0 unless given `--addr`, and prints
+//! one JSON line per measurement plus a human summary on stderr.
+
+pub mod ingest;
+pub mod select;
+
+use std::{net::SocketAddr, time::Duration};
+
+use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::{app, config::ServeConfig};
+
+/// Why a benchmark failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("{0}")]
+    Setup(String),
+    #[error("gRPC: {0}")]
+    Rpc(#[from] tonic::Status),
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Oplog(#[from] crate::oplog::OplogError),
+    #[error("{0}")]
+    Trace(#[from] crate::sim::TraceError),
+    #[error("mismatch: {0}")]
+    Mismatch(String),
+}
+
+/// A kvroute server this process started for a benchmark.
+pub struct LocalServer {
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    handle: JoinHandle<Result<(), app::ServeError>>,
+}
+
+impl LocalServer {
+    pub async fn start(config: ServeConfig) -> Result<Self, BenchError> {
+        let bind = |what: &'static str| async move {
+            TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(|e| BenchError::Setup(format!("bind {what}: {e}")))
+        };
+        let grpc = bind("grpc").await?;
+        let metrics = bind("metrics").await?;
+        let addr = grpc
+            .local_addr()
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let handle = tokio::spawn(app::run(config, grpc, metrics, async move {
+            let _ = stopped.await;
+        }));
+        Ok(Self {
+            addr,
+            stop: Some(stop),
+            handle,
+        })
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(30), &mut self.handle).await;
+    }
+}
+
+/// Connects to `addr` (host:port or a URL).
+pub async fn connect(addr: &str) -> Result<Channel, BenchError> {
+    let url = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let endpoint = Endpoint::from_shared(url).map_err(|e| BenchError::Setup(e.to_string()))?;
+    Ok(endpoint
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .connect()
+        .await?)
+}
+
+/// Latency percentiles in microseconds of a set of samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Latency {
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+impl Latency {
+    pub fn of(samples: &mut [Duration]) -> Self {
+        if samples.is_empty() {
+            return Self::default();
+        }
+        samples.sort_unstable();
+        let at = |q: f64| {
+            let index = ((samples.len() - 1) as f64 * q).round() as usize;
+            samples[index.min(samples.len() - 1)].as_secs_f64() * 1e6
+        };
+        Self {
+            p50_us: at(0.50),
+            p99_us: at(0.99),
+            max_us: at(1.0),
+        }
+    }
+}
