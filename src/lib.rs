@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod core;
 pub mod ctl;
+pub mod engine_events;
 pub mod grpc;
 pub mod hashing;
 pub mod index;
