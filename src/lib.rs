@@ -19,6 +19,7 @@ pub mod registry;
 pub mod routing;
 pub mod select;
 pub mod sim;
+pub mod subscriptions;
 pub mod telemetry;
 pub mod tools;
 pub mod trace;
