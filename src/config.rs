@@ -199,7 +199,14 @@ pub fn parse_engine_spec(text: &str) -> Result<EngineSpec, String> {
         Some(i) => (&endpoints[..i], &endpoints[i + 1..]),
         None => (endpoints, ""),
     };
-    let source = crate::subscriptions::EngineSource::from_fields(endpoint, dialect, replay)?
+    // The checks are shared with RegisterWorker: name this syntax's fields.
+    let rename = |e: String| {
+        e.replace("events_dialect", "DIALECT")
+            .replace("events_endpoint", "ENDPOINT")
+            .replace("replay_endpoint", "REPLAY")
+    };
+    let source = crate::subscriptions::EngineSource::from_fields(endpoint, dialect, replay)
+        .map_err(rename)?
         .ok_or_else(|| format!("ENDPOINT is empty (expected {FORMAT})"))?;
     // Checks that every rank's endpoint can be derived.
     source.events_config(worker_id, model, block_size, dp_start_rank, dp_size)?;
