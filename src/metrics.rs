@@ -43,8 +43,11 @@ pub struct EngineEventFamilies {
     pub batches: IntCounterVec,
     /// `worker`, `kind` (stored, removed, cleared)
     pub events: IntCounterVec,
-    /// `worker`, `reason` (other_medium, other_group, index_rejected, rank_mismatch)
+    /// `worker`, `reason` (other_medium, other_group, index_rejected)
     pub ignored: IntCounterVec,
+    /// `worker`: batches stamped with another dp rank than the socket's
+    /// (still applied to the socket's rank)
+    pub rank_mismatch: IntCounterVec,
     /// `worker`
     pub gaps: IntCounterVec,
     /// `worker`
@@ -186,6 +189,13 @@ impl Metrics {
                         "Engine KV events not routed on, per worker and reason"
                     ),
                     &["worker", "reason"]
+                )?),
+                rank_mismatch: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_rank_mismatch_total",
+                        "Engine batches stamped with another dp rank than their socket's"
+                    ),
+                    &["worker"]
                 )?),
                 gaps: reg!(IntCounterVec::new(
                     Opts::new(

@@ -418,12 +418,7 @@ fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
 }
 
 const EVENT_KINDS: [&str; 3] = ["stored", "removed", "cleared"];
-const IGNORED_REASONS: [&str; 4] = [
-    "other_medium",
-    "other_group",
-    "index_rejected",
-    "rank_mismatch",
-];
+const IGNORED_REASONS: [&str; 3] = ["other_medium", "other_group", "index_rejected"];
 const REPLAY_OUTCOMES: [&str; 2] = ["requested", "failed"];
 const CONNECTION_EVENTS: [&str; 3] = ["connected", "disconnected", "failed"];
 
@@ -452,12 +447,17 @@ fn export(
             s.events_other_medium,
             s.events_other_group,
             s.index_rejected,
-            s.rank_mismatch,
         ]
     };
     for ((reason, o), n) in IGNORED_REASONS.iter().zip(ignored(old)).zip(ignored(now)) {
         add(&e.ignored, &[&w, reason], o, n);
     }
+    add(
+        &e.rank_mismatch,
+        &[&w],
+        old.rank_mismatch,
+        now.rank_mismatch,
+    );
     add(&e.gaps, &[&w], old.gaps, now.gaps);
     add(&e.batches_lost, &[&w], old.batches_lost, now.batches_lost);
     let replays = |s: &MetricsSnapshot| [s.replays_requested, s.replay_failures];
@@ -504,6 +504,7 @@ fn remove_series(metrics: &Metrics, worker_id: WorkerId) {
     let w = w.as_str();
     for family in [
         &e.batches,
+        &e.rank_mismatch,
         &e.gaps,
         &e.batches_lost,
         &e.replayed_batches,

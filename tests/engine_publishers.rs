@@ -419,7 +419,11 @@ async fn run_case(case: Case) {
     };
     assert_eq!(ignored("index_rejected"), 0, "{body}");
     assert_eq!(ignored("other_medium"), 2, "{body}");
-    assert_eq!(ignored("rank_mismatch"), 0, "{body}");
+    assert_eq!(
+        m(&format!("engine_event_rank_mismatch_total{w}")),
+        0,
+        "{body}"
+    );
     assert_eq!(m(r#"engine_events_total{kind="cleared",worker="7"}"#), 1);
     assert!(summary.starts_with(&format!("{} {pub_ep} connected, last seq", case.engine)));
 
