@@ -381,6 +381,8 @@ fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
         "connected".to_string()
     } else if r.ranks > 1 && connected > 0 {
         format!("{connected}/{} ranks connected", r.ranks)
+    } else if m.connects == 0 && m.connect_failures > 0 {
+        format!("connecting ({} failed attempts)", m.connect_failures)
     } else if m.connects == 0 {
         "connecting".to_string()
     } else {

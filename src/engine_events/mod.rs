@@ -226,9 +226,10 @@ pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
     Some(format!("tcp://{host}:{port}"))
 }
 
-/// The synchronous core of one rank's subscription: sequence decisions,
-/// decoding, translation and applying, with every outcome counted. The
-/// subscriber task feeds it frames; tests feed it directly.
+/// The core of one rank's subscription, free of sockets: sequence
+/// decisions, decoding, translation and handing events to the sink, with
+/// every outcome counted. Async only because the sink is. The subscriber
+/// task feeds it frames; tests feed it directly.
 pub struct RankProcessor<S: EventSink + ?Sized> {
     target: WorkerRank,
     dialect: Dialect,
