@@ -25,6 +25,9 @@ use crate::{
     ingest::{self, IngestHandle},
     metrics::Metrics,
     pb,
+    registry::Registration,
+    subscriptions::Subscriptions,
+    types::WorkerRole,
 };
 
 /// The gRPC service names health reports on, besides the overall "".
@@ -51,6 +54,8 @@ pub enum ServeError {
     Writer(std::io::Error),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("--engine {worker_id}: {message}")]
+    Engine { worker_id: u64, message: String },
 }
 
 /// Binds the configured gRPC and metrics addresses, naming the setting on
@@ -80,6 +85,11 @@ pub async fn run(
     let metrics = Metrics::new()?;
     let core = Arc::new(RouterCore::new(config.clone(), metrics.clone()));
     let ingest = ingest::start_writer(core.clone()).map_err(ServeError::Writer)?;
+    let subscriptions = Subscriptions::new(ingest.clone(), metrics.clone());
+    if let Err(error) = start_configured_engines(&config, &core, &subscriptions).await {
+        subscriptions.shutdown().await;
+        return Err(error);
+    }
     let tasks = TaskTracker::new();
     let stop_tasks = CancellationToken::new();
 
@@ -99,13 +109,17 @@ pub async fn run(
     let router = pb::router_server::RouterServer::new(RouterService::new(core.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    let workers =
-        pb::workers_server::WorkersServer::new(WorkersService::new(core.clone(), ingest.clone()))
+    let workers = pb::workers_server::WorkersServer::new(WorkersService::new(
+        core.clone(),
+        ingest.clone(),
+        subscriptions.clone(),
+    ))
+    .max_decoding_message_size(max)
+    .max_encoding_message_size(max);
+    let admin =
+        pb::admin_server::AdminServer::new(AdminService::new(core.clone(), subscriptions.clone()))
             .max_decoding_message_size(max)
             .max_encoding_message_size(max);
-    let admin = pb::admin_server::AdminServer::new(AdminService::new(core.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
 
     let known_paths = rpc_paths(&[
         pb::FILE_DESCRIPTOR_SET,
@@ -140,9 +154,15 @@ pub async fn run(
     tasks.spawn(serve_metrics(
         metrics_listener,
         metrics.clone(),
+        subscriptions.clone(),
         stop_tasks.clone(),
     ));
-    tasks.spawn(housekeeping(core.clone(), ingest, stop_tasks.clone()));
+    tasks.spawn(housekeeping(
+        core.clone(),
+        ingest,
+        subscriptions.clone(),
+        stop_tasks.clone(),
+    ));
     tasks.close();
 
     set_health(&health, tonic_health::ServingStatus::Serving).await;
@@ -154,6 +174,7 @@ pub async fn run(
             // The server ended on its own: an accept loop failure.
             stop_tasks.cancel();
             tasks.wait().await;
+            subscriptions.shutdown().await;
             return flatten(result);
         }
     }
@@ -183,6 +204,12 @@ pub async fn run(
     {
         tracing::warn!("background tasks did not stop within 5s");
     }
+    if tokio::time::timeout(Duration::from_secs(5), subscriptions.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("engine event subscriptions did not stop within 5s");
+    }
     tracing::info!("kvroute stopped");
     result
 }
@@ -209,9 +236,56 @@ async fn set_health(
     }
 }
 
-/// Periodic upkeep: lapsed leases (with their blocks, bookings and
-/// sessions), expired bookings and sessions, index gauges.
-async fn housekeeping(core: Arc<RouterCore>, ingest: IngestHandle, stop: CancellationToken) {
+/// Registers every `--engine` of the configuration as a worker and starts
+/// its subscription.
+async fn start_configured_engines(
+    config: &ServeConfig,
+    core: &Arc<RouterCore>,
+    subscriptions: &Subscriptions,
+) -> Result<(), ServeError> {
+    for spec in &config.engine {
+        let worker_id = spec.worker_id;
+        let failed = |message: String| ServeError::Engine { worker_id, message };
+        if subscriptions.is_configured(worker_id) {
+            return Err(failed("worker id configured twice".into()));
+        }
+        core.register_worker(Registration {
+            worker_id,
+            model: spec.model.clone(),
+            role: WorkerRole::Aggregated,
+            endpoint: spec.source.endpoint.clone(),
+            block_size: spec.block_size,
+            dp_start_rank: spec.dp_start_rank,
+            dp_size: spec.dp_size,
+            total_kv_blocks: 0,
+            max_num_batched_tokens: 0,
+            taints: Vec::new(),
+            lease_ttl: None,
+        })
+        .map_err(|e| failed(e.to_string()))?;
+        let record = core
+            .registry
+            .read()
+            .get(worker_id)
+            .cloned()
+            .ok_or_else(|| failed("not registered".into()))?;
+        subscriptions
+            .update(&record, Some(spec.source.clone()), true)
+            .await
+            .map_err(failed)?;
+    }
+    Ok(())
+}
+
+/// Periodic upkeep: configured engines' leases, lapsed leases (with their
+/// blocks, subscriptions, bookings and sessions), expired bookings and
+/// sessions, index and subscription gauges.
+async fn housekeeping(
+    core: Arc<RouterCore>,
+    ingest: IngestHandle,
+    subscriptions: Arc<Subscriptions>,
+    stop: CancellationToken,
+) {
     let period =
         (core.config.lease_ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut ticker = tokio::time::interval(period);
@@ -221,8 +295,10 @@ async fn housekeeping(core: Arc<RouterCore>, ingest: IngestHandle, stop: Cancell
             () = stop.cancelled() => break,
             _ = ticker.tick() => {}
         }
+        subscriptions.renew_configured(&core);
         for record in core.reap_expired_leases() {
             let worker_id = record.registration.worker_id;
+            subscriptions.stop(worker_id).await;
             let blocks = ingest
                 .remove_worker(worker_id, record.registration.model)
                 .await;
@@ -231,14 +307,21 @@ async fn housekeeping(core: Arc<RouterCore>, ingest: IngestHandle, stop: Cancell
         }
         core.expire_bookings();
         core.refresh_index_gauges();
+        subscriptions.export_metrics();
     }
 }
 
-async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, stop: CancellationToken) {
+async fn serve_metrics(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    subscriptions: Arc<Subscriptions>,
+    stop: CancellationToken,
+) {
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
             let metrics = metrics.clone();
+            subscriptions.export_metrics();
             async move {
                 (
                     [(

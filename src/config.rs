@@ -140,6 +140,84 @@ pub struct ServeConfig {
     /// Seed of the random tie-break and sampling (0: a fresh seed per start).
     #[arg(long, env = "KVROUTE_SEED", default_value_t = 0)]
     pub seed: u64,
+
+    /// An engine whose ZeroMQ KV events kvroute subscribes to (repeatable):
+    /// `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`,
+    /// e.g. `1:llama:16:0:2:vllm:tcp://10.0.0.5:5557:tcp://10.0.0.5:5558`.
+    /// DIALECT is vllm or sglang; ENDPOINT and REPLAY are the engine's PUB and
+    /// replay endpoints as configured in the engine (tcp://HOST:PORT, rank r
+    /// at PORT+r, or ipc://PATH for one rank). The engine is registered as a
+    /// worker whose lease is renewed while kvroute runs. In a config file:
+    /// `engine = ["SPEC", ...]`.
+    #[arg(long = "engine", value_name = "SPEC", value_parser = parse_engine_spec)]
+    pub engine: Vec<EngineSpec>,
+}
+
+/// One `--engine` setting: a worker kvroute registers itself and whose
+/// engine-native KV events it subscribes to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineSpec {
+    pub worker_id: u64,
+    pub model: String,
+    pub block_size: u32,
+    pub dp_start_rank: u32,
+    pub dp_size: u32,
+    pub source: crate::subscriptions::EngineSource,
+}
+
+/// Parses `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`.
+/// The endpoints contain colons themselves, so REPLAY starts at the second
+/// `tcp://` or `ipc://` (the model name must not contain a colon).
+pub fn parse_engine_spec(text: &str) -> Result<EngineSpec, String> {
+    const FORMAT: &str = "WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]";
+    let fields: Vec<&str> = text.splitn(7, ':').collect();
+    let [id, model, block_size, dp_start, dp_size, dialect, endpoints] = fields[..] else {
+        return Err(format!("expected {FORMAT}"));
+    };
+    let number = |name: &str, v: &str| -> Result<u32, String> {
+        v.parse::<u32>()
+            .map_err(|_| format!("{name} {v:?} is not a number (expected {FORMAT})"))
+    };
+    let worker_id = id
+        .parse::<u64>()
+        .map_err(|_| format!("WORKER_ID {id:?} is not a number (expected {FORMAT})"))?;
+    if model.is_empty() {
+        return Err(format!("MODEL is empty (expected {FORMAT})"));
+    }
+    let block_size = number("BLOCK_SIZE", block_size)?;
+    if block_size == 0 {
+        return Err("BLOCK_SIZE must be at least 1".into());
+    }
+    let dp_start_rank = number("DP_START", dp_start)?;
+    let dp_size = number("DP_SIZE", dp_size)?.max(1);
+    let split = ["tcp://", "ipc://"]
+        .iter()
+        .filter_map(|scheme| endpoints.get(1..)?.find(&format!(":{scheme}")))
+        .min()
+        .map(|i| i + 1);
+    let (endpoint, replay) = match split {
+        Some(i) => (&endpoints[..i], &endpoints[i + 1..]),
+        None => (endpoints, ""),
+    };
+    // The checks are shared with RegisterWorker: name this syntax's fields.
+    let rename = |e: String| {
+        e.replace("events_dialect", "DIALECT")
+            .replace("events_endpoint", "ENDPOINT")
+            .replace("replay_endpoint", "REPLAY")
+    };
+    let source = crate::subscriptions::EngineSource::from_fields(endpoint, dialect, replay)
+        .map_err(rename)?
+        .ok_or_else(|| format!("ENDPOINT is empty (expected {FORMAT})"))?;
+    // Checks that every rank's endpoint can be derived.
+    source.events_config(worker_id, model, block_size, dp_start_rank, dp_size)?;
+    Ok(EngineSpec {
+        worker_id,
+        model: model.to_string(),
+        block_size,
+        dp_start_rank,
+        dp_size,
+        source,
+    })
 }
 
 impl Default for ServeConfig {
@@ -187,6 +265,7 @@ impl ServeConfig {
             max_events_per_batch: 4096,
             max_blocks_per_event: 16384,
             seed: 0,
+            engine: Vec::new(),
         }
     }
 
@@ -252,6 +331,19 @@ pub fn argv_with_config_file(
         if !matches!(source, Some(ValueSource::DefaultValue) | None) {
             continue; // a flag or env var wins over the file
         }
+        if let toml::Value::Array(items) = value {
+            // A repeatable setting (`engine`): one flag per string.
+            for item in items {
+                let toml::Value::String(text) = item else {
+                    return Err(ConfigError::File {
+                        path: shown,
+                        message: format!("setting `{key}` must be an array of strings"),
+                    });
+                };
+                argv.push(format!("--{}={text}", id.replace('_', "-")));
+            }
+            continue;
+        }
         let text = match value {
             toml::Value::String(s) => s,
             toml::Value::Integer(i) => i.to_string(),
@@ -291,4 +383,47 @@ fn parse_log_filter(text: &str) -> Result<String, String> {
     tracing_subscriber::EnvFilter::try_new(text)
         .map(|_| text.to_string())
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine_events::Dialect;
+
+    #[test]
+    fn engine_specs_parse_with_and_without_replay() {
+        let spec = parse_engine_spec("7:llama:16:2:2:vllm:tcp://10.0.0.5:5557:tcp://10.0.0.5:5558")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (spec.worker_id, spec.model.as_str(), spec.block_size),
+            (7, "llama", 16)
+        );
+        assert_eq!((spec.dp_start_rank, spec.dp_size), (2, 2));
+        assert_eq!(spec.source.dialect, Dialect::Vllm);
+        assert_eq!(spec.source.endpoint, "tcp://10.0.0.5:5557");
+        assert_eq!(
+            spec.source.replay_endpoint.as_deref(),
+            Some("tcp://10.0.0.5:5558")
+        );
+        let spec = parse_engine_spec("1:m:16:0:1:SGLang:ipc:///run/kv.sock")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(spec.source.dialect, Dialect::Sglang);
+        assert_eq!(spec.source.endpoint, "ipc:///run/kv.sock");
+        assert_eq!(spec.source.replay_endpoint, None);
+    }
+
+    #[test]
+    fn bad_engine_specs_say_what_is_wrong() {
+        for (spec, message) in [
+            ("7:m:16:0:1:vllm", "expected WORKER_ID:MODEL"),
+            ("x:m:16:0:1:vllm:tcp://h:1", "WORKER_ID \"x\""),
+            ("7:m:0:0:1:vllm:tcp://h:1", "BLOCK_SIZE must be"),
+            ("7:m:16:0:1:trt:tcp://h:1", "not supported"),
+            ("7:m:16:0:2:vllm:ipc:///x", "dp rank 1"),
+            ("7:m:16:0:1:vllm:tcp://h", "tcp://HOST:PORT"),
+        ] {
+            let error = parse_engine_spec(spec).err().unwrap_or_default();
+            assert!(error.contains(message), "{spec}: {error}");
+        }
+    }
 }

@@ -534,6 +534,14 @@ fn worker_detail(w: &pb::WorkerInfo) -> String {
     );
     field("lease left", lease_text(w.lease_remaining_ms));
     field("cordoned", yes_no(w.cordoned).into());
+    field(
+        "subscription",
+        if w.subscription.is_empty() {
+            "-".into()
+        } else {
+            w.subscription.clone()
+        },
+    );
     // The header row of a two-column key/value list is empty: drop it.
     let fields = fields.render();
     let fields = fields.split_once('\n').map_or("", |(_, rest)| rest);
@@ -681,6 +689,7 @@ fn worker_json(w: &pb::WorkerInfo) -> Value {
         "taints": w.taints,
         "lease_remaining_ms": w.lease_remaining_ms,
         "cordoned": w.cordoned,
+        "subscription": w.subscription,
         "cached_blocks": w.ranks.iter().map(|r| r.cached_blocks).sum::<u64>(),
         "booked_load": booked_json(&booked_of(w)),
         "ranks": ranks,

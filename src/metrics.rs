@@ -3,12 +3,15 @@
 //!
 //! Label values come only from fixed sets (known RPC paths, gRPC code names,
 //! fixed reason strings) so untrusted input can never grow the label space.
+//! The one exception is the `worker` label of the `engine_event_*` families:
+//! a registered worker's id, whose series are removed when its subscription
+//! stops (`subscriptions`).
 
 use std::{sync::Arc, time::Instant};
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric family kvroute exports.
@@ -30,6 +33,39 @@ pub struct Metrics {
     pub index_bytes: IntGauge,
     pub event_streams: IntGauge,
     pub input_rejected: IntCounterVec,
+    pub engine: EngineEventFamilies,
+}
+
+/// Engine-native KV event subscriptions, per worker (`subscriptions`).
+#[derive(Clone)]
+pub struct EngineEventFamilies {
+    /// `worker`
+    pub batches: IntCounterVec,
+    /// `worker`, `kind` (stored, removed, cleared)
+    pub events: IntCounterVec,
+    /// `worker`, `reason` (other_medium, other_group, index_rejected)
+    pub ignored: IntCounterVec,
+    /// `worker`: batches stamped with another dp rank than the socket's
+    /// (still applied to the socket's rank)
+    pub rank_mismatch: IntCounterVec,
+    /// `worker`
+    pub gaps: IntCounterVec,
+    /// `worker`
+    pub batches_lost: IntCounterVec,
+    /// `worker`, `outcome` (requested, failed)
+    pub replays: IntCounterVec,
+    /// `worker`
+    pub replayed_batches: IntCounterVec,
+    /// `worker`
+    pub restarts: IntCounterVec,
+    /// `worker`, `reason` (`DecodeReason::label`)
+    pub decode_errors: IntCounterVec,
+    /// `worker`, `event` (connected, disconnected, failed)
+    pub connections: IntCounterVec,
+    /// `worker`
+    pub connected_ranks: IntGaugeVec,
+    /// `worker`; absent before the first batch
+    pub last_event_age: GaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -132,6 +168,99 @@ impl Metrics {
                 ),
                 &["area", "reason"]
             )?),
+            engine: EngineEventFamilies {
+                batches: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_batches_total",
+                        "Engine KV event batches admitted (live or replayed), per worker"
+                    ),
+                    &["worker"]
+                )?),
+                events: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_events_total",
+                        "Engine KV events decoded, per worker and kind"
+                    ),
+                    &["worker", "kind"]
+                )?),
+                ignored: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_events_ignored_total",
+                        "Engine KV events not routed on, per worker and reason"
+                    ),
+                    &["worker", "reason"]
+                )?),
+                rank_mismatch: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_rank_mismatch_total",
+                        "Engine batches stamped with another dp rank than their socket's"
+                    ),
+                    &["worker"]
+                )?),
+                gaps: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_gaps_total",
+                        "Sequence gaps seen on an engine's live stream"
+                    ),
+                    &["worker"]
+                )?),
+                batches_lost: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_batches_lost_total",
+                        "Engine batches neither received live nor replayed"
+                    ),
+                    &["worker"]
+                )?),
+                replays: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_replays_total",
+                        "Replay requests to an engine's replay socket, by outcome"
+                    ),
+                    &["worker", "outcome"]
+                )?),
+                replayed_batches: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_replayed_batches_total",
+                        "Batches received through an engine's replay socket"
+                    ),
+                    &["worker"]
+                )?),
+                restarts: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_restarts_total",
+                        "Engine restarts detected (sequence went back); the rank was cleared"
+                    ),
+                    &["worker"]
+                )?),
+                decode_errors: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_decode_errors_total",
+                        "Malformed engine frames, payloads or events skipped, by reason"
+                    ),
+                    &["worker", "reason"]
+                )?),
+                connections: reg!(IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_connections_total",
+                        "Engine event socket connects, disconnects and failed connects"
+                    ),
+                    &["worker", "event"]
+                )?),
+                connected_ranks: reg!(IntGaugeVec::new(
+                    Opts::new(
+                        "engine_event_connected_ranks",
+                        "Dp ranks whose engine event socket is connected"
+                    ),
+                    &["worker"]
+                )?),
+                last_event_age: reg!(GaugeVec::new(
+                    Opts::new(
+                        "engine_event_last_age_seconds",
+                        "Seconds since the worker's engine last sent a batch"
+                    ),
+                    &["worker"]
+                )?),
+            },
             registry,
         }))
     }

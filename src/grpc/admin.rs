@@ -10,6 +10,7 @@ use crate::{
     pb,
     registry::WorkerRecord,
     select::eligibility::Ineligible,
+    subscriptions::Subscriptions,
     types::WorkerRank,
 };
 
@@ -17,13 +18,17 @@ use crate::{
 #[derive(Clone)]
 pub struct AdminService {
     core: Arc<RouterCore>,
+    subscriptions: Arc<Subscriptions>,
 }
 
 type Res<T> = Result<Response<T>, Status>;
 
 impl AdminService {
-    pub fn new(core: Arc<RouterCore>) -> Self {
-        Self { core }
+    pub fn new(core: Arc<RouterCore>, subscriptions: Arc<Subscriptions>) -> Self {
+        Self {
+            core,
+            subscriptions,
+        }
     }
 
     fn fail(&self, status: Status) -> Status {
@@ -82,7 +87,7 @@ impl AdminService {
                 .unwrap_or(u64::MAX),
             cordoned: record.cordoned,
             ranks,
-            subscription: String::new(),
+            subscription: self.subscriptions.summary(r.worker_id),
         }
     }
 

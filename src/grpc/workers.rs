@@ -1,6 +1,8 @@
 //! The `kvroute.v1.Workers` service: registration, leases, load and the
 //! `PublishEvents` stream. Handlers translate and call the core; batches go
-//! to the single index writer (`ingest`).
+//! to the single index writer (`ingest`). A registration with an
+//! `events_endpoint` starts (or restarts) the worker's engine-native ZeroMQ
+//! subscription (`subscriptions`); deregistration stops it.
 
 use std::{pin::Pin, sync::Arc};
 
@@ -16,6 +18,7 @@ use crate::{
     },
     ingest::IngestHandle,
     pb,
+    subscriptions::{EngineSource, Subscriptions},
 };
 
 /// Handlers of `kvroute.v1.Workers`.
@@ -23,11 +26,20 @@ use crate::{
 pub struct WorkersService {
     core: Arc<RouterCore>,
     ingest: IngestHandle,
+    subscriptions: Arc<Subscriptions>,
 }
 
 impl WorkersService {
-    pub fn new(core: Arc<RouterCore>, ingest: IngestHandle) -> Self {
-        Self { core, ingest }
+    pub fn new(
+        core: Arc<RouterCore>,
+        ingest: IngestHandle,
+        subscriptions: Arc<Subscriptions>,
+    ) -> Self {
+        Self {
+            core,
+            ingest,
+            subscriptions,
+        }
     }
 
     fn rejected(&self, reason: &'static str, status: Status) -> Status {
@@ -54,18 +66,40 @@ impl pb::workers_server::Workers for WorkersService {
         request: Request<pb::RegisterWorkerRequest>,
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
         let request = request.into_inner();
-        if !request.events_endpoint.is_empty() {
+        let worker_id = request.worker_id;
+        let invalid = |message: String| {
+            self.rejected(
+                "invalid_argument",
+                Status::invalid_argument(format!("worker {worker_id}: {message}")),
+            )
+        };
+        let source = EngineSource::from_fields(
+            &request.events_endpoint,
+            &request.events_dialect,
+            &request.replay_endpoint,
+        )
+        .map_err(invalid)?;
+        if let Some(source) = &source {
+            source
+                .events_config(
+                    worker_id,
+                    &request.model,
+                    request.block_size.max(1),
+                    request.dp_start_rank,
+                    request.dp_size,
+                )
+                .map_err(invalid)?;
+        }
+        if self.subscriptions.is_configured(worker_id) {
             return Err(self.rejected(
-                "unimplemented",
-                Status::unimplemented(format!(
-                    "worker {}: engine-native (ZeroMQ) event subscription is not implemented yet; stream events with PublishEvents",
-                    request.worker_id
+                "failed_precondition",
+                Status::failed_precondition(format!(
+                    "worker {worker_id} is configured by `kvroute serve --engine`; it cannot be registered over gRPC"
                 )),
             ));
         }
         let registration =
             convert::registration_from_pb(request).map_err(|e| self.fail(e.into()))?;
-        let worker_id = registration.worker_id;
         let outcome = self
             .core
             .register_worker(registration)
@@ -77,6 +111,13 @@ impl pb::workers_server::Workers for WorkersService {
                 removed,
                 "re-registration changed layout: blocks dropped"
             );
+        }
+        let record = self.core.registry.read().get(worker_id).cloned();
+        if let Some(record) = record {
+            self.subscriptions
+                .update(&record, source, false)
+                .await
+                .map_err(invalid)?;
         }
         tracing::info!(worker_id, created = outcome.created, "worker registered");
         self.core.drain_queue();
@@ -115,6 +156,7 @@ impl pb::workers_server::Workers for WorkersService {
             .core
             .deregister_worker(worker_id)
             .map_err(|e| self.fail(e.into()))?;
+        self.subscriptions.stop(worker_id).await;
         let blocks_removed = self
             .ingest
             .remove_worker(worker_id, record.registration.model)

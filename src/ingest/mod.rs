@@ -14,6 +14,11 @@
 //!
 //! Each (worker, dp_rank) has an [`cursor::EventCursor`]; the writer is its
 //! only writer, the Admin API reads it.
+//!
+//! Engine-native subscriptions (`engine_events`, `subscriptions`) write
+//! through here too, as [`EngineBatch`] jobs: their events carry no event
+//! ids (the subscriber keeps each publisher's own sequence), so they bypass
+//! the cursor but keep the registration-generation check.
 
 pub mod cursor;
 
@@ -62,6 +67,32 @@ pub struct BatchOutcome {
     pub first_rejection: Option<IndexError>,
 }
 
+/// Already-hashed events of one (worker, dp_rank) from a source without
+/// kvroute event ids: the engine-native ZeroMQ subscriber, which orders and
+/// de-duplicates by the engine's own batch sequence before sending. Applied
+/// in order without an [`cursor::EventCursor`], but only while the worker's
+/// registration still has `generation` (as for [`ValidatedBatch`]), so
+/// events of a worker deregistered or re-registered meanwhile are dropped.
+/// A rank is cleared by sending [`KvEvent::Cleared`]. The subscriber awaits
+/// each job before sending the next, so one rank's jobs never overtake.
+#[derive(Clone, Debug)]
+pub struct EngineBatch {
+    pub worker_id: WorkerId,
+    pub generation: u64,
+    pub model: String,
+    pub dp_rank: DpRank,
+    pub events: Vec<KvEvent>,
+}
+
+/// What the writer did with an [`EngineBatch`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineOutcome {
+    pub applied: u32,
+    pub rejected: u32,
+    /// The first rejection, for logs.
+    pub first_rejection: Option<IndexError>,
+}
+
 /// Why a batch was not applied at all.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum IngestError {
@@ -75,6 +106,10 @@ enum Job {
     Batch {
         batch: ValidatedBatch,
         reply: oneshot::Sender<Result<BatchOutcome, IngestError>>,
+    },
+    Engine {
+        batch: EngineBatch,
+        reply: oneshot::Sender<Result<EngineOutcome, IngestError>>,
     },
     RemoveWorker {
         worker_id: WorkerId,
@@ -97,6 +132,17 @@ impl IngestHandle {
         let (reply, answer) = oneshot::channel();
         self.tx
             .send(Job::Batch { batch, reply })
+            .await
+            .map_err(|_| IngestError::WriterStopped)?;
+        answer.await.map_err(|_| IngestError::WriterStopped)?
+    }
+
+    /// Queues engine-native events (see [`EngineBatch`]) and waits for the
+    /// writer's verdict.
+    pub async fn apply_engine(&self, batch: EngineBatch) -> Result<EngineOutcome, IngestError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Job::Engine { batch, reply })
             .await
             .map_err(|_| IngestError::WriterStopped)?;
         answer.await.map_err(|_| IngestError::WriterStopped)?
@@ -140,6 +186,9 @@ pub fn start_writer(core: Arc<RouterCore>) -> std::io::Result<IngestHandle> {
                 match job {
                     Job::Batch { batch, reply } => {
                         let _ = reply.send(apply_batch(&core, batch));
+                    }
+                    Job::Engine { batch, reply } => {
+                        let _ = reply.send(apply_engine_batch(&core, batch));
                     }
                     Job::RemoveWorker {
                         worker_id,
@@ -229,6 +278,45 @@ pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutc
             "rejected"
         };
         core.count_events(kind, reason, count);
+    }
+    Ok(outcome)
+}
+
+/// Applies one engine-native batch (see [`EngineBatch`]): the generation
+/// check of [`apply_batch`], then every event in order, no cursor.
+pub fn apply_engine_batch(
+    core: &RouterCore,
+    batch: EngineBatch,
+) -> Result<EngineOutcome, IngestError> {
+    let worker_id = batch.worker_id;
+    let current = core
+        .registry
+        .read()
+        .get(worker_id)
+        .map(|w| (w.generation, w.registration.model.clone()));
+    if current != Some((batch.generation, batch.model.clone())) {
+        core.count_events("rejected", "worker_gone", batch.events.len() as u64);
+        return Err(IngestError::WorkerGone { worker_id });
+    }
+    let Some(index) = core.index_of(&batch.model) else {
+        return Err(IngestError::WorkerGone { worker_id });
+    };
+    let target = WorkerRank::new(worker_id, batch.dp_rank);
+    let mut outcome = EngineOutcome::default();
+    let mut reasons: HashMap<&'static str, u64> = HashMap::new();
+    for event in &batch.events {
+        match index.apply(target, event) {
+            Ok(_) => outcome.applied += 1,
+            Err(error) => {
+                outcome.rejected += 1;
+                *reasons.entry(rejection_reason(&error)).or_default() += 1;
+                outcome.first_rejection.get_or_insert(error);
+            }
+        }
+    }
+    core.count_events("applied", "ok", u64::from(outcome.applied));
+    for (reason, count) in reasons {
+        core.count_events("rejected", reason, count);
     }
     Ok(outcome)
 }

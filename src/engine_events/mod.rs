@@ -1,0 +1,354 @@
+//! Engine-native KV events: subscribe to vLLM / SGLang ZeroMQ publishers.
+//!
+//! Why this exists: engines that cannot call kvroute's `PublishEvents` RPC
+//! still announce every stored, removed and cleared KV block on a ZeroMQ PUB
+//! socket (one per dp rank), with a ROUTER socket that replays recent batches.
+//! This module subscribes per (worker, dp_rank), keeps the sequence exact
+//! (gap -> replay, backwards -> restart), turns engine events into
+//! [`KvEvent`]s with kvroute's local hashes and hands them to an
+//! [`EventSink`], which the service wires to its ingest path.
+//!
+//! Layout:
+//! * [`wire`]: frames and msgpack payloads of both dialects and encodings.
+//! * [`sequence`]: pure gap / restart / duplicate decisions and backoff.
+//! * [`translate`]: engine events -> index events (hashing, media, groups).
+//! * [`subscriber`]: the tokio tasks (SUB socket, reconnect, DEALER replay).
+//! * [`metrics`]: per-worker counters.
+//!
+//! Failure policy: a malformed frame, payload or event is counted by reason
+//! and skipped; it never stops the subscriber and never touches another
+//! worker. A disconnected engine keeps its blocks (its lease or an
+//! `AllBlocksCleared` removes them); a restarted engine's rank is cleared.
+
+pub mod metrics;
+pub mod sequence;
+pub mod subscriber;
+pub mod translate;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::index::{KvEvent, KvIndex};
+use crate::types::{DpRank, WorkerId, WorkerRank};
+
+pub use metrics::{MetricsSnapshot, WorkerEventMetrics};
+pub use sequence::{Admit, Backoff, LiveObservation, SequenceTracker};
+pub use subscriber::{WorkerSubscription, spawn_worker};
+pub use translate::{MEDIUM_GPU, TranslateOptions, Translated, Translator, mm_identifier_hash};
+pub use wire::{DecodeError, DecodeReason, Dialect, EngineEvent};
+
+/// How a sink fared with one batch of translated events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SinkOutcome {
+    pub applied: u32,
+    /// Events the index refused (unknown parent, hash conflict); the sink is
+    /// unchanged by them.
+    pub rejected: u32,
+}
+
+/// Where translated events go. The service implements this over its ingest
+/// writer (the index's one writer); [`KvIndex`] implements it directly for
+/// tests and simple setups. Async because the writer answers over a
+/// channel: each rank awaits one call before making the next, which keeps
+/// that rank's events in order.
+pub trait EventSink: Send + Sync + 'static {
+    /// Apply one engine batch's translated events for one target, in order.
+    fn apply(&self, target: WorkerRank, events: Vec<KvEvent>) -> BoxFuture<'_, SinkOutcome>;
+    /// Drop everything the target holds (engine restart).
+    fn clear(&self, target: WorkerRank) -> BoxFuture<'_, ()>;
+}
+
+impl EventSink for KvIndex {
+    fn apply(&self, target: WorkerRank, events: Vec<KvEvent>) -> BoxFuture<'_, SinkOutcome> {
+        let mut outcome = SinkOutcome::default();
+        for event in &events {
+            match KvIndex::apply(self, target, event) {
+                Ok(_) => outcome.applied += 1,
+                Err(e) => {
+                    outcome.rejected += 1;
+                    tracing::debug!(%target, %e, "index rejected engine event");
+                }
+            }
+        }
+        Box::pin(std::future::ready(outcome))
+    }
+
+    fn clear(&self, target: WorkerRank) -> BoxFuture<'_, ()> {
+        self.remove_rank(target);
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// A configuration the subscriber cannot run with.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("block_size must be positive")]
+    ZeroBlockSize,
+    #[error("no dp ranks configured")]
+    NoRanks,
+    #[error("cannot derive the endpoint of dp rank {rank} from {endpoint:?}: give it explicitly")]
+    NoRankEndpoint { rank: DpRank, endpoint: String },
+}
+
+/// The endpoints of one dp rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankEndpoints {
+    pub endpoint: String,
+    pub replay_endpoint: Option<String>,
+}
+
+/// Engine-event subscription of one worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineEventsConfig {
+    pub worker_id: WorkerId,
+    pub model: String,
+    /// The worker's KV block size (tokens); events of another size are skipped.
+    pub block_size: u32,
+    /// The dp ranks to subscribe to.
+    pub dp_ranks: Vec<DpRank>,
+    /// PUB endpoint of rank 0, e.g. `tcp://10.0.0.5:5557`. Rank `r` uses the
+    /// port plus `r` (the engines' own convention) unless `rank_endpoints`
+    /// names it.
+    pub endpoint: String,
+    /// Replay (ROUTER) endpoint of rank 0, offset the same way. `None`: gaps
+    /// are counted and logged, routing continues.
+    pub replay_endpoint: Option<String>,
+    /// Explicit endpoints per rank (e.g. `ipc://` paths).
+    pub rank_endpoints: HashMap<DpRank, RankEndpoints>,
+    pub dialect: Dialect,
+    /// Media whose blocks count as cached for routing (default `["GPU"]`).
+    pub cached_media: Vec<String>,
+    /// Topic prefix to subscribe to (engines default to "").
+    pub topic: String,
+    /// KV cache group to index (hybrid models); `None` indexes every group.
+    pub kv_group: Option<i64>,
+    /// LoRA id -> name, for engines that report only the id (SGLang).
+    pub lora_names: HashMap<i64, String>,
+    pub reconnect_initial: Duration,
+    pub reconnect_max: Duration,
+    pub connect_timeout: Duration,
+    /// How long one replay may take before it is abandoned.
+    pub replay_timeout: Duration,
+}
+
+impl EngineEventsConfig {
+    /// A configuration with defaults for everything but the essentials.
+    pub fn new(
+        worker_id: WorkerId,
+        model: impl Into<String>,
+        block_size: u32,
+        endpoint: impl Into<String>,
+        dialect: Dialect,
+    ) -> Self {
+        Self {
+            worker_id,
+            model: model.into(),
+            block_size,
+            dp_ranks: vec![0],
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            rank_endpoints: HashMap::new(),
+            dialect,
+            cached_media: vec![MEDIUM_GPU.to_owned()],
+            topic: String::new(),
+            kv_group: Some(0),
+            lora_names: HashMap::new(),
+            reconnect_initial: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(2),
+            replay_timeout: Duration::from_secs(5),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0 {
+            return Err(ConfigError::ZeroBlockSize);
+        }
+        if self.dp_ranks.is_empty() {
+            return Err(ConfigError::NoRanks);
+        }
+        for r in &self.dp_ranks {
+            self.endpoints_for(*r)?;
+        }
+        Ok(())
+    }
+
+    /// The endpoints of `rank` (explicit, or rank 0's with the port offset).
+    pub fn endpoints_for(&self, rank: DpRank) -> Result<RankEndpoints, ConfigError> {
+        if let Some(e) = self.rank_endpoints.get(&rank) {
+            return Ok(e.clone());
+        }
+        let endpoint =
+            offset_port(&self.endpoint, rank).ok_or_else(|| ConfigError::NoRankEndpoint {
+                rank,
+                endpoint: self.endpoint.clone(),
+            })?;
+        let replay_endpoint = match &self.replay_endpoint {
+            None => None,
+            Some(r) => Some(
+                offset_port(r, rank).ok_or_else(|| ConfigError::NoRankEndpoint {
+                    rank,
+                    endpoint: r.clone(),
+                })?,
+            ),
+        };
+        Ok(RankEndpoints {
+            endpoint,
+            replay_endpoint,
+        })
+    }
+
+    pub fn translate_options(&self) -> TranslateOptions {
+        TranslateOptions {
+            block_size: self.block_size,
+            cached_media: self.cached_media.clone(),
+            kv_group: self.kv_group,
+            lora_names: self.lora_names.clone(),
+        }
+    }
+}
+
+/// `tcp://host:port` with the port plus `rank`; other transports only for
+/// rank 0.
+pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
+    if rank == 0 {
+        return Some(endpoint.to_owned());
+    }
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    let port: u32 = port.parse().ok()?;
+    let port = u16::try_from(port.checked_add(rank)?).ok()?;
+    Some(format!("tcp://{host}:{port}"))
+}
+
+/// The core of one rank's subscription, free of sockets: sequence
+/// decisions, decoding, translation and handing events to the sink, with
+/// every outcome counted. Async only because the sink is. The subscriber
+/// task feeds it frames; tests feed it directly.
+pub struct RankProcessor<S: EventSink + ?Sized> {
+    target: WorkerRank,
+    dialect: Dialect,
+    tracker: SequenceTracker,
+    translator: Translator,
+    metrics: Arc<WorkerEventMetrics>,
+    sink: Arc<S>,
+}
+
+impl<S: EventSink + ?Sized> RankProcessor<S> {
+    pub fn new(
+        target: WorkerRank,
+        dialect: Dialect,
+        opts: Arc<TranslateOptions>,
+        metrics: Arc<WorkerEventMetrics>,
+        sink: Arc<S>,
+    ) -> Self {
+        Self {
+            target,
+            dialect,
+            tracker: SequenceTracker::new(),
+            translator: Translator::new(opts),
+            metrics,
+            sink,
+        }
+    }
+
+    pub fn target(&self) -> WorkerRank {
+        self.target
+    }
+
+    pub fn tracker(&self) -> &SequenceTracker {
+        &self.tracker
+    }
+
+    /// Record a live sequence. Handles a restart (clears the rank) and
+    /// returns the missing range when a replay should be requested before
+    /// [`Self::apply_batch`] is called for `seq`.
+    pub async fn on_live(&mut self, seq: u64) -> Option<Range<u64>> {
+        let obs = self.tracker.observe_live(seq);
+        if let Some(prev) = obs.restarted_from {
+            WorkerEventMetrics::inc(&self.metrics.restarts);
+            tracing::warn!(target = %self.target, prev, seq, "engine restarted: clearing its blocks");
+            self.sink.clear(self.target).await;
+            self.translator.reset();
+        }
+        if let Some(missing) = &obs.missing {
+            WorkerEventMetrics::inc(&self.metrics.gaps);
+            tracing::info!(target = %self.target, ?missing, "sequence gap");
+        }
+        obs.missing
+    }
+
+    /// Count a frame-level decode failure.
+    pub fn count_error(&self, err: &DecodeError) {
+        self.metrics.decode_error(err.reason);
+        tracing::debug!(target = %self.target, %err, "skipped malformed engine message");
+    }
+
+    /// Admit and apply one batch (live or replayed).
+    pub async fn apply_batch(&mut self, seq: u64, payload: &[u8]) {
+        match self.tracker.admit(seq) {
+            Admit::Duplicate => return,
+            Admit::Apply => {}
+            Admit::ApplyAfterLoss(lost) => {
+                let n = lost.end - lost.start;
+                WorkerEventMetrics::add(&self.metrics.batches_lost, n);
+                tracing::warn!(target = %self.target, ?lost, "engine batches lost for good; routing continues");
+            }
+        }
+        WorkerEventMetrics::inc(&self.metrics.batches);
+        self.metrics.touch(seq);
+        let batch = match wire::decode_batch(payload, self.dialect) {
+            Ok(b) => b,
+            Err(e) => {
+                self.count_error(&e);
+                return;
+            }
+        };
+        if batch
+            .dp_rank
+            .is_some_and(|r| i64::from(self.target.dp_rank) != r)
+        {
+            WorkerEventMetrics::inc(&self.metrics.rank_mismatch);
+        }
+        let mut translated = Vec::new();
+        for event in batch.events {
+            let event = match event {
+                Ok(e) => e,
+                Err(e) => {
+                    self.count_error(&e);
+                    continue;
+                }
+            };
+            let kind = match &event {
+                EngineEvent::Stored(_) => &self.metrics.events_stored,
+                EngineEvent::Removed(_) => &self.metrics.events_removed,
+                EngineEvent::Cleared => &self.metrics.events_cleared,
+            };
+            WorkerEventMetrics::inc(kind);
+            match self.translator.translate(event) {
+                Err(e) => self.count_error(&e),
+                Ok(Translated::OtherMedium) => {
+                    WorkerEventMetrics::inc(&self.metrics.events_other_medium);
+                }
+                Ok(Translated::OtherGroup) => {
+                    WorkerEventMetrics::inc(&self.metrics.events_other_group);
+                }
+                Ok(Translated::Nothing) => {}
+                Ok(Translated::Apply(ev)) => translated.push(ev),
+            }
+        }
+        if translated.is_empty() {
+            return;
+        }
+        let outcome = self.sink.apply(self.target, translated).await;
+        WorkerEventMetrics::add(&self.metrics.index_rejected, u64::from(outcome.rejected));
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,3 @@
+"""Stub: only the ExternalBlockHash type alias is needed by kv_events.py."""
+
+ExternalBlockHash = bytes | int
