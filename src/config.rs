@@ -12,11 +12,16 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{Args, ValueEnum, parser::ValueSource};
 
 /// Default weight of prefill cost against decode cost. Dynamo's router uses
-/// 1.0 (and `--overlap-weight 1` reproduces its choices); 16 is what trace
-/// replay showed best for time to first token on both Mooncake traces:
-/// prefill is what a request waits for, while booked decode blocks only
-/// measure KV occupancy (see docs/ARCHITECTURE.md, "Scoring").
-pub const DEFAULT_OVERLAP_WEIGHT: f64 = 16.0;
+/// 1.0 (and `--overlap-weight 1 --overlap-credit 0` reproduces its choices);
+/// trace replay showed a high weight best for time to first token on both
+/// Mooncake traces: prefill is what a request waits for, while booked decode
+/// blocks only measure KV occupancy (see docs/ARCHITECTURE.md, "Scoring").
+pub const DEFAULT_OVERLAP_WEIGHT: f64 = 64.0;
+
+/// Default credit per cached prompt block (see `overlap_credit`): a quarter
+/// of a block's prefill weight, so a worker holding a prefix keeps its
+/// conversation unless its prefill queue is clearly longer.
+pub const DEFAULT_OVERLAP_CREDIT: f64 = 16.0;
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -100,6 +105,12 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_OVERLAP_WEIGHT", default_value_t = DEFAULT_OVERLAP_WEIGHT,
           value_parser = parse_non_negative_f64)]
     pub overlap_weight: f64,
+
+    /// Cost taken off per cached prompt block, beyond the prefill it saves
+    /// (staying where a prefix lives keeps it warm for the next turn).
+    #[arg(long, env = "KVROUTE_OVERLAP_CREDIT", default_value_t = DEFAULT_OVERLAP_CREDIT,
+          value_parser = parse_non_negative_f64)]
+    pub overlap_credit: f64,
 
     /// Softmax temperature of scoring; 0 always takes the lowest cost.
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0,
@@ -257,6 +268,7 @@ impl ServeConfig {
             lease_ttl: Duration::from_secs(10),
             booking_ttl: Duration::from_secs(300),
             overlap_weight: DEFAULT_OVERLAP_WEIGHT,
+            overlap_credit: DEFAULT_OVERLAP_CREDIT,
             temperature: 0.0,
             busy_threshold: 4.0,
             kv_busy_fraction: 0.98,

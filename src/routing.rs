@@ -130,6 +130,7 @@ impl RouterCore {
                 prefill_factor: self.config.busy_threshold,
                 kv_usage_fraction: self.config.kv_busy_fraction,
             },
+            overlap_credit: self.config.overlap_credit,
             ..SelectConfig::default()
         }
     }

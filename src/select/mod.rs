@@ -116,6 +116,9 @@ pub struct SelectConfig {
     pub busy: BusyThresholds,
     /// Fraction of cost taken off a SOFT affinity target. Default 0.1.
     pub soft_affinity_discount: f64,
+    /// Cost taken off per cached prompt block beyond the prefill it saves.
+    /// Default 0.0.
+    pub overlap_credit: f64,
 }
 
 impl Default for SelectConfig {
@@ -125,6 +128,7 @@ impl Default for SelectConfig {
             temperature: 0.0,
             busy: BusyThresholds::default(),
             soft_affinity_discount: 0.1,
+            overlap_credit: 0.0,
         }
     }
 }
@@ -142,6 +146,7 @@ impl SelectConfig {
     pub fn validate(&self) -> Result<(), String> {
         non_negative("overlap_weight", self.overlap_weight)?;
         non_negative("temperature", self.temperature)?;
+        non_negative("overlap_credit", self.overlap_credit)?;
         non_negative("busy prefill factor", self.busy.prefill_factor)?;
         non_negative("busy kv usage fraction", self.busy.kv_usage_fraction)?;
         if !(0.0..1.0).contains(&self.soft_affinity_discount) {
@@ -296,6 +301,7 @@ pub fn select(
             .unwrap_or(config.overlap_weight),
         temperature: req.overrides.temperature.unwrap_or(config.temperature),
         soft_affinity_discount: config.soft_affinity_discount.clamp(0.0, 0.999),
+        overlap_credit: config.overlap_credit,
     };
 
     let mut workers: Vec<&WorkerSnapshot> = ctx.workers.iter().collect();

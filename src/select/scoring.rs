@@ -50,6 +50,9 @@ pub struct ScoreParams {
     pub temperature: f64,
     /// Fraction of cost taken off a SOFT affinity target, in `[0, 1)`.
     pub soft_affinity_discount: f64,
+    /// Cost taken off per cached prompt block, on top of the prefill it
+    /// saves: staying where a prefix lives keeps it warm for the next turn.
+    pub overlap_credit: f64,
 }
 
 /// A scorer's verdict on one candidate.

@@ -1,13 +1,17 @@
 //! `kvroute replay`: runs policies over a trace in the simulator and prints
 //! the comparison (table, or one JSON object per policy), optionally a chart.
 
-use std::path::PathBuf;
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
 
 use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::{
     EngineConfig, KvRouteKnobs, KvRoutePolicy, POLICY_NAMES, Report, Router, SimConfig, Trace,
-    policy_by_name, replay,
+    policy_by_name, replay_with_progress,
 };
 
 /// Every policy `--policy` accepts.
@@ -38,6 +42,9 @@ pub struct ReplayArgs {
     /// kvroute policy: weight of prefill cost against decode cost.
     #[arg(long, default_value_t = crate::config::DEFAULT_OVERLAP_WEIGHT)]
     pub overlap_weight: f64,
+    /// kvroute policy: cost taken off per cached prompt block.
+    #[arg(long, default_value_t = crate::config::DEFAULT_OVERLAP_CREDIT)]
+    pub overlap_credit: f64,
     /// kvroute policy: softmax temperature (0: lowest cost).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
@@ -131,6 +138,7 @@ impl ReplayArgs {
         for (name, v) in [
             ("--overlap-weight", self.overlap_weight),
             ("--temperature", self.temperature),
+            ("--overlap-credit", self.overlap_credit),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(ReplayError::Invalid(format!("{name} must be >= 0")));
@@ -166,6 +174,7 @@ impl ReplayArgs {
         if name == "kvroute" {
             let knobs = KvRouteKnobs {
                 overlap_weight: self.overlap_weight,
+                overlap_credit: self.overlap_credit,
                 temperature: self.temperature,
                 seed: self.seed,
             };
@@ -188,7 +197,25 @@ pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
     let mut reports = Vec::new();
     for name in &names {
         let mut router = args.router(name)?;
-        let report = replay(&trace, &config, router.as_mut());
+        let bar = ProgressBar::hidden();
+        bar.set_style(
+            ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} requests {elapsed}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.set_message(name.clone());
+        bar.set_length(trace.records.len() as u64);
+        let started = Instant::now();
+        let mut shown = false;
+        let report = replay_with_progress(&trace, &config, router.as_mut(), &mut |done, _| {
+            // Only runs longer than a second get a bar, on stderr.
+            if !shown && started.elapsed() > Duration::from_secs(1) {
+                bar.set_draw_target(ProgressDrawTarget::stderr());
+                shown = true;
+            }
+            bar.set_position(done as u64);
+        });
+        bar.finish_and_clear();
         if args.json {
             println!("{}", report.to_json());
         }

@@ -158,6 +158,17 @@ struct Tracked {
 /// every request with `router`. Deterministic for equal inputs (only
 /// `Report::sim_secs`, the wall time, varies).
 pub fn replay(trace: &Trace, config: &SimConfig, router: &mut dyn Router) -> Report {
+    replay_with_progress(trace, config, router, &mut |_, _| {})
+}
+
+/// [`replay`], calling `progress(arrived, total)` as requests arrive (for a
+/// progress display; it does not affect the simulation).
+pub fn replay_with_progress(
+    trace: &Trace,
+    config: &SimConfig,
+    router: &mut dyn Router,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Report {
     let started = Instant::now();
     let workers = config.workers.max(1);
     let speedup = if config.speedup > 0.0 {
@@ -179,6 +190,9 @@ pub fn replay(trace: &Trace, config: &SimConfig, router: &mut dyn Router) -> Rep
     let arrival_of = |i: usize| trace.records[i].timestamp as f64 / speedup;
 
     loop {
+        if next.is_multiple_of(256) {
+            progress(next, trace.records.len());
+        }
         let next_arrival = (next < trace.records.len()).then(|| arrival_of(next));
         let next_pass = heap.peek().map(|p| p.at_ms);
         let now = match (next_arrival, next_pass) {

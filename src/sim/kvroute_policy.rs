@@ -33,6 +33,7 @@ const MODEL: &str = "sim";
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvRouteKnobs {
     pub overlap_weight: f64,
+    pub overlap_credit: f64,
     pub temperature: f64,
     pub seed: u64,
 }
@@ -41,6 +42,7 @@ impl Default for KvRouteKnobs {
     fn default() -> Self {
         Self {
             overlap_weight: crate::config::DEFAULT_OVERLAP_WEIGHT,
+            overlap_credit: crate::config::DEFAULT_OVERLAP_CREDIT,
             temperature: 0.0,
             seed: 42,
         }
@@ -61,6 +63,7 @@ impl KvRoutePolicy {
     pub fn new(knobs: KvRouteKnobs) -> Result<Self, prometheus::Error> {
         let config = ServeConfig {
             overlap_weight: knobs.overlap_weight,
+            overlap_credit: knobs.overlap_credit,
             temperature: knobs.temperature,
             seed: knobs.seed.max(1),
             ..ServeConfig::default()
@@ -141,10 +144,18 @@ impl KvRoutePolicy {
 impl Router for KvRoutePolicy {
     fn name(&self) -> String {
         let k = self.knobs;
-        if k.overlap_weight == crate::config::DEFAULT_OVERLAP_WEIGHT && k.temperature == 0.0 {
+        if k == KvRouteKnobs::default()
+            || k == (KvRouteKnobs {
+                seed: k.seed,
+                ..KvRouteKnobs::default()
+            })
+        {
             "kvroute".into()
         } else {
-            format!("kvroute(w={},t={})", k.overlap_weight, k.temperature)
+            format!(
+                "kvroute(w={},c={},t={})",
+                k.overlap_weight, k.overlap_credit, k.temperature
+            )
         }
     }
 

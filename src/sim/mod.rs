@@ -19,7 +19,7 @@ pub mod report;
 pub mod trace;
 
 pub use engine::{EngineConfig, EngineKvEvent, EngineLoad, SimEngine, block_hashes};
-pub use fleet::{FleetView, SimConfig, SimRequest, replay, worker_rank};
+pub use fleet::{FleetView, SimConfig, SimRequest, replay, replay_with_progress, worker_rank};
 pub use kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 pub use policy::{
     LeastLoaded, POLICY_NAMES, PrefixOnly, RandomRouter, RoundRobin, Router, policy_by_name,

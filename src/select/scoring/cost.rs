@@ -2,7 +2,7 @@
 //!
 //! Why it exists: it is the router's baseline, balancing cache reuse (less
 //! prefill) against load (fewer blocks to hold while decoding). Invariants:
-//! * `cost = overlap_weight * potential_prefill_blocks + potential_decode_blocks`,
+//! * `cost = overlap_weight * potential_prefill_blocks + potential_decode_blocks - overlap_credit * overlap_blocks`,
 //!   multiplied by `1 - soft_affinity_discount` for a SOFT affinity target;
 //!   lower is better;
 //! * temperature 0: the minimum cost wins; exact ties (within a relative
@@ -31,7 +31,8 @@ impl CostScorer {
             .map(|c| {
                 let prefill_cost = params.overlap_weight * c.potential_prefill_blocks as f64;
                 let decode_cost = c.potential_decode_blocks as f64;
-                let mut cost = prefill_cost + decode_cost;
+                let mut cost = prefill_cost + decode_cost
+                    - params.overlap_credit * f64::from(c.overlap_blocks);
                 if c.soft_affinity {
                     cost *= 1.0 - params.soft_affinity_discount;
                 }
@@ -167,6 +168,7 @@ mod tests {
             overlap_weight: weight,
             temperature,
             soft_affinity_discount: 0.1,
+            overlap_credit: 0.0,
         }
     }
 
@@ -189,6 +191,24 @@ mod tests {
         assert_eq!(out.scores[1].decode_cost, 4.0);
         assert_eq!(out.scores[0].probability, 1.0);
         assert_eq!(out.scores[1].probability, 0.0);
+    }
+
+    #[test]
+    fn overlap_credit_keeps_a_busier_prefix_holder() {
+        let mut rng = StdRng::seed_from_u64(1);
+        // a holds 4 prompt blocks but has more prefill queued (10 vs 6).
+        let mut holder = input(1, 10, 4, 0);
+        holder.overlap_blocks = 4;
+        let c = [holder, input(2, 6, 4, 0)];
+        let out = CostScorer.score(&c, &params(1.0, 0.0), &mut rng).unwrap();
+        assert_eq!(out.chosen, 1, "14 vs 10 without credit");
+        let credited = ScoreParams {
+            overlap_credit: 2.0,
+            ..params(1.0, 0.0)
+        };
+        let out = CostScorer.score(&c, &credited, &mut rng).unwrap();
+        assert_eq!(out.chosen, 0, "14 - 8 = 6 vs 10 with credit");
+        assert_eq!(out.scores[0].cost, 6.0);
     }
 
     #[test]
