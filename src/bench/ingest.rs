@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, time::Instant};
 
 use clap::Args;
 
-use super::{BenchError, LocalServer, connect};
+use super::{BenchError, connect, target};
 use crate::{
     config::ServeConfig,
     index::{KvEvent, KvIndex},
@@ -102,22 +102,12 @@ pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
         }
     }
 
-    let local = match &args.addr {
-        Some(_) => None,
-        None => Some(
-            LocalServer::start(ServeConfig {
-                block_size,
-                max_events_per_batch: args.batch.max(1) as u32,
-                ..ServeConfig::for_tests()
-            })
-            .await?,
-        ),
+    let config = ServeConfig {
+        block_size,
+        max_events_per_batch: args.batch.max(1) as u32,
+        ..ServeConfig::for_tests()
     };
-    let addr = args
-        .addr
-        .clone()
-        .or_else(|| local.as_ref().map(|l| l.addr.to_string()))
-        .unwrap_or_default();
+    let (addr, local) = target(args.addr.as_deref(), config).await?;
     let channel = connect(&addr).await?;
     let mut workers = WorkersClient::new(channel.clone());
     for (&worker_id, &dp_size) in &ranks {

@@ -69,6 +69,21 @@ impl LocalServer {
     }
 }
 
+/// The server a benchmark talks to: `addr` when given, else one started
+/// here with `config` (returned so the caller can stop it).
+pub async fn target(
+    addr: Option<&str>,
+    config: ServeConfig,
+) -> Result<(String, Option<LocalServer>), BenchError> {
+    match addr {
+        Some(addr) => Ok((addr.to_string(), None)),
+        None => {
+            let local = LocalServer::start(config).await?;
+            Ok((local.addr.to_string(), Some(local)))
+        }
+    }
+}
+
 /// Connects to `addr` (host:port or a URL).
 pub async fn connect(addr: &str) -> Result<Channel, BenchError> {
     let url = if addr.contains("://") {

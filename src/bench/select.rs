@@ -12,7 +12,7 @@ use std::{
 use clap::Args;
 use tonic::transport::Channel;
 
-use super::{BenchError, Latency, LocalServer, connect};
+use super::{BenchError, Latency, connect, target};
 use crate::{
     config::ServeConfig,
     hashing::{HashOptions, compute_block_hashes},
@@ -74,22 +74,12 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
             args.warm
         )));
     }
-    let local = match &args.addr {
-        Some(_) => None,
-        None => Some(
-            LocalServer::start(ServeConfig {
-                block_size: args.block_size,
-                concurrency_limit: 1 << 20,
-                ..ServeConfig::for_tests()
-            })
-            .await?,
-        ),
+    let config = ServeConfig {
+        block_size: args.block_size,
+        concurrency_limit: 1 << 20,
+        ..ServeConfig::for_tests()
     };
-    let addr = args
-        .addr
-        .clone()
-        .or_else(|| local.as_ref().map(|l| l.addr.to_string()))
-        .unwrap_or_default();
+    let (addr, local) = target(args.addr.as_deref(), config).await?;
     let mut channels = Vec::new();
     for _ in 0..args.connections.max(1) {
         channels.push(connect(&addr).await?);

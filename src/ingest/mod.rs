@@ -215,24 +215,41 @@ fn remove_worker(core: &RouterCore, worker_id: WorkerId, model: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Applies one validated batch: the writer thread's work, also called
-/// directly by the replay simulator (which has no channel to go through).
-pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
-    let worker_id = batch.worker_id;
-    // The registration may have changed since validation: drop the batch
-    // rather than write blocks for a worker the registry no longer has.
+/// The index a batch validated against registration `generation` of
+/// `worker_id` may write. The registration may have changed since
+/// validation (deregistered, re-registered): then the batch is dropped
+/// rather than write blocks for a worker the registry no longer has.
+fn current_index(
+    core: &RouterCore,
+    worker_id: WorkerId,
+    generation: u64,
+    model: &str,
+    events: usize,
+) -> Result<Arc<crate::index::KvIndex>, IngestError> {
     let current = core
         .registry
         .read()
         .get(worker_id)
-        .map(|w| (w.generation, w.registration.model.clone()));
-    if current != Some((batch.generation, batch.model.clone())) {
-        core.count_events("rejected", "worker_gone", batch.events.len() as u64);
+        .map(|w| (w.generation, w.registration.model == model));
+    if current != Some((generation, true)) {
+        core.count_events("rejected", "worker_gone", events as u64);
         return Err(IngestError::WorkerGone { worker_id });
     }
-    let Some(index) = core.index_of(&batch.model) else {
-        return Err(IngestError::WorkerGone { worker_id });
-    };
+    core.index_of(model)
+        .ok_or(IngestError::WorkerGone { worker_id })
+}
+
+/// Applies one validated batch: the writer thread's work, also called
+/// directly by the replay simulator (which has no channel to go through).
+pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
+    let worker_id = batch.worker_id;
+    let index = current_index(
+        core,
+        worker_id,
+        batch.generation,
+        &batch.model,
+        batch.events.len(),
+    )?;
     let target = WorkerRank::new(worker_id, batch.dp_rank);
     let mut outcome = BatchOutcome {
         dp_rank: batch.dp_rank,
@@ -289,18 +306,13 @@ pub fn apply_engine_batch(
     batch: EngineBatch,
 ) -> Result<EngineOutcome, IngestError> {
     let worker_id = batch.worker_id;
-    let current = core
-        .registry
-        .read()
-        .get(worker_id)
-        .map(|w| (w.generation, w.registration.model.clone()));
-    if current != Some((batch.generation, batch.model.clone())) {
-        core.count_events("rejected", "worker_gone", batch.events.len() as u64);
-        return Err(IngestError::WorkerGone { worker_id });
-    }
-    let Some(index) = core.index_of(&batch.model) else {
-        return Err(IngestError::WorkerGone { worker_id });
-    };
+    let index = current_index(
+        core,
+        worker_id,
+        batch.generation,
+        &batch.model,
+        batch.events.len(),
+    )?;
     let target = WorkerRank::new(worker_id, batch.dp_rank);
     let mut outcome = EngineOutcome::default();
     let mut reasons: HashMap<&'static str, u64> = HashMap::new();
