@@ -57,7 +57,8 @@ pub struct ReplayArgs {
     /// One JSON object per policy instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Write a chart comparing the policies (SVG).
+    /// Write a chart comparing the policies to this .svg file (TTFT by
+    /// percentile, reuse against the ideal, imbalance).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// KV cache blocks per engine.
@@ -190,6 +191,14 @@ pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
     debug_assert!(POLICY_NAMES.iter().all(|p| ALL_POLICIES.contains(p)));
     let config = args.sim_config()?;
     let names = args.policy_names()?;
+    if let Some(path) = &args.plot
+        && path.extension().and_then(|e| e.to_str()) != Some("svg")
+    {
+        return Err(ReplayError::Plot(format!(
+            "{}: only SVG charts are written; name the file *.svg",
+            path.display()
+        )));
+    }
     let mut trace = Trace::load(&args.trace)?;
     if let Some(n) = args.limit {
         trace = trace.truncated(n);
