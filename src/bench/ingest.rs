@@ -28,6 +28,14 @@ pub struct IngestBenchArgs {
     /// Events per KvEventBatch.
     #[arg(long, default_value_t = 128)]
     pub batch: usize,
+    /// Added to the log's worker ids, so this can share a server with
+    /// another benchmark's workers (e.g. `bench select --addr`).
+    #[arg(long, default_value_t = 0)]
+    pub worker_offset: u64,
+    /// Replays of the log, each from freshly registered workers (a sustained
+    /// flood, e.g. beside `bench select --addr`); one JSON line each.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
 }
 
 /// The figures printed as one JSON line.
@@ -44,6 +52,10 @@ pub struct IngestReport {
     pub ratio: f64,
     pub rejected: u64,
     pub exact: bool,
+    /// Slowest and fastest stream, in blocks/s over its own duration: how
+    /// evenly the single writer shares itself between streams.
+    pub stream_blocks_per_s_min: f64,
+    pub stream_blocks_per_s_max: f64,
 }
 
 const MODEL: &str = "bench-ingest";
@@ -57,7 +69,10 @@ pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
         .ops
         .into_iter()
         .filter_map(|op| match op {
-            Op::Event { worker, event } => Some((worker, event)),
+            Op::Event { worker, event } => Some((
+                WorkerRank::new(worker.worker_id + args.worker_offset, worker.dp_rank),
+                event,
+            )),
             Op::Match(_) => None,
         })
         .collect();
@@ -109,86 +124,143 @@ pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
     };
     let (addr, local) = target(args.addr.as_deref(), config).await?;
     let channel = connect(&addr).await?;
-    let mut workers = WorkersClient::new(channel.clone());
-    for (&worker_id, &dp_size) in &ranks {
-        workers
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id,
-                model: MODEL.into(),
-                block_size,
-                dp_size,
-                total_kv_blocks: 1 << 20,
-                max_num_batched_tokens: 8192,
-                lease_ttl_secs: 3600,
-                ..Default::default()
-            })
-            .await?;
-    }
-
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for (worker_id, batches) in per_worker {
-        let mut client = WorkersClient::new(connect(&addr).await?);
-        tasks.push(tokio::spawn(async move {
-            let count = batches.len();
-            let mut replies = client
-                .publish_events(tokio_stream::iter(batches))
-                .await?
-                .into_inner();
-            let mut rejected = 0u64;
-            for _ in 0..count {
-                match replies.message().await? {
-                    Some(reply) => rejected += u64::from(reply.rejected),
-                    None => break,
-                }
+    let mut last = None;
+    for _ in 0..args.rounds.max(1) {
+        let round = Round {
+            addr: &addr,
+            channel: &channel,
+            block_size,
+            ranks: &ranks,
+            per_worker: per_worker.clone(),
+            expected: &expected,
+        };
+        let (secs, rejected, slowest, fastest, mismatches) = round.run().await?;
+        let report = IngestReport {
+            bench: "ingest",
+            workers: ranks.len(),
+            events: events.len() as u64,
+            blocks,
+            secs,
+            blocks_per_s: blocks as f64 / secs.max(1e-9),
+            in_process_secs,
+            in_process_blocks_per_s: blocks as f64 / in_process_secs.max(1e-9),
+            ratio: in_process_secs / secs.max(1e-9),
+            rejected,
+            exact: mismatches.is_empty(),
+            stream_blocks_per_s_min: slowest,
+            stream_blocks_per_s_max: fastest,
+        };
+        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        if !mismatches.is_empty() {
+            if let Some(local) = local {
+                local.stop().await;
             }
-            Ok::<_, tonic::Status>((worker_id, rejected))
-        }));
-    }
-    let mut rejected = 0;
-    for task in tasks {
-        let (_, r) = task.await.map_err(|e| BenchError::Setup(e.to_string()))??;
-        rejected += r;
-    }
-    let secs = started.elapsed().as_secs_f64();
-
-    // Exactness: the server's per-rank block counts equal the reference's.
-    let mut admin = AdminClient::new(channel);
-    let mut mismatches = Vec::new();
-    for &worker_id in ranks.keys() {
-        let info = admin
-            .get_worker(pb::GetWorkerRequest { worker_id })
-            .await?
-            .into_inner();
-        for rank in info.ranks {
-            let target = WorkerRank::new(worker_id, rank.dp_rank);
-            let want = expected.get(&target).copied().unwrap_or(0);
-            if rank.cached_blocks != want {
-                mismatches.push(format!("{target}: server {} vs {want}", rank.cached_blocks));
-            }
+            return Err(BenchError::Mismatch(mismatches.join("; ")));
         }
+        last = Some(report);
     }
     if let Some(local) = local {
         local.stop().await;
     }
-    let report = IngestReport {
-        bench: "ingest",
-        workers: ranks.len(),
-        events: events.len() as u64,
-        blocks,
-        secs,
-        blocks_per_s: blocks as f64 / secs.max(1e-9),
-        in_process_secs,
-        in_process_blocks_per_s: blocks as f64 / in_process_secs.max(1e-9),
-        ratio: in_process_secs / secs.max(1e-9),
-        rejected,
-        exact: mismatches.is_empty(),
-    };
-    println!("{}", serde_json::to_string(&report).unwrap_or_default());
-    if !mismatches.is_empty() {
-        return Err(BenchError::Mismatch(mismatches.join("; ")));
+    last.ok_or_else(|| BenchError::Setup("no round ran".into()))
+}
+
+/// One replay of the log's events into the server, from deregistered
+/// workers (so ids start afresh and nothing is skipped as a duplicate).
+struct Round<'a> {
+    addr: &'a str,
+    channel: &'a tonic::transport::Channel,
+    block_size: u32,
+    ranks: &'a BTreeMap<WorkerId, u32>,
+    per_worker: BTreeMap<WorkerId, Vec<pb::KvEventBatch>>,
+    expected: &'a BTreeMap<WorkerRank, u64>,
+}
+
+/// Seconds, rejected events, slowest and fastest stream (blocks/s), and
+/// the block-count mismatches against the in-process replay.
+type RoundResult = (f64, u64, f64, f64, Vec<String>);
+
+impl Round<'_> {
+    async fn run(self) -> Result<RoundResult, BenchError> {
+        let mut workers = WorkersClient::new(self.channel.clone());
+        for (&worker_id, &dp_size) in self.ranks {
+            // Ignore NOT_FOUND: the worker may not exist yet.
+            let _ = workers
+                .deregister_worker(pb::DeregisterWorkerRequest { worker_id })
+                .await;
+            workers
+                .register_worker(pb::RegisterWorkerRequest {
+                    worker_id,
+                    model: MODEL.into(),
+                    block_size: self.block_size,
+                    dp_size,
+                    total_kv_blocks: 1 << 20,
+                    max_num_batched_tokens: 8192,
+                    lease_ttl_secs: 3600,
+                    ..Default::default()
+                })
+                .await?;
+        }
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for (worker_id, batches) in self.per_worker {
+            let mut client = WorkersClient::new(connect(self.addr).await?);
+            tasks.push(tokio::spawn(async move {
+                let stream_started = Instant::now();
+                let count = batches.len();
+                let stream_blocks: u64 = batches
+                    .iter()
+                    .flat_map(|b| &b.events)
+                    .map(|e| match &e.kind {
+                        Some(pb::kv_event::Kind::Stored(s)) => s.blocks.len() as u64,
+                        Some(pb::kv_event::Kind::Removed(r)) => r.engine_hashes.len() as u64,
+                        _ => 0,
+                    })
+                    .sum();
+                let mut replies = client
+                    .publish_events(tokio_stream::iter(batches))
+                    .await?
+                    .into_inner();
+                let mut rejected = 0u64;
+                for _ in 0..count {
+                    match replies.message().await? {
+                        Some(reply) => rejected += u64::from(reply.rejected),
+                        None => break,
+                    }
+                }
+                let secs = stream_started.elapsed().as_secs_f64().max(1e-9);
+                Ok::<_, tonic::Status>((worker_id, rejected, stream_blocks as f64 / secs))
+            }));
+        }
+        let mut rejected = 0;
+        let (mut slowest, mut fastest) = (f64::INFINITY, 0.0_f64);
+        for task in tasks {
+            let (_, r, rate) = task.await.map_err(|e| BenchError::Setup(e.to_string()))??;
+            rejected += r;
+            slowest = slowest.min(rate);
+            fastest = fastest.max(rate);
+        }
+        let secs = started.elapsed().as_secs_f64();
+
+        // Exactness: the server's per-rank block counts equal the reference's.
+        let mut admin = AdminClient::new(self.channel.clone());
+        let mut mismatches = Vec::new();
+        for &worker_id in self.ranks.keys() {
+            let info = admin
+                .get_worker(pb::GetWorkerRequest { worker_id })
+                .await?
+                .into_inner();
+            for rank in info.ranks {
+                let target = WorkerRank::new(worker_id, rank.dp_rank);
+                let want = self.expected.get(&target).copied().unwrap_or(0);
+                if rank.cached_blocks != want {
+                    mismatches.push(format!("{target}: server {} vs {want}", rank.cached_blocks));
+                }
+            }
+        }
+        let slowest = if slowest.is_finite() { slowest } else { 0.0 };
+        Ok((secs, rejected, slowest, fastest, mismatches))
     }
-    Ok(report)
 }
 
 fn to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {

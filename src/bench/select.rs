@@ -16,7 +16,7 @@ use super::{BenchError, Latency, connect, target};
 use crate::{
     config::ServeConfig,
     hashing::{HashOptions, compute_block_hashes},
-    pb::{self, router_client::RouterClient, workers_client::WorkersClient},
+    pb::{self, workers_client::WorkersClient},
     sim::Trace,
     trace::tokens_for,
 };
@@ -99,7 +99,7 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
         "bench select: {} workers, index warmed with {} requests, {} clients on {} connections, {}s per phase",
         args.workers, args.warm, args.clients, args.connections, args.seconds
     );
-    let load: Arc<Vec<pb::SelectWorkerRequest>> = Arc::new(
+    let load: Arc<Vec<bytes::Bytes>> = Arc::new(
         prompts[args.warm..]
             .iter()
             .zip(&hashes[args.warm..])
@@ -114,7 +114,7 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
                         hashes: hashes.clone(),
                     })
                 };
-                pb::SelectWorkerRequest {
+                let request = pb::SelectWorkerRequest {
                     request_id: format!("bench-{i}"),
                     model: "bench".into(),
                     prompt: Some(pb::Prompt {
@@ -122,21 +122,22 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
                     }),
                     mode: pb::SelectionMode::QueryOnly.into(),
                     ..Default::default()
-                }
+                };
+                bytes::Bytes::from(prost::Message::encode_to_vec(&request))
             })
             .collect(),
     );
+    let health_request = bytes::Bytes::from(prost::Message::encode_to_vec(
+        &tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        },
+    ));
     let duration = Duration::from_secs_f64(args.seconds.max(0.1));
     let select = phase("SelectWorker", &channels, args.clients, duration, {
         let load = load.clone();
         move |channel: Channel, i: usize| {
             let request = load[i % load.len()].clone();
-            async move {
-                RouterClient::new(channel)
-                    .select_worker(request)
-                    .await
-                    .map(|_| ())
-            }
+            raw_unary(channel, "/kvroute.v1.Router/SelectWorker", request)
         }
     })
     .await;
@@ -145,13 +146,12 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
         &channels,
         args.clients,
         duration,
-        |channel: Channel, _| async move {
-            tonic_health::pb::health_client::HealthClient::new(channel)
-                .check(tonic_health::pb::HealthCheckRequest {
-                    service: String::new(),
-                })
-                .await
-                .map(|_| ())
+        move |channel: Channel, _| {
+            raw_unary(
+                channel,
+                "/grpc.health.v1.Health/Check",
+                health_request.clone(),
+            )
         },
     )
     .await;
@@ -235,6 +235,67 @@ async fn warm(
         }
     }
     Ok(())
+}
+
+/// One unary call with a request encoded in advance and the reply's bytes
+/// dropped undecoded: the load generator shares the server's cores, so it
+/// spends as little as it can, the same way for both phases.
+async fn raw_unary(
+    channel: Channel,
+    path: &'static str,
+    request: bytes::Bytes,
+) -> Result<(), tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let path = http::uri::PathAndQuery::from_static(path);
+    grpc.unary::<_, (), _>(tonic::Request::new(request), path, RawCodec)
+        .await
+        .map(|_| ())
+}
+
+/// A codec of already-encoded messages (requests) and ignored replies.
+#[derive(Clone, Copy, Debug, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = bytes::Bytes;
+    type Decode = ();
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> Self::Encoder {
+        RawCodec
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = bytes::Bytes;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: bytes::Bytes,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = ();
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<()>, tonic::Status> {
+        let remaining = bytes::Buf::remaining(src);
+        bytes::Buf::advance(src, remaining);
+        Ok(Some(()))
+    }
 }
 
 async fn phase<F, Fut>(
