@@ -8,6 +8,9 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs clippy.toml ./
 COPY proto ./proto
 COPY src ./src
+# Cargo checks that the benches and examples the manifest names exist.
+COPY benches ./benches
+COPY examples ./examples
 RUN cargo build --release --locked --bin kvroute \
  && cp target/release/kvroute /usr/local/bin/kvroute
 
