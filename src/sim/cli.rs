@@ -57,8 +57,8 @@ pub struct ReplayArgs {
     /// One JSON object per policy instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Write a chart comparing the policies to this .svg file (TTFT by
-    /// percentile, reuse against the ideal, imbalance).
+    /// Write a chart comparing the policies to this .svg or .png file (TTFT
+    /// by percentile, reuse against the ideal, imbalance).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// KV cache blocks per engine.
@@ -192,10 +192,13 @@ pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
     let config = args.sim_config()?;
     let names = args.policy_names()?;
     if let Some(path) = &args.plot
-        && path.extension().and_then(|e| e.to_str()) != Some("svg")
+        && !matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("svg" | "png")
+        )
     {
         return Err(ReplayError::Plot(format!(
-            "{}: only SVG charts are written; name the file *.svg",
+            "{}: name the chart *.svg or *.png",
             path.display()
         )));
     }
@@ -234,7 +237,7 @@ pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
         print!("{}", Report::table(&reports));
     }
     if let Some(path) = &args.plot {
-        super::plot::write_svg(path, &reports).map_err(ReplayError::Plot)?;
+        super::plot::write_chart(path, &reports).map_err(ReplayError::Plot)?;
     }
     Ok(reports)
 }

@@ -1,7 +1,9 @@
 //! The `--plot` chart of `kvroute replay`: TTFT distribution per policy
 //! (percentile curves), prefix reuse against the infinite-cache ideal, and
-//! load imbalance, side by side in one SVG (plotters' SVG backend needs no
-//! system fonts or C libraries).
+//! load imbalance, side by side. plotters draws it as SVG (no system fonts
+//! or C libraries needed); for a `.png` path resvg rasterises that SVG with
+//! whatever system fonts exist (without any, the chart renders without
+//! its text).
 
 use std::path::Path;
 
@@ -18,9 +20,40 @@ const PALETTE: [RGBColor; 6] = [
     RGBColor(140, 86, 75),
 ];
 
-/// Writes the comparison chart of `reports` to `path` as SVG.
-pub fn write_svg(path: &Path, reports: &[Report]) -> Result<(), String> {
-    let root = SVGBackend::new(path, (1500, 500)).into_drawing_area();
+/// Writes the comparison chart of `reports` to `path`: PNG when the path
+/// ends in `.png`, SVG otherwise.
+pub fn write_chart(path: &Path, reports: &[Report]) -> Result<(), String> {
+    let mut svg = String::new();
+    draw(&mut svg, reports)?;
+    if path.extension().and_then(|e| e.to_str()) == Some("png") {
+        let mut options = resvg::usvg::Options::default();
+        let fonts = options.fontdb_mut();
+        fonts.load_system_fonts();
+        // "sans-serif" maps to Arial by default; use a sans face that exists.
+        let sans = fonts
+            .faces()
+            .flat_map(|face| face.families.iter().map(|(name, _)| name.clone()))
+            .find(|name| name.contains("Sans") && !name.contains("Mono"));
+        if let Some(family) = sans {
+            fonts.set_sans_serif_family(family);
+        }
+        let tree = resvg::usvg::Tree::from_str(&svg, &options).map_err(|e| e.to_string())?;
+        let size = tree.size().to_int_size();
+        let mut pixmap =
+            resvg::tiny_skia::Pixmap::new(size.width(), size.height()).ok_or("empty chart")?;
+        resvg::render(
+            &tree,
+            resvg::tiny_skia::Transform::default(),
+            &mut pixmap.as_mut(),
+        );
+        pixmap.save_png(path).map_err(|e| e.to_string())
+    } else {
+        std::fs::write(path, svg).map_err(|e| e.to_string())
+    }
+}
+
+fn draw(svg: &mut String, reports: &[Report]) -> Result<(), String> {
+    let root = SVGBackend::with_string(svg, (1500, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let panels = root.split_evenly((1, 3));
     ttft_panel(&panels[0], reports).map_err(|e| e.to_string())?;
@@ -104,23 +137,20 @@ fn bar_panel(
         .x_label_area_size(35)
         .y_label_area_size(55)
         .build_cartesian_2d(0f64..n as f64, 0f64..top)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n)
-        .x_label_formatter(&|x| {
-            reports
-                .get(x.floor() as usize)
-                .map(|r| r.policy.clone())
-                .unwrap_or_default()
-        })
-        .draw()?;
+    chart.configure_mesh().disable_x_mesh().x_labels(0).draw()?;
     for (i, report) in reports.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
         let x = i as f64;
         chart.draw_series(std::iter::once(Rectangle::new(
             [(x + 0.15, 0.0), (x + 0.85, value(report))],
             color.filled(),
+        )))?;
+        // Each bar names its policy and value just above it.
+        let label = format!("{} {:.3}", report.policy, value(report));
+        chart.draw_series(std::iter::once(Text::new(
+            label,
+            (x + 0.1, value(report) + top * 0.04),
+            ("sans-serif", 12).into_font(),
         )))?;
     }
     if let Some(line) = reference {
@@ -132,4 +162,37 @@ fn bar_panel(
         ))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(policy: &str, reuse: f64) -> Report {
+        Report {
+            policy: policy.into(),
+            reuse_ratio: reuse,
+            ideal_reuse_ratio: 0.5,
+            imbalance: 1.1,
+            ttft_percentiles_ms: (0..=100).map(|p| f64::from(p) * 10.0).collect(),
+            ..Report::default()
+        }
+    }
+
+    #[test]
+    fn charts_are_written_as_svg_or_png() {
+        let dir = std::env::temp_dir().join(format!("kvroute-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let reports = [report("kvroute", 0.3), report("round-robin", 0.1)];
+        let svg = dir.join("chart.svg");
+        write_chart(&svg, &reports).unwrap();
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(text.starts_with("<svg"));
+        assert!(text.contains("kvroute 0.300") && text.contains("round-robin"));
+        let png = dir.join("chart.png");
+        write_chart(&png, &reports).unwrap();
+        let bytes = std::fs::read(&png).unwrap();
+        assert_eq!(&bytes[..4], b"\x89PNG");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
