@@ -7,8 +7,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use kvroute::sim::{
-    EngineKvEvent, FleetView, POLICY_NAMES, Report, Router, SimConfig, SimRequest, Trace,
-    policy_by_name, replay,
+    EngineKvEvent, FleetView, Report, Router, SimConfig, SimRequest, Trace, policy_by_name, replay,
 };
 
 fn sample() -> Trace {
@@ -17,8 +16,26 @@ fn sample() -> Trace {
 }
 
 fn run(trace: &Trace, policy: &str, cfg: &SimConfig) -> Report {
+    if policy == "kvroute" {
+        let knobs = kvroute::sim::KvRouteKnobs {
+            seed: cfg.seed,
+            ..Default::default()
+        };
+        let mut router = kvroute::sim::KvRoutePolicy::new(knobs).expect("policy");
+        let report = replay(trace, cfg, &mut router);
+        assert_eq!(
+            router.errors, 0,
+            "the kvroute policy routed and ingested cleanly"
+        );
+        return report;
+    }
     let mut router = policy_by_name(policy, cfg.seed).expect("known policy");
     replay(trace, cfg, router.as_mut())
+}
+
+/// Every policy `kvroute replay` offers: the baselines and kvroute's own.
+fn policies() -> impl Iterator<Item = &'static str> {
+    kvroute::sim::cli::ALL_POLICIES.iter().copied()
 }
 
 #[test]
@@ -26,7 +43,7 @@ fn every_request_completes_under_every_policy() {
     let trace = sample();
     assert_eq!(trace.records.len(), 300);
     let cfg = SimConfig::default();
-    for policy in POLICY_NAMES {
+    for policy in policies() {
         let r = run(&trace, policy, &cfg);
         assert_eq!(r.completed, 300, "{policy}");
         assert_eq!(r.rejected, 0, "{policy}");
@@ -56,7 +73,7 @@ fn reuse_never_exceeds_the_infinite_cache_ideal() {
         ..SimConfig::default()
     };
     for cfg in [SimConfig::default(), tight] {
-        for policy in POLICY_NAMES {
+        for policy in policies() {
             let r = run(&trace, policy, &cfg);
             assert!(
                 r.reuse_ratio <= r.ideal_reuse_ratio + 1e-12,
@@ -70,6 +87,20 @@ fn reuse_never_exceeds_the_infinite_cache_ideal() {
             );
         }
     }
+}
+
+#[test]
+fn kvroute_reuses_more_than_round_robin() {
+    let trace = sample();
+    let cfg = SimConfig::default();
+    let kv = run(&trace, "kvroute", &cfg);
+    let rr = run(&trace, "round-robin", &cfg);
+    assert!(
+        kv.reuse_ratio > rr.reuse_ratio,
+        "kvroute {} vs round-robin {}",
+        kv.reuse_ratio,
+        rr.reuse_ratio
+    );
 }
 
 #[test]
@@ -98,7 +129,7 @@ fn replays_are_deterministic() {
         speedup: 4.0,
         ..SimConfig::default()
     };
-    for policy in POLICY_NAMES {
+    for policy in policies() {
         let a = run(&trace, policy, &cfg).without_wall_time();
         let b = run(&trace, policy, &cfg).without_wall_time();
         assert_eq!(a, b, "{policy}");
