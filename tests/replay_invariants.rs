@@ -214,10 +214,19 @@ fn kv_events_are_consistent_and_carry_block_tokens() {
 /// (set KVSIM_CONVERSATION_TRACE to its path).
 #[test]
 fn full_trace_ideal_matches_the_manifest() {
-    let Ok(path) = std::env::var("KVSIM_CONVERSATION_TRACE") else {
+    // The full trace lives in ../shared beside the repository (CI has it); a
+    // fresh clone without it checks the committed sample only.
+    let path = std::env::var("KVSIM_CONVERSATION_TRACE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../shared/data/traces/mooncake_fast25_conversation_trace.jsonl")
+        });
+    if !path.exists() {
+        eprintln!("skipped: {} not present", path.display());
         return;
-    };
-    let trace = Trace::load(Path::new(&path)).expect("trace loads");
+    }
+    let trace = Trace::load(&path).expect("trace loads");
     let ideal = trace.ideal_reuse();
     assert_eq!(trace.records.len(), 12_031);
     assert_eq!(ideal.total_blocks, 288_500);
