@@ -10,23 +10,11 @@ use std::fmt;
 use std::io::BufRead;
 use std::path::Path;
 
-use serde::Deserialize;
+/// One trace line: the same type `kvroute ctl explain --trace` reads.
+pub use crate::trace::{TRACE_BLOCK_TOKENS, TraceRequest as TraceRecord};
 
-/// Tokens per `hash_id` in Mooncake traces.
-pub const TRACE_BLOCK_TOKENS: usize = 512;
-
-/// Token ids are drawn from `0..TOKEN_VOCAB` (a plausible vocabulary size).
+/// Synthetic output token ids are drawn from `0..TOKEN_VOCAB`.
 pub const TOKEN_VOCAB: u32 = 1 << 17;
-
-/// One trace line.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-pub struct TraceRecord {
-    /// Arrival time in ms, relative to the trace start.
-    pub timestamp: u64,
-    pub input_length: usize,
-    pub output_length: usize,
-    pub hash_ids: Vec<u64>,
-}
 
 /// A whole trace, in file order (arrival order; ties keep file order).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
