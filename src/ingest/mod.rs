@@ -116,8 +116,6 @@ enum Job {
         model: String,
         reply: oneshot::Sender<u64>,
     },
-    /// Answers once every earlier job is done.
-    Barrier { reply: oneshot::Sender<()> },
 }
 
 /// The sending side of the writer; cheap to clone.
@@ -166,14 +164,6 @@ impl IngestHandle {
         }
         answer.await.unwrap_or(0)
     }
-
-    /// Resolves once every job queued before it has been applied.
-    pub async fn flush(&self) {
-        let (reply, answer) = oneshot::channel();
-        if self.tx.send(Job::Barrier { reply }).await.is_ok() {
-            let _ = answer.await;
-        }
-    }
 }
 
 /// Starts the writer thread; it stops when every handle is dropped.
@@ -196,9 +186,6 @@ pub fn start_writer(core: Arc<RouterCore>) -> std::io::Result<IngestHandle> {
                         reply,
                     } => {
                         let _ = reply.send(remove_worker(&core, worker_id, &model));
-                    }
-                    Job::Barrier { reply } => {
-                        let _ = reply.send(());
                     }
                 }
             }

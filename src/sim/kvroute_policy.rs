@@ -17,7 +17,6 @@ use crate::{
     grpc::convert::{self, BatchLimits},
     ingest, pb,
     registry::Registration,
-    routing::RouteError,
     types::{RankLoad, WorkerRole},
 };
 
@@ -118,7 +117,9 @@ impl KvRoutePolicy {
         }
     }
 
-    fn select(&self, request: &SimRequest, block_size: u32) -> Result<u64, RouteError> {
+    /// Routes through the service's conversion and routing code; the error is
+    /// either stage's message (the simulator only logs and counts it).
+    fn select(&self, request: &SimRequest, block_size: u32) -> Result<u64, String> {
         let request = pb::SelectWorkerRequest {
             request_id: request.id.to_string(),
             model: MODEL.into(),
@@ -130,13 +131,12 @@ impl KvRoutePolicy {
             ..Default::default()
         };
         let max_blocks = self.core.config.max_blocks_per_event as usize;
-        let prepared =
-            convert::select_request_from_pb(request, block_size, max_blocks).map_err(|e| {
-                RouteError::ShuttingDown {
-                    request_id: e.to_string(),
-                }
-            })?;
-        let outcome = self.core.route_unqueued(prepared)?;
+        let prepared = convert::select_request_from_pb(request, block_size, max_blocks)
+            .map_err(|e| e.to_string())?;
+        let outcome = self
+            .core
+            .route_unqueued(prepared)
+            .map_err(|e| e.to_string())?;
         Ok(outcome.selection.target.worker_id)
     }
 }
