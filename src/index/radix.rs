@@ -10,10 +10,10 @@
 //! Layout (invariants, checked by `check_invariants` in the tests):
 //! * A segment is a non-empty run of tree positions (blocks) in path order,
 //!   each stored as `[local hash, creation engine hash]`. Positions
-//!   `[0, held)` share the segment's holder set; positions `[held, len)` are
-//!   held by no one (they stay only because deeper positions are held);
-//!   `held == 0` exactly when the holder set is empty, and a childless
-//!   segment has `held == len`. Only the last position has children (each
+//!   `[0, held)` share the segment's holder set, except its `holes`;
+//!   positions `[held, len)` are held by no one (they stay only because
+//!   deeper positions are held); `held == 0` exactly when the holder set is
+//!   empty, and a childless segment has `held == len`. Only the last position has children (each
 //!   child segment's first position). Segments live in a slab of `u32` ids
 //!   with a LIFO free list; id 0 is the root, an always-empty segment.
 //! * A position is named by `(segment id, absolute index)` packed in a u64;
@@ -26,10 +26,15 @@
 //!   target alone appends to it (turn-by-turn chains stay one array); a
 //!   store that diverges mid-segment, or adds a target to part of one,
 //!   splits it. A remove of the last held position by the only holder just
-//!   lowers `held` (and drops the unheld tail when childless); the last
-//!   position of a shared segment joins the front of its only child when
-//!   that child has the remaining holders; any other remove isolates the
-//!   position by splits. A split moves the smaller side (counting children
+//!   lowers `held` (and drops the unheld tail when childless); a remove of
+//!   an earlier one by the only holder makes a HOLE (runs of absolute
+//!   indices in `holes`, no split: LRU evicts the oldest blocks of a chain
+//!   while its newer ones stay). A store by that holder fills a hole again;
+//!   before another target joins a segment with holes, they are turned
+//!   into unheld segments by splits (`flatten`). The last position of a
+//!   shared segment joins the front of its only child when that child has
+//!   the remaining holders; any other remove isolates the position by
+//!   splits. A split moves the smaller side (counting children
 //!   to re-parent) to a new segment and rewrites the moved positions in the
 //!   holders' maps. Segments are not merged otherwise. A segment left with
 //!   no held position and no children is freed, and so, in turn, are its
@@ -46,16 +51,15 @@
 //!   `alias_at` / `alias_more` index the aliases by position, so a split
 //!   renames exactly the moved entries (no scans), even when every target
 //!   has its own engine hashes and aliases are the norm.
-//! * A remove whose blocks are exactly the last held positions of one
-//!   segment held by its target alone (any order, e.g. head first) drops
-//!   them in one step; others go block by block.
-//! * A store runs in one pass; the rare conflict is undone by removing the
-//!   engine hashes it added (`undo`), which restores every observable
-//!   (splits it made remain; they change no answer or stat). Blocks are
-//!   probed before they are written, and a remove finds all its blocks
-//!   before dropping them, so the table misses of one event overlap.
+//! * A store runs in one pass and probes each new block's table slot once
+//!   (the insert finds a block already held); the rare conflict is undone
+//!   by removing the engine hashes it added (`undo`), which restores every
+//!   observable (splits it made remain; they change no answer or stat).
+//!   A remove first takes every block's entry out of the maps (one probe
+//!   each), then unholds the positions; splits rename those still pending.
 //! * A query walks segment by segment, ANDing the still-matching slots with
-//!   each segment's holders and comparing hashes linearly up to `held`.
+//!   each segment's holders and comparing hashes linearly up to the first
+//!   hole or `held`.
 
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
@@ -110,6 +114,10 @@ struct Seg {
     mask: u64,
     /// Holder bits of slots 64.., word i covering 64 + 64 * i...
     wide: Vec<u64>,
+    /// Runs `[a, b)` of absolute indices inside `[start, start + held)`
+    /// that the holder dropped (sorted, apart, the last ending before
+    /// `start + held`); only a segment with one holder (slot < 64) has any.
+    holes: Vec<[u32; 2]>,
 }
 
 impl Seg {
@@ -125,7 +133,101 @@ impl Seg {
             held: 0,
             mask: 0,
             wide: Vec::new(),
+            holes: Vec::new(),
         }
+    }
+
+    /// Positions from the start held by the whole holder set: up to the
+    /// first hole, else `held`.
+    #[inline(always)]
+    fn held_run(&self) -> u32 {
+        self.holes.first().map_or(self.held, |r| r[0] - self.start)
+    }
+
+    fn is_hole(&self, abs: u32) -> bool {
+        let i = self.holes.partition_point(|r| r[1] <= abs);
+        self.holes.get(i).is_some_and(|r| r[0] <= abs)
+    }
+
+    /// The holder dropped `abs`, a held position before the last one.
+    fn add_hole(&mut self, abs: u32) {
+        // the first run that ends at or after `abs` (it cannot contain it)
+        let i = self.holes.partition_point(|r| r[1] < abs);
+        if self.holes.get(i).is_some_and(|r| r[1] == abs) {
+            let next = self.holes.get(i + 1).copied();
+            let end = match next {
+                Some([a, b]) if a == abs + 1 => {
+                    self.holes.remove(i + 1);
+                    b
+                }
+                _ => abs + 1,
+            };
+            if let Some(r) = self.holes.get_mut(i) {
+                r[1] = end;
+            }
+        } else if let Some(r) = self.holes.get_mut(i)
+            && r[0] == abs + 1
+        {
+            r[0] = abs;
+        } else {
+            self.holes.insert(i, [abs, abs + 1]);
+        }
+    }
+
+    /// The holder holds hole position `abs` again.
+    fn fill_hole(&mut self, abs: u32) {
+        let i = self.holes.partition_point(|r| r[1] <= abs);
+        let Some(r) = self.holes.get_mut(i) else {
+            return;
+        };
+        let [a, b] = *r;
+        if abs < a {
+            return;
+        }
+        match (a == abs, b == abs + 1) {
+            (true, true) => {
+                self.holes.remove(i);
+            }
+            (true, false) => r[0] = abs + 1,
+            (false, true) => r[1] = abs,
+            (false, false) => {
+                r[1] = abs;
+                self.holes.insert(i + 1, [abs + 1, b]);
+            }
+        }
+    }
+
+    /// Restore the holes invariant after `held` went down: a run that now
+    /// ends the held part becomes unheld tail; nothing held, no holders.
+    fn normalize(&mut self) {
+        while let Some(&[a, b]) = self.holes.last()
+            && b >= self.start + self.held
+        {
+            self.held = self.held.min(a - self.start);
+            self.holes.pop();
+        }
+        if self.held == 0 {
+            self.mask = 0;
+            self.wide = Vec::new();
+            self.holes = Vec::new();
+        }
+    }
+
+    /// Split the holes at absolute index `at`: those from `at` on are
+    /// returned, the rest stay.
+    fn split_holes(&mut self, at: u32) -> Vec<[u32; 2]> {
+        if self.holes.is_empty() {
+            return Vec::new();
+        }
+        let i = self.holes.partition_point(|r| r[1] <= at);
+        let mut tail = self.holes.split_off(i);
+        if let Some(r) = tail.first_mut()
+            && r[0] < at
+        {
+            self.holes.push([r[0], at]);
+            r[0] = at;
+        }
+        tail
     }
 
     fn has(&self, s: u32) -> bool {
@@ -174,6 +276,7 @@ impl Seg {
         }
         if self.mask == 0 && self.wide.is_empty() {
             self.held = 0;
+            self.holes = Vec::new();
         }
     }
 
@@ -314,10 +417,11 @@ pub struct IndexCore {
     extra_refs: FxHashMap<(Pos, u32), u32>,
     /// Scratch: engine hashes added by the store being applied.
     undo: Vec<EngineHash>,
-    /// Scratch: positions found by the remove being applied.
-    found: Vec<Option<Pos>>,
-    /// Scratch: positions already seen by a batch remove.
-    seen: Vec<bool>,
+    /// Scratch: positions the remove being applied still has to unhold
+    /// (splits rename them).
+    pending: Vec<Pos>,
+    /// `pending[pending_from..]` are the ones still to do.
+    pending_from: usize,
     /// Scratch: (engine hash, index) pairs, sorted to find repeats.
     scratch: Vec<(EngineHash, usize)>,
     /// Splits so far (a split moves positions).
@@ -366,10 +470,11 @@ impl IndexCore {
             free_slots: BTreeSet::new(),
             extra_refs: FxHashMap::default(),
             undo: Vec::new(),
-            found: Vec::new(),
-            seen: Vec::new(),
+            pending: Vec::new(),
+            pending_from: 0,
             scratch: Vec::new(),
             splits: 0,
+
             events_applied: 0,
             events_rejected: 0,
             blocks_skipped: 0,
@@ -561,10 +666,12 @@ impl IndexCore {
             return NIL;
         };
         let head_pairs: Vec<[u64; 2]> = s.pairs.drain(..k as usize).collect();
+        let tail_holes = s.split_holes(s.start + k);
+        let head_holes = std::mem::replace(&mut s.holes, tail_holes);
         let (held, mask, wide) = s.part(s.held.min(k));
         let (t_held, t_mask, t_wide) = s.part(s.held.saturating_sub(k));
         (s.held, s.mask, s.wide) = (t_held, t_mask, t_wide);
-        let head = Seg {
+        let mut head = Seg {
             pairs: head_pairs,
             start: s.start,
             parent: s.parent,
@@ -575,9 +682,12 @@ impl IndexCore {
             held,
             mask,
             wide,
+            holes: head_holes,
         };
+        head.normalize();
         let old_start = s.start;
         s.start += k;
+        s.normalize();
         let (parent, prev, next) = (s.parent, s.prev, s.next);
         let h = self.alloc(head);
         // the head takes the segment's place under its parent
@@ -614,13 +724,15 @@ impl IndexCore {
             return NIL;
         };
         let tail_pairs: Vec<[u64; 2]> = s.pairs.drain(k as usize..).collect();
+        let tail_holes = s.split_holes(s.start + k);
         let (held, mask, wide) = s.part(s.held.saturating_sub(k));
         let (h_held, h_mask, h_wide) = s.part(s.held.min(k));
         (s.held, s.mask, s.wide) = (h_held, h_mask, h_wide);
+        s.normalize();
         if s.pairs.len() * 4 < s.pairs.capacity() {
             s.pairs.shrink_to_fit();
         }
-        let tail = Seg {
+        let mut tail = Seg {
             pairs: tail_pairs,
             start: s.start + k,
             parent: id,
@@ -631,7 +743,9 @@ impl IndexCore {
             held,
             mask,
             wide,
+            holes: tail_holes,
         };
+        tail.normalize();
         let (from, to) = (tail.start, tail.start + tail.pairs.len() as u32);
         s.first = NIL;
         s.kids = 0;
@@ -675,8 +789,14 @@ impl IndexCore {
     }
 
     /// Positions `[from, to)` of segment `old` now belong to `new`: update
-    /// every holder's maps.
+    /// every holder's maps and the remove's pending positions.
     fn moved(&mut self, old: u32, new: u32, from: u32, to: u32) {
+        let from_pending = self.pending_from.min(self.pending.len());
+        for p in self.pending.iter_mut().skip(from_pending) {
+            if pos_seg(*p) == old && (from..to).contains(&pos_abs(*p)) {
+                *p = pos(new, pos_abs(*p));
+            }
+        }
         let Some(n) = self.segs.get(new as usize) else {
             return;
         };
@@ -818,70 +938,6 @@ impl IndexCore {
         }
     }
 
-    /// The batch case of a remove: when `blocks` (found at `found`) are
-    /// exactly the last held positions of one segment held by `s` alone,
-    /// through canonical entries, in any order, drop them at once (no
-    /// isolating splits even when they are removed head first). None, and
-    /// nothing changed, otherwise.
-    fn remove_suffix(
-        &mut self,
-        s: u32,
-        blocks: &[EngineHash],
-        found: &[Option<Pos>],
-    ) -> Option<u64> {
-        let n = blocks.len() as u32;
-        let first = (*found.first()?)?;
-        let id = pos_seg(first);
-        let g = self.seg(id)?;
-        if n < 2 || !g.only(s) || g.held < n {
-            return None;
-        }
-        let lo = g.start + g.held - n;
-        let mut seen = std::mem::take(&mut self.seen);
-        seen.clear();
-        seen.resize(n as usize, false);
-        let mut all = true;
-        for (&e, &p) in blocks.iter().zip(found) {
-            let ok = p.is_some_and(|p| {
-                pos_seg(p) == id
-                    && pos_abs(p) >= lo
-                    && pos_abs(p) - lo < n
-                    && self.engine_at(p) == Some(e)
-                    && (self.extra_refs.is_empty() || !self.extra_refs.contains_key(&(p, s)))
-                    && !seen
-                        .get((pos_abs(p) - lo) as usize)
-                        .copied()
-                        .unwrap_or(true)
-            });
-            if !ok {
-                all = false;
-                break;
-            }
-            if let Some(x) = p.and_then(|p| seen.get_mut((pos_abs(p) - lo) as usize)) {
-                *x = true;
-            }
-        }
-        self.seen = seen;
-        if !all {
-            return None;
-        }
-        let slot = self.slots.get_mut(s as usize)?;
-        for (&e, &p) in blocks.iter().zip(found) {
-            if let Ok(entry) = slot.table.find_entry(engine_hash(e), |&x| Some(x) == p) {
-                entry.remove();
-            }
-        }
-        slot.count -= u64::from(n);
-        if let Some(g) = self.seg_mut(id) {
-            g.held -= n;
-            if g.held == 0 {
-                g.mask = 0;
-            }
-        }
-        self.prune(id);
-        Some(u64::from(n))
-    }
-
     /// Drop slot `s`'s engine hash `e`, which it holds at position `p`
     /// (false if that entry is gone, e.g. removed earlier in the event).
     fn remove_at(&mut self, s: u32, e: EngineHash, p: Pos) -> bool {
@@ -919,6 +975,22 @@ impl IndexCore {
 
     /// Slot `s` no longer holds position `p` (its last reference is gone).
     fn unhold(&mut self, s: u32, p: Pos) {
+        let abs = pos_abs(p);
+        if let Some(g) = self.seg_mut(pos_seg(p))
+            && g.only(s)
+            && abs + 1 < g.start + g.held
+        {
+            // a block from the middle of a chain only `s` holds: a hole,
+            // no split
+            g.add_hole(abs);
+            return;
+        }
+        self.unhold_uniform(s, p);
+    }
+
+    /// `unhold` without making holes: the last held position is dropped by
+    /// lowering `held`, any other is isolated by splits.
+    fn unhold_uniform(&mut self, s: u32, p: Pos) {
         let id = pos_seg(p);
         let Some(g) = self.seg_mut(id) else {
             return;
@@ -929,9 +1001,7 @@ impl IndexCore {
         if i + 1 == g.held && g.only(s) {
             // the usual eviction: the last held position, held by `s` alone
             g.held -= 1;
-            if g.held == 0 {
-                g.mask = 0;
-            }
+            g.normalize();
             self.prune(id);
             return;
         }
@@ -976,6 +1046,35 @@ impl IndexCore {
         self.prune(t);
     }
 
+    /// Turn the holes of segment `id` (held by one slot) into unheld
+    /// segments, so that another slot can join part of it. `at`, a position
+    /// the caller keeps, is renamed if a split moves it.
+    fn flatten(&mut self, id: u32, at: Option<Pos>) -> Option<Pos> {
+        let (s, holes) = match self.seg_mut(id) {
+            Some(g) if !g.holes.is_empty() => {
+                (g.mask.trailing_zeros(), std::mem::take(&mut g.holes))
+            }
+            _ => return at,
+        };
+        let base = self.pending.len();
+        let outer_from = std::mem::replace(&mut self.pending_from, base);
+        self.pending.extend(at);
+        let first_hole = self.pending.len();
+        for r in holes.iter().rev() {
+            self.pending
+                .extend((r[0]..r[1]).rev().map(|abs| pos(id, abs)));
+        }
+        let mut k = first_hole;
+        while let Some(&p) = self.pending.get(k) {
+            self.unhold_uniform(s, p);
+            k += 1;
+        }
+        let at = at.and_then(|_| self.pending.get(base).copied());
+        self.pending.truncate(base);
+        self.pending_from = outer_from;
+        at
+    }
+
     // ---- events ------------------------------------------------------------
 
     pub fn apply(
@@ -1012,35 +1111,59 @@ impl IndexCore {
                 skipped: blocks.len() as u64,
             };
         };
-        // pass 1: find every block (independent reads the CPU overlaps)
-        let mut found = std::mem::take(&mut self.found);
-        found.clear();
-        found.extend(blocks.iter().map(|&e| self.lookup(s, e)));
-        if let Some(n) = self.remove_suffix(s, blocks, &found) {
-            self.found = found;
-            return ApplyOutcome {
-                applied: n,
-                skipped: 0,
-            };
-        }
-        // pass 2: drop them; a split moves positions, so after one the
-        // remaining blocks are looked up again
+        // pass 1: take every block's entry out of the maps (one probe each);
+        // positions whose last reference went are unheld in pass 2
         let mut out = ApplyOutcome::default();
-        let splits = self.splits;
-        for (&e, &p) in blocks.iter().zip(found.iter()) {
-            let p = if self.splits == splits {
-                p
-            } else {
-                self.lookup(s, e)
-            };
-            if p.is_some_and(|p| self.remove_at(s, e, p)) {
-                out.applied += 1;
-            } else {
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.clear();
+        for &e in blocks {
+            let Some(p) = self.take_entry(s, e) else {
                 out.skipped += 1;
+                continue;
+            };
+            out.applied += 1;
+            if !self.extra_refs.is_empty()
+                && let Some(r) = self.extra_refs.get_mut(&(p, s))
+            {
+                *r -= 1;
+                if *r == 0 {
+                    self.extra_refs.remove(&(p, s));
+                }
+                continue;
             }
+            pending.push(p);
         }
-        self.found = found;
+        if let Some(slot) = self.slots.get_mut(s as usize) {
+            slot.count -= out.applied;
+        }
+        // pass 2: in event order (LRU sends the deepest of the oldest blocks
+        // first, which lowers `held` or grows a hole run); a split renames
+        // the positions still pending
+        self.pending = pending;
+        let mut i = 0;
+        while let Some(&p) = self.pending.get(i) {
+            i += 1;
+            self.pending_from = i;
+            self.unhold(s, p);
+        }
+        self.pending.clear();
+        self.pending_from = 0;
         out
+    }
+
+    /// Take slot `s`'s entry for engine hash `e` out of its maps and return
+    /// its position (None if it holds no such block).
+    fn take_entry(&mut self, s: u32, e: EngineHash) -> Option<Pos> {
+        let segs = &self.segs;
+        let slot = self.slots.get_mut(s as usize)?;
+        match slot
+            .table
+            .find_entry(engine_hash(e), |&x| engine_in(segs, x) == Some(e))
+        {
+            Ok(entry) => Some(entry.remove().0),
+            Err(_) if slot.alias.is_empty() => None,
+            Err(_) => slot.remove_alias(e),
+        }
     }
 
     /// The existing position a walk reaches from `c` with `local`, advancing
@@ -1161,6 +1284,21 @@ impl IndexCore {
             };
             let rel = pos_abs(p) - g.start;
             let glen = g.pairs.len() as u32;
+            if rel < g.held && g.has(s) && !g.holes.is_empty() && g.is_hole(pos_abs(p)) {
+                // `s` stores again a block it dropped from the middle
+                if self.lookup(s, e).is_some() {
+                    return Err(e);
+                }
+                if let Some(g) = self.seg_mut(id) {
+                    g.fill_hole(pos_abs(p));
+                }
+                self.map_insert(s, p, e);
+                self.undo.push(e);
+                out.applied += 1;
+                c = next;
+                i += 1;
+                continue;
+            }
             if rel < g.held && g.has(s) {
                 match self.lookup(s, e) {
                     Some(x) if x == p => out.skipped += 1,
@@ -1184,6 +1322,21 @@ impl IndexCore {
                     c = Cursor {
                         seg: t,
                         used: c.used - k,
+                    };
+                }
+                continue;
+            }
+            if !g.holes.is_empty() {
+                // another slot's holes become unheld segments first
+                let at = (c.seg != ROOT && c.used > 0).then(|| {
+                    let start = self.seg(c.seg).map_or(0, |g| g.start);
+                    pos(c.seg, start + c.used - 1)
+                });
+                if let Some(at) = self.flatten(id, at) {
+                    let start = self.seg(pos_seg(at)).map_or(0, |g| g.start);
+                    c = Cursor {
+                        seg: pos_seg(at),
+                        used: pos_abs(at) - start + 1,
                     };
                 }
                 continue;
@@ -1287,13 +1440,10 @@ impl IndexCore {
             self.undo.push(e0);
             id
         };
-        let rest = blocks.get(usize::from(!appendable)..).unwrap_or(&[]);
-        // probe every block first (independent reads the CPU overlaps), then
-        // write up to the first conflict; a block repeated within the event
-        // shows up as an occupied entry while writing
-        let held = rest.iter().position(|b| self.lookup(s, b.0).is_some());
-        let n = held.unwrap_or(rest.len());
-        let todo = rest.get(..n).unwrap_or(&[]);
+        // write every block, then insert its table entry; the first block
+        // already held (or repeated within the event) shows up as an
+        // occupied entry, and the positions from it on are dropped again
+        let todo = blocks.get(usize::from(!appendable)..).unwrap_or(&[]);
         let Some(g) = self.segs.get_mut(id as usize) else {
             return Ok(());
         };
@@ -1330,7 +1480,7 @@ impl IndexCore {
         }
         slot.count += done as u64;
         self.undo.extend(todo.iter().take(done).map(|b| b.0));
-        if done < todo.len() || held.is_some() {
+        if done < todo.len() {
             // drop the positions pushed for the blocks not added
             let drop = (todo.len() - done) as u32;
             if let Some(g) = self.segs.get_mut(id as usize) {
@@ -1339,7 +1489,7 @@ impl IndexCore {
                 g.held -= drop;
             }
             self.positions -= u64::from(drop);
-            return Err(rest.get(done).map_or(0, |b| b.0));
+            return Err(todo.get(done).map_or(0, |b| b.0));
         }
         Ok(())
     }
@@ -1415,7 +1565,7 @@ impl IndexCore {
             }
             let rest = query.get(depth..).unwrap_or(&[]);
             let n = g.pairs.len().min(rest.len());
-            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held as usize);
+            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held_run() as usize);
             depth += m;
             if m < g.pairs.len() {
                 break;
@@ -1457,7 +1607,7 @@ impl IndexCore {
             }
             let rest = query.get(depth..).unwrap_or(&[]);
             let n = g.pairs.len().min(rest.len());
-            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held as usize);
+            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held_run() as usize);
             depth += m;
             if m < g.pairs.len() {
                 break;
@@ -1512,7 +1662,9 @@ impl IndexCore {
         b += self
             .segs
             .iter()
-            .map(|g| (g.pairs.capacity() * 16 + g.wide.capacity() * 8) as u64)
+            .map(|g| {
+                (g.pairs.capacity() * 16 + g.wide.capacity() * 8 + g.holes.capacity() * 8) as u64
+            })
             .sum::<u64>();
         b += table_bytes(self.edges.capacity(), 4);
         b += (self.slots.capacity() * size_of::<Slot>()) as u64;
@@ -1529,7 +1681,7 @@ impl IndexCore {
         }
         b += table_bytes(self.slot_of.capacity(), 24);
         b += table_bytes(self.extra_refs.capacity(), 24);
-        b += (self.undo.capacity() * 8 + self.found.capacity() * 16 + self.seen.capacity()) as u64;
+        b += (self.undo.capacity() * 8 + self.pending.capacity() * 8) as u64;
         b
     }
 }
@@ -1628,6 +1780,19 @@ mod tests {
                     if g.kids == 0 && g.held != len {
                         return Err(format!("seg {id} childless with unheld tail"));
                     }
+                    if !g.holes.is_empty() && (g.mask.count_ones() != 1 || !g.wide.is_empty()) {
+                        return Err(format!("seg {id} has holes but not one holder"));
+                    }
+                    let mut prev_end = None;
+                    for r in &g.holes {
+                        if r[0] >= r[1] || r[0] < g.start || prev_end.is_some_and(|e| r[0] <= e) {
+                            return Err(format!("seg {id} bad hole run {r:?}"));
+                        }
+                        prev_end = Some(r[1]);
+                    }
+                    if prev_end.is_some_and(|e| e >= g.start + g.held) {
+                        return Err(format!("seg {id} hole run ends the held part"));
+                    }
                     if self.child(g.parent, self.head_local(id)) != id {
                         return Err(format!("seg {id} not found under its parent"));
                     }
@@ -1662,7 +1827,7 @@ mod tests {
                     let i = pos_abs(p)
                         .checked_sub(g.start)
                         .ok_or("entry before segment")?;
-                    if g.parent == FREE || i >= g.held || !g.has(s) {
+                    if g.parent == FREE || i >= g.held || !g.has(s) || g.is_hole(pos_abs(p)) {
                         return Err(format!("slot {s}: entry at unheld position {p:x}"));
                     }
                     Ok(())
@@ -1710,7 +1875,7 @@ mod tests {
                 while let Some(s) = g.next_holder(next) {
                     next = s + 1;
                     let slot = self.slots.get(s as usize).ok_or("holder slot")?;
-                    for abs in g.start..g.start + g.held {
+                    for abs in (g.start..g.start + g.held).filter(|&a| !g.is_hole(a)) {
                         let p = pos(id as u32, abs);
                         let refs = slot.table.iter().filter(|&&x| x == p).count()
                             + slot.alias.values().filter(|&&x| x == p).count();
@@ -1727,6 +1892,42 @@ mod tests {
 
     fn ok(c: &IndexCore) -> Result<(), String> {
         c.check_invariants()
+    }
+
+    #[test]
+    fn mid_chain_removes_make_holes_not_splits() -> Result<(), String> {
+        let e = |r: Result<ApplyOutcome, IndexError>| r.map_err(|e| e.to_string());
+        let mut c = IndexCore::new(1);
+        e(c.apply(w(1), &store(None, &chain(100, 20))))?;
+        let splits = c.splits;
+        // LRU order: the deepest of the oldest blocks first
+        e(c.apply(w(1), &rm(&[107, 106, 105])))?;
+        ok(&c)?;
+        assert_eq!(c.splits, splits, "a run of holes, no split");
+        let q: Vec<u64> = (0..20).collect();
+        assert_eq!(prefix(&c, &q, w(1)), 5);
+        assert_eq!(c.stats().blocks, 17);
+        // stored again, the chain counts whole again
+        e(c.apply(w(1), &store(Some(104), &[(105, 5), (106, 6), (107, 7)])))?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 20);
+        // a hole, then the tail behind it: the held part ends at the hole
+        e(c.apply(w(1), &rm(&[110])))?;
+        e(c.apply(w(1), &rm(&[119, 118, 117, 116, 115, 114, 113, 112, 111])))?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 10);
+        assert_eq!(c.stats().nodes, 10, "the unheld tail is gone");
+        // another target joins a chain with a hole: the hole becomes an
+        // unheld segment first, and both answers stay exact
+        e(c.apply(w(1), &rm(&[103])))?;
+        e(c.apply(w(2), &store(None, &chain(200, 12))))?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 3);
+        assert_eq!(prefix(&c, &q, w(2)), 12);
+        e(c.apply(w(1), &store(Some(102), &[(103, 3)])))?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 10);
+        Ok(())
     }
 
     #[test]

@@ -1,0 +1,72 @@
+//! Where the index's replay time goes: replay an op log several times,
+//! time each op kind (match, store, remove) and print the best time per
+//! kind over the runs, which is steadier than one replay on a busy machine.
+//!
+//! Usage: `cargo run --release --example op_breakdown -- FILE [REPS]`
+use kvroute::index::{KvEvent, KvIndex, OverlapScores};
+use kvroute::oplog::{Op, OpLog};
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn main() {
+    let path = PathBuf::from(std::env::args().nth(1).unwrap_or_default());
+    let reps: usize = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let Ok(log) = OpLog::load(&path) else {
+        eprintln!("cannot load {}", path.display());
+        return;
+    };
+    let mut best = [f64::MAX; 3];
+    for _ in 0..reps {
+        let idx = KvIndex::new(log.header.block_size);
+        let mut out = OverlapScores::default();
+        let mut t = [0f64; 4];
+        let mut lat: Vec<u64> = Vec::new();
+        for op in &log.ops {
+            let t0 = Instant::now();
+            let k = match op {
+                Op::Match(q) => {
+                    idx.find_matches_into(q, &mut out);
+                    lat.push(t0.elapsed().as_nanos() as u64);
+                    0
+                }
+                Op::Event { worker, event } => {
+                    let _ = idx.apply(*worker, event);
+                    match event {
+                        KvEvent::Stored { .. } => 1,
+                        KvEvent::Removed { .. } => 2,
+                        KvEvent::Cleared => 3,
+                    }
+                }
+            };
+            if let Some(x) = t.get_mut(k) {
+                *x += t0.elapsed().as_secs_f64();
+            }
+        }
+        for (b, x) in best.iter_mut().zip(t) {
+            *b = b.min(x);
+        }
+        lat.sort_unstable();
+        let st = idx.stats();
+        println!(
+            "match {:.4} store {:.4} remove {:.4} | p50 {} p99 {} ns | bytes/entry {:.1} | entries {} nodes {}",
+            t[0],
+            t[1],
+            t[2],
+            lat.get(lat.len() / 2).copied().unwrap_or(0),
+            lat.get(lat.len() * 99 / 100).copied().unwrap_or(0),
+            st.bytes_used as f64 / st.blocks.max(1) as f64,
+            st.blocks,
+            st.nodes
+        );
+    }
+    println!(
+        "MIN match {:.4} store {:.4} remove {:.4} total {:.4}",
+        best[0],
+        best[1],
+        best[2],
+        best.iter().sum::<f64>()
+    );
+}
