@@ -784,7 +784,8 @@ impl IndexCore {
             k.held += 1;
             let abs = k.start;
             self.insert_edge(id, c);
-            self.moved(id, c, abs, abs + 1);
+            // the moved position is the one being unheld, not a pending one
+            self.moved_in_maps(id, c, abs, abs + 1);
         }
     }
 
@@ -797,6 +798,11 @@ impl IndexCore {
                 *p = pos(new, pos_abs(*p));
             }
         }
+        self.moved_in_maps(old, new, from, to);
+    }
+
+    /// The holders' maps part of `moved`.
+    fn moved_in_maps(&mut self, old: u32, new: u32, from: u32, to: u32) {
         let Some(n) = self.segs.get(new as usize) else {
             return;
         };
