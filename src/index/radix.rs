@@ -13,8 +13,8 @@
 //!   `[0, held)` share the segment's holder set, except its `holes`;
 //!   positions `[held, len)` are held by no one (they stay only because
 //!   deeper positions are held); `held == 0` exactly when the holder set is
-//!   empty, and a childless segment has `held == len`. Only the last position has children (each
-//!   child segment's first position). Segments live in a slab of `u32` ids
+//!   empty, and a childless segment has `held == len`. Only the last
+//!   position has children (each child segment's first position). Segments live in a slab of `u32` ids
 //!   with a LIFO free list; id 0 is the root, an always-empty segment.
 //! * A position is named by `(segment id, absolute index)` packed in a u64;
 //!   `Seg::start` is the absolute index of `pairs[0]`, so a split renames
@@ -107,8 +107,8 @@ struct Seg {
     next: u32,
     /// Live children.
     kids: u32,
-    /// Positions `[0, held)` are held by the holder set, the rest by no
-    /// one (0 exactly when the holder set is empty).
+    /// Positions `[0, held)` are held by the holder set (except `holes`),
+    /// the rest by no one (0 exactly when the holder set is empty).
     held: u32,
     /// Holder bits of slots 0..64.
     mask: u64,
@@ -474,7 +474,6 @@ impl IndexCore {
             pending_from: 0,
             scratch: Vec::new(),
             splits: 0,
-
             events_applied: 0,
             events_rejected: 0,
             blocks_skipped: 0,
