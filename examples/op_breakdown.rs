@@ -6,19 +6,26 @@
 use kvroute::index::{KvEvent, KvIndex, OverlapScores};
 use kvroute::oplog::{Op, OpLog};
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Instant;
 
-fn main() {
-    let path = PathBuf::from(std::env::args().nth(1).unwrap_or_default());
+fn main() -> ExitCode {
+    let Some(path) = std::env::args().nth(1).map(PathBuf::from) else {
+        eprintln!("usage: op_breakdown FILE [REPS]");
+        return ExitCode::from(2);
+    };
     let reps: usize = std::env::args()
         .nth(2)
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
-    let Ok(log) = OpLog::load(&path) else {
-        eprintln!("cannot load {}", path.display());
-        return;
+    let log = match OpLog::load(&path) {
+        Ok(log) => log,
+        Err(e) => {
+            eprintln!("{}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
     };
-    let mut best = [f64::MAX; 3];
+    let mut best = [f64::MAX; 4];
     for _ in 0..reps {
         let idx = KvIndex::new(log.header.block_size);
         let mut out = OverlapScores::default();
@@ -51,10 +58,11 @@ fn main() {
         lat.sort_unstable();
         let st = idx.stats();
         println!(
-            "match {:.4} store {:.4} remove {:.4} | p50 {} p99 {} ns | bytes/entry {:.1} | entries {} nodes {}",
+            "match {:.4} store {:.4} remove {:.4} clear {:.4} | p50 {} p99 {} ns | bytes/entry {:.1} | entries {} nodes {}",
             t[0],
             t[1],
             t[2],
+            t[3],
             lat.get(lat.len() / 2).copied().unwrap_or(0),
             lat.get(lat.len() * 99 / 100).copied().unwrap_or(0),
             st.bytes_used as f64 / st.blocks.max(1) as f64,
@@ -63,10 +71,12 @@ fn main() {
         );
     }
     println!(
-        "MIN match {:.4} store {:.4} remove {:.4} total {:.4}",
+        "MIN match {:.4} store {:.4} remove {:.4} clear {:.4} total {:.4}",
         best[0],
         best[1],
         best[2],
+        best[3],
         best.iter().sum::<f64>()
     );
+    ExitCode::SUCCESS
 }
