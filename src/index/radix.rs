@@ -144,6 +144,14 @@ impl Seg {
         self.holes.first().map_or(self.held, |r| r[0] - self.start)
     }
 
+    /// How many leading positions `rest` of a query matches and the whole
+    /// holder set holds (a walk's step through this segment).
+    #[inline(always)]
+    fn matched(&self, rest: &[LocalHash]) -> usize {
+        let n = self.pairs.len().min(rest.len());
+        match_len(&self.pairs[..n], &rest[..n]).min(self.held_run() as usize)
+    }
+
     fn is_hole(&self, abs: u32) -> bool {
         let i = self.holes.partition_point(|r| r[1] <= abs);
         self.holes.get(i).is_some_and(|r| r[0] <= abs)
@@ -836,9 +844,7 @@ impl IndexCore {
     /// The creation engine hash at position `p`.
     #[inline(always)]
     fn engine_at(&self, p: Pos) -> Option<EngineHash> {
-        let s = self.seg(pos_seg(p))?;
-        let i = pos_abs(p).checked_sub(s.start)? as usize;
-        s.pairs.get(i).map(|x| x[1])
+        engine_in(&self.segs, p)
     }
 
     // ---- slots -------------------------------------------------------------
@@ -1568,9 +1574,7 @@ impl IndexCore {
             if active == 0 {
                 return;
             }
-            let rest = query.get(depth..).unwrap_or(&[]);
-            let n = g.pairs.len().min(rest.len());
-            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held_run() as usize);
+            let m = g.matched(query.get(depth..).unwrap_or(&[]));
             depth += m;
             if m < g.pairs.len() {
                 break;
@@ -1610,9 +1614,7 @@ impl IndexCore {
             if !any {
                 return;
             }
-            let rest = query.get(depth..).unwrap_or(&[]);
-            let n = g.pairs.len().min(rest.len());
-            let m = match_len(&g.pairs[..n], &rest[..n]).min(g.held_run() as usize);
+            let m = g.matched(query.get(depth..).unwrap_or(&[]));
             depth += m;
             if m < g.pairs.len() {
                 break;
@@ -1716,6 +1718,8 @@ fn match_len(pairs: &[[u64; 2]], query: &[LocalHash]) -> usize {
     i
 }
 
+/// The creation engine hash at position `p` (a free function, for closures
+/// that borrow the segments while a slot is borrowed mutably).
 #[inline(always)]
 fn engine_in(segs: &[Seg], p: Pos) -> Option<EngineHash> {
     let s = segs.get(pos_seg(p) as usize)?;
