@@ -201,20 +201,35 @@ impl KvIndex {
     }
 }
 
+/// Event builders for the index's unit tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
+mod test_events {
+    use super::KvEvent;
+    use crate::types::WorkerRank;
 
-    fn w(id: u64) -> WorkerRank {
+    /// Target `id`, dp rank 0.
+    pub fn w(id: u64) -> WorkerRank {
         WorkerRank::new(id, 0)
     }
 
-    fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
+    /// A store of `(engine hash, local hash)` blocks under parent `p`.
+    pub fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
         KvEvent::Stored {
             parent: p,
             blocks: b.to_vec(),
         }
     }
+
+    /// A remove of engine hashes `b`.
+    pub fn rm(b: &[u64]) -> KvEvent {
+        KvEvent::Removed { blocks: b.to_vec() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_events::{rm, store, w};
+    use super::*;
 
     fn blocks_of(idx: &KvIndex, q: &[u64], who: WorkerRank) -> u32 {
         idx.find_matches(q).get(who).map_or(0, |s| s.blocks)
@@ -269,12 +284,7 @@ mod tests {
     fn mid_chain_remove_ends_prefix() -> Result<(), IndexError> {
         let idx = KvIndex::new(1);
         idx.apply(w(1), &store(None, &[(10, 1), (11, 2), (12, 3)]))?;
-        let out = idx.apply(
-            w(1),
-            &KvEvent::Removed {
-                blocks: vec![11, 99],
-            },
-        )?;
+        let out = idx.apply(w(1), &rm(&[11, 99]))?;
         assert_eq!(
             out,
             ApplyOutcome {
@@ -337,9 +347,9 @@ mod tests {
         idx.apply(w(1), &store(None, &[(10, 1)]))?;
         idx.apply(w(1), &store(None, &[(20, 1)]))?;
         assert_eq!(idx.worker_blocks(w(1)), 2);
-        idx.apply(w(1), &KvEvent::Removed { blocks: vec![10] })?;
+        idx.apply(w(1), &rm(&[10]))?;
         assert_eq!(blocks_of(&idx, &[1], w(1)), 1);
-        idx.apply(w(1), &KvEvent::Removed { blocks: vec![20] })?;
+        idx.apply(w(1), &rm(&[20]))?;
         assert_eq!(blocks_of(&idx, &[1], w(1)), 0);
         assert_eq!(idx.stats().nodes, 0);
         Ok(())
@@ -388,12 +398,7 @@ mod tests {
             );
         }
         for i in (0..150u64).step_by(2) {
-            idx.apply(
-                WorkerRank::new(i, 0),
-                &KvEvent::Removed {
-                    blocks: vec![1000 * i],
-                },
-            )?;
+            idx.apply(WorkerRank::new(i, 0), &rm(&[1000 * i]))?;
         }
         assert_eq!(idx.find_matches(&[0, 1]).scores.len(), 75);
         Ok(())

@@ -1729,21 +1729,12 @@ fn engine_in(segs: &[Seg], p: Pos) -> Option<EngineHash> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_events::{rm, store, w};
     use super::*;
 
-    fn w(id: u64) -> WorkerRank {
-        WorkerRank::new(id, 0)
-    }
-
-    fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
-        KvEvent::Stored {
-            parent: p,
-            blocks: b.to_vec(),
-        }
-    }
-
-    fn rm(b: &[u64]) -> KvEvent {
-        KvEvent::Removed { blocks: b.to_vec() }
+    /// `c.apply`, with the error as text for a test's `?`.
+    fn try_apply(c: &mut IndexCore, who: WorkerRank, ev: &KvEvent) -> Result<ApplyOutcome, String> {
+        c.apply(who, ev).map_err(|e| e.to_string())
     }
 
     fn prefix(c: &IndexCore, q: &[u64], who: WorkerRank) -> u32 {
@@ -1905,35 +1896,42 @@ mod tests {
 
     #[test]
     fn mid_chain_removes_make_holes_not_splits() -> Result<(), String> {
-        let e = |r: Result<ApplyOutcome, IndexError>| r.map_err(|e| e.to_string());
         let mut c = IndexCore::new(1);
-        e(c.apply(w(1), &store(None, &chain(100, 20))))?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 20)))?;
         let splits = c.splits;
         // LRU order: the deepest of the oldest blocks first
-        e(c.apply(w(1), &rm(&[107, 106, 105])))?;
+        try_apply(&mut c, w(1), &rm(&[107, 106, 105]))?;
         ok(&c)?;
         assert_eq!(c.splits, splits, "a run of holes, no split");
         let q: Vec<u64> = (0..20).collect();
         assert_eq!(prefix(&c, &q, w(1)), 5);
         assert_eq!(c.stats().blocks, 17);
         // stored again, the chain counts whole again
-        e(c.apply(w(1), &store(Some(104), &[(105, 5), (106, 6), (107, 7)])))?;
+        try_apply(
+            &mut c,
+            w(1),
+            &store(Some(104), &[(105, 5), (106, 6), (107, 7)]),
+        )?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 20);
         // a hole, then the tail behind it: the held part ends at the hole
-        e(c.apply(w(1), &rm(&[110])))?;
-        e(c.apply(w(1), &rm(&[119, 118, 117, 116, 115, 114, 113, 112, 111])))?;
+        try_apply(&mut c, w(1), &rm(&[110]))?;
+        try_apply(
+            &mut c,
+            w(1),
+            &rm(&[119, 118, 117, 116, 115, 114, 113, 112, 111]),
+        )?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 10);
         assert_eq!(c.stats().nodes, 10, "the unheld tail is gone");
         // another target joins a chain with a hole: the hole becomes an
         // unheld segment first, and both answers stay exact
-        e(c.apply(w(1), &rm(&[103])))?;
-        e(c.apply(w(2), &store(None, &chain(200, 12))))?;
+        try_apply(&mut c, w(1), &rm(&[103]))?;
+        try_apply(&mut c, w(2), &store(None, &chain(200, 12)))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 3);
         assert_eq!(prefix(&c, &q, w(2)), 12);
-        e(c.apply(w(1), &store(Some(102), &[(103, 3)])))?;
+        try_apply(&mut c, w(1), &store(Some(102), &[(103, 3)]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 10);
         Ok(())
@@ -1942,12 +1940,10 @@ mod tests {
     #[test]
     fn appends_keep_one_segment() -> Result<(), String> {
         let mut c = IndexCore::new(1);
-        c.apply(w(1), &store(None, &chain(100, 10)))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 10)))?;
         for t in 1..5u64 {
             let b: Vec<(u64, u64)> = (0..10).map(|i| (100 + 10 * t + i, 10 * t + i)).collect();
-            c.apply(w(1), &store(Some(100 + 10 * t - 1), &b))
-                .map_err(|e| e.to_string())?;
+            try_apply(&mut c, w(1), &store(Some(100 + 10 * t - 1), &b))?;
         }
         ok(&c)?;
         assert_eq!(c.segs.len(), 2, "root + one segment");
@@ -1959,19 +1955,17 @@ mod tests {
     #[test]
     fn store_branching_mid_segment() -> Result<(), String> {
         let mut c = IndexCore::new(1);
-        c.apply(w(1), &store(None, &chain(100, 8)))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 8)))?;
         // worker 2 shares the first 3 blocks, then diverges
         let b = vec![(100, 0), (101, 1), (102, 2), (900, 77), (901, 78)];
-        c.apply(w(2), &store(None, &b)).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(2), &store(None, &b))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &[0, 1, 2, 3, 4], w(1)), 5);
         assert_eq!(prefix(&c, &[0, 1, 2, 3, 4], w(2)), 3);
         assert_eq!(prefix(&c, &[0, 1, 2, 77, 78], w(2)), 5);
         assert_eq!(prefix(&c, &[0, 1, 2, 77, 78], w(1)), 3);
         // worker 1 branches off its own chain mid-segment, by parent
-        c.apply(w(1), &store(Some(104), &[(500, 9)]))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(Some(104), &[(500, 9)]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &[0, 1, 2, 3, 4, 9], w(1)), 6);
         assert_eq!(c.stats().nodes, 8 + 2 + 1);
@@ -1981,27 +1975,24 @@ mod tests {
     #[test]
     fn remove_mid_segment_and_restore() -> Result<(), String> {
         let mut c = IndexCore::new(1);
-        c.apply(w(1), &store(None, &chain(100, 10)))
-            .map_err(|e| e.to_string())?;
-        c.apply(w(2), &store(None, &chain(100, 10)))
-            .map_err(|e| e.to_string())?;
-        c.apply(w(1), &rm(&[104])).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 10)))?;
+        try_apply(&mut c, w(2), &store(None, &chain(100, 10)))?;
+        try_apply(&mut c, w(1), &rm(&[104]))?;
         ok(&c)?;
         let q: Vec<u64> = (0..10).collect();
         assert_eq!(prefix(&c, &q, w(1)), 4);
         assert_eq!(prefix(&c, &q, w(2)), 10);
-        c.apply(w(1), &store(Some(103), &[(104, 4)]))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(Some(103), &[(104, 4)]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 10);
         // tail evictions of a shared chain, deepest first
         let tail: Vec<u64> = (100..110).rev().collect();
-        c.apply(w(1), &rm(&tail)).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &rm(&tail))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 0);
         assert_eq!(prefix(&c, &q, w(2)), 10);
         assert_eq!(c.stats().nodes, 10);
-        c.apply(w(2), &rm(&tail)).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(2), &rm(&tail))?;
         ok(&c)?;
         assert_eq!((c.stats().nodes, c.stats().blocks), (0, 0));
         Ok(())
@@ -2010,18 +2001,15 @@ mod tests {
     #[test]
     fn evicting_a_held_tail_keeps_deeper_blocks() -> Result<(), String> {
         let mut c = IndexCore::new(1);
-        c.apply(w(1), &store(None, &chain(100, 6)))
-            .map_err(|e| e.to_string())?;
-        c.apply(w(2), &store(None, &chain(100, 3)))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 6)))?;
+        try_apply(&mut c, w(2), &store(None, &chain(100, 3)))?;
         // worker 1 drops blocks 2 and 1, keeps 0 and 3..6
-        c.apply(w(1), &rm(&[102, 101])).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &rm(&[102, 101]))?;
         ok(&c)?;
         let q: Vec<u64> = (0..6).collect();
         assert_eq!(prefix(&c, &q, w(1)), 1);
         assert_eq!(prefix(&c, &q, w(2)), 3);
-        c.apply(w(1), &store(Some(100), &[(101, 1), (102, 2)]))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(Some(100), &[(101, 1), (102, 2)]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 6);
         Ok(())
@@ -2032,11 +2020,8 @@ mod tests {
         let mut c = IndexCore::new(1);
         let q: Vec<u64> = (0..10).collect();
         // head first, whole chain
-        c.apply(w(1), &store(None, &chain(100, 10)))
-            .map_err(|e| e.to_string())?;
-        let out = c
-            .apply(w(1), &rm(&(100..110).collect::<Vec<_>>()))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 10)))?;
+        let out = try_apply(&mut c, w(1), &rm(&(100..110).collect::<Vec<_>>()))?;
         assert_eq!(
             out,
             ApplyOutcome {
@@ -2047,22 +2032,17 @@ mod tests {
         ok(&c)?;
         assert_eq!((c.stats().nodes, c.segs.len()), (0, 2));
         // a shuffled suffix, with a deeper branch keeping the tail alive
-        c.apply(w(1), &store(None, &chain(100, 10)))
-            .map_err(|e| e.to_string())?;
-        c.apply(w(1), &store(Some(109), &[(500, 50)]))
-            .map_err(|e| e.to_string())?;
-        c.apply(w(1), &rm(&[107, 109, 105, 108, 106]))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 10)))?;
+        try_apply(&mut c, w(1), &store(Some(109), &[(500, 50)]))?;
+        try_apply(&mut c, w(1), &rm(&[107, 109, 105, 108, 106]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 5);
         assert_eq!(c.stats().nodes, 11);
         // not a suffix (a hole, a repeat, an unknown hash): general path
-        c.apply(w(1), &rm(&[100, 102])).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &rm(&[100, 102]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 0);
-        let out = c
-            .apply(w(1), &rm(&[104, 104, 999]))
-            .map_err(|e| e.to_string())?;
+        let out = try_apply(&mut c, w(1), &rm(&[104, 104, 999]))?;
         assert_eq!(
             out,
             ApplyOutcome {
@@ -2082,9 +2062,8 @@ mod tests {
         let removes: Vec<u64> = blocks.iter().map(|b| b.0).collect();
         for _ in 0..3 {
             let s0 = c.splits;
-            c.apply(w(9), &store(None, &blocks))
-                .map_err(|e| e.to_string())?;
-            c.apply(w(9), &rm(&removes)).map_err(|e| e.to_string())?;
+            try_apply(&mut c, w(9), &store(None, &blocks))?;
+            try_apply(&mut c, w(9), &rm(&removes))?;
             ok(&c)?;
             assert_eq!((c.splits - s0, c.segs.len(), c.stats().nodes), (0, 2, 0));
         }
@@ -2095,27 +2074,22 @@ mod tests {
     fn splits_rename_aliases_and_extra_refs() -> Result<(), String> {
         // per-worker engine hashes: worker 2 holds worker 1's path by alias
         let mut c = IndexCore::new(1);
-        c.apply(w(1), &store(None, &chain(100, 8)))
-            .map_err(|e| e.to_string())?;
-        c.apply(w(2), &store(None, &chain(200, 8)))
-            .map_err(|e| e.to_string())?;
-        c.apply(w(2), &store(None, &chain(300, 3)))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 8)))?;
+        try_apply(&mut c, w(2), &store(None, &chain(200, 8)))?;
+        try_apply(&mut c, w(2), &store(None, &chain(300, 3)))?;
         ok(&c)?;
         // splits in the middle move aliased and doubly held positions
-        c.apply(w(1), &rm(&[104])).map_err(|e| e.to_string())?;
-        c.apply(w(3), &store(None, &[(1, 0), (2, 1), (3, 99)]))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &rm(&[104]))?;
+        try_apply(&mut c, w(3), &store(None, &[(1, 0), (2, 1), (3, 99)]))?;
         ok(&c)?;
         let q: Vec<u64> = (0..8).collect();
         assert_eq!(prefix(&c, &q, w(1)), 4);
         assert_eq!(prefix(&c, &q, w(2)), 8);
-        c.apply(w(2), &rm(&[201, 300, 302]))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(2), &rm(&[201, 300, 302]))?;
         ok(&c)?;
         // position 1 is still held through 301
         assert_eq!(prefix(&c, &q, w(2)), 8);
-        c.apply(w(2), &rm(&[301])).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(2), &rm(&[301]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(2)), 1);
         assert_eq!(c.worker_blocks(w(2)), 7);
@@ -2127,11 +2101,9 @@ mod tests {
         let mut c = IndexCore::new(1);
         for r in 0..3u32 {
             let who = WorkerRank::new(7, r);
-            c.apply(who, &store(None, &chain(100, 5 + u64::from(r))))
-                .map_err(|e| e.to_string())?;
+            try_apply(&mut c, who, &store(None, &chain(100, 5 + u64::from(r))))?;
         }
-        c.apply(w(8), &store(None, &chain(100, 4)))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(8), &store(None, &chain(100, 4)))?;
         ok(&c)?;
         assert_eq!(c.remove_worker(7), 5 + 6 + 7);
         ok(&c)?;
@@ -2144,17 +2116,13 @@ mod tests {
     #[test]
     fn same_engine_hash_twice_and_aliases() -> Result<(), String> {
         let mut c = IndexCore::new(1);
-        c.apply(w(1), &store(None, &chain(100, 4)))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 4)))?;
         // same path, other engine hashes: kept as aliases (refcounted)
-        c.apply(w(1), &store(None, &[(200, 0), (201, 1)]))
-            .map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &store(None, &[(200, 0), (201, 1)]))?;
         ok(&c)?;
         assert_eq!(c.worker_blocks(w(1)), 6);
         // a resent event is a no-op
-        let out = c
-            .apply(w(1), &store(None, &chain(100, 4)))
-            .map_err(|e| e.to_string())?;
+        let out = try_apply(&mut c, w(1), &store(None, &chain(100, 4)))?;
         assert_eq!(
             out,
             ApplyOutcome {
@@ -2181,10 +2149,10 @@ mod tests {
         ok(&c)?;
         assert_eq!(c.stats().nodes, before.nodes);
         // removing the canonical hash keeps the aliased prefix
-        c.apply(w(1), &rm(&[100, 101])).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &rm(&[100, 101]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &[0, 1, 2, 3], w(1)), 4);
-        c.apply(w(1), &rm(&[200])).map_err(|e| e.to_string())?;
+        try_apply(&mut c, w(1), &rm(&[200]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &[0, 1, 2, 3], w(1)), 0);
         Ok(())
@@ -2194,13 +2162,11 @@ mod tests {
     fn clear_and_wide_slots() -> Result<(), String> {
         let mut c = IndexCore::new(1);
         for i in 0..100u64 {
-            c.apply(w(i), &store(None, &chain(1000 * i, 1 + i % 7)))
-                .map_err(|e| e.to_string())?;
+            try_apply(&mut c, w(i), &store(None, &chain(1000 * i, 1 + i % 7)))?;
         }
         ok(&c)?;
         for i in (0..100u64).step_by(3) {
-            c.apply(w(i), &KvEvent::Cleared)
-                .map_err(|e| e.to_string())?;
+            try_apply(&mut c, w(i), &KvEvent::Cleared)?;
         }
         ok(&c)?;
         let mut out = OverlapScores::default();
