@@ -198,13 +198,18 @@ fn held_prefix(seq: &Value) -> u32 {
         .count() as u32
 }
 
-async fn cached_blocks(server: &TestServer) -> u64 {
-    let info = server
+/// What Admin/GetWorker says of the test's worker.
+async fn worker_info(server: &TestServer) -> pb::WorkerInfo {
+    server
         .admin()
         .get_worker(pb::GetWorkerRequest { worker_id: WORKER })
         .await
         .unwrap()
-        .into_inner();
+        .into_inner()
+}
+
+async fn cached_blocks(server: &TestServer) -> u64 {
+    let info = worker_info(server).await;
     info.ranks.iter().map(|r| r.cached_blocks).sum()
 }
 
@@ -324,12 +329,7 @@ async fn run_case(case: Case) {
         .await;
     let t0 = Instant::now();
     loop {
-        let info = server
-            .admin()
-            .get_worker(pb::GetWorkerRequest { worker_id: WORKER })
-            .await
-            .unwrap()
-            .into_inner();
+        let info = worker_info(&server).await;
         if info.subscription.contains(" connected,") {
             break;
         }
@@ -350,12 +350,7 @@ async fn run_case(case: Case) {
         tokio::time::sleep(Duration::from_millis(50)).await;
         mismatch = check(&server, &case, &expected).await;
     }
-    let info = server
-        .admin()
-        .get_worker(pb::GetWorkerRequest { worker_id: WORKER })
-        .await
-        .unwrap()
-        .into_inner();
+    let info = worker_info(&server).await;
     let (_, body) = server.http_get("/metrics").await;
     let m = |name: &str| metric(&body, &format!("kvroute_{name}"));
     let summary = info.subscription.clone();

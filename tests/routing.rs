@@ -193,7 +193,6 @@ async fn token_prompts_are_hashed_like_the_events() {
 #[tokio::test]
 async fn phase_pins_follow_the_reference_precedence() {
     let server = seven_block_fleet().await;
-    let mut router = server.router();
     let hints = pb::RoutingHints {
         backend_instance_id: Some(WORKER_A),
         prefill_worker_id: Some(WORKER_B),
@@ -202,50 +201,29 @@ async fn phase_pins_follow_the_reference_precedence() {
     let mut request = query_only(select_hashes("p", "m", &[A, C, D]));
     request.hints = Some(hints.clone());
     request.phase = pb::RequestPhase::Prefill.into();
-    assert_eq!(
-        router
-            .select_worker(request.clone())
-            .await
-            .unwrap()
-            .into_inner()
-            .worker_id,
-        WORKER_B
-    );
+    assert_eq!(chosen_worker(&server, request.clone()).await, WORKER_B);
     // Decode and aggregated ignore prefill_worker_id and use backend_instance_id...
     request.phase = pb::RequestPhase::Decode.into();
-    assert_eq!(
-        router
-            .select_worker(request.clone())
-            .await
-            .unwrap()
-            .into_inner()
-            .worker_id,
-        WORKER_A
-    );
+    assert_eq!(chosen_worker(&server, request.clone()).await, WORKER_A);
     request.phase = pb::RequestPhase::Aggregated.into();
-    assert_eq!(
-        router
-            .select_worker(request.clone())
-            .await
-            .unwrap()
-            .into_inner()
-            .worker_id,
-        WORKER_A
-    );
+    assert_eq!(chosen_worker(&server, request.clone()).await, WORKER_A);
     // ...unless decode_worker_id is set, which wins.
     request.hints = Some(pb::RoutingHints {
         decode_worker_id: Some(WORKER_B),
         ..hints
     });
-    assert_eq!(
-        router
-            .select_worker(request)
-            .await
-            .unwrap()
-            .into_inner()
-            .worker_id,
-        WORKER_B
-    );
+    assert_eq!(chosen_worker(&server, request).await, WORKER_B);
+}
+
+/// The worker a successful SelectWorker chose.
+async fn chosen_worker(server: &TestServer, request: pb::SelectWorkerRequest) -> u64 {
+    server
+        .router()
+        .select_worker(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .worker_id
 }
 
 async fn code_of(server: &TestServer, request: pb::SelectWorkerRequest) -> (Code, String) {

@@ -221,26 +221,20 @@ mod tests {
         assert_eq!(out.scores[0].probability, 0.5);
         assert_eq!(out.scores[1].probability, 0.0);
         // The random pick covers both over many seeds, deterministically.
-        let picks: Vec<usize> = (0..32)
-            .map(|s| {
-                let mut r = StdRng::seed_from_u64(s);
-                CostScorer
-                    .score(&c, &params(1.0, 0.0), &mut r)
-                    .unwrap()
-                    .chosen
-            })
-            .collect();
+        let picks_by_seed = |c: &[ScoreInput]| -> Vec<usize> {
+            (0..32)
+                .map(|s| {
+                    let mut r = StdRng::seed_from_u64(s);
+                    CostScorer
+                        .score(c, &params(1.0, 0.0), &mut r)
+                        .unwrap()
+                        .chosen
+                })
+                .collect()
+        };
+        let picks = picks_by_seed(&c);
         assert!(picks.contains(&0) && picks.contains(&2) && !picks.contains(&1));
-        let again: Vec<usize> = (0..32)
-            .map(|s| {
-                let mut r = StdRng::seed_from_u64(s);
-                CostScorer
-                    .score(&c, &params(1.0, 0.0), &mut r)
-                    .unwrap()
-                    .chosen
-            })
-            .collect();
-        assert_eq!(picks, again);
+        assert_eq!(picks, picks_by_seed(&c));
         // A SOFT affinity target wins even without discount.
         c[1].soft_affinity = true;
         let mut p = params(1.0, 0.0);
