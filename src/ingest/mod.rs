@@ -242,7 +242,7 @@ pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutc
         dp_rank: batch.dp_rank,
         ..BatchOutcome::default()
     };
-    let mut reasons: HashMap<&'static str, u64> = HashMap::new();
+    let mut tally = Tally::default();
     let mut cursors = core.cursors.lock();
     let cursor = cursors.entry(target).or_default();
     for IngestEvent { event_id, event } in &batch.events {
@@ -250,7 +250,7 @@ pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutc
         match verdict {
             Verdict::Skip => {
                 outcome.skipped += 1;
-                *reasons.entry("duplicate").or_default() += 1;
+                *tally.reasons.entry("duplicate").or_default() += 1;
                 continue;
             }
             Verdict::ApplyAfterGap { resend_from } => {
@@ -258,14 +258,8 @@ pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutc
             }
             Verdict::Apply => {}
         }
-        match index.apply(target, event) {
-            Ok(_) => outcome.applied += 1,
-            Err(error) => {
-                cursor.record_rejected(*event_id);
-                outcome.rejected += 1;
-                *reasons.entry(rejection_reason(&error)).or_default() += 1;
-                outcome.first_rejection.get_or_insert(error);
-            }
+        if !tally.apply(&index, target, event) {
+            cursor.record_rejected(*event_id);
         }
     }
     outcome.last_applied = cursor.last_applied();
@@ -274,15 +268,10 @@ pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutc
         outcome.resend_from = cursor.first_missing();
     }
     drop(cursors);
-    core.count_events("applied", "ok", u64::from(outcome.applied));
-    for (reason, count) in reasons {
-        let kind = if reason == "duplicate" {
-            "skipped"
-        } else {
-            "rejected"
-        };
-        core.count_events(kind, reason, count);
-    }
+    let counts = tally.finish(core);
+    outcome.applied = counts.applied;
+    outcome.rejected = counts.rejected;
+    outcome.first_rejection = counts.first_rejection;
     Ok(outcome)
 }
 
@@ -301,23 +290,58 @@ pub fn apply_engine_batch(
         batch.events.len(),
     )?;
     let target = WorkerRank::new(worker_id, batch.dp_rank);
-    let mut outcome = EngineOutcome::default();
-    let mut reasons: HashMap<&'static str, u64> = HashMap::new();
+    let mut tally = Tally::default();
     for event in &batch.events {
+        tally.apply(&index, target, event);
+    }
+    Ok(tally.finish(core))
+}
+
+/// Applies a batch's events one by one and counts what happened, for the
+/// caller's outcome and the events metrics.
+#[derive(Default)]
+struct Tally {
+    outcome: EngineOutcome,
+    /// Events not applied, by reason; "duplicate" ones were skipped, the
+    /// others rejected by the index.
+    reasons: HashMap<&'static str, u64>,
+}
+
+impl Tally {
+    /// Applies `event`; false if the index rejected it.
+    fn apply(
+        &mut self,
+        index: &crate::index::KvIndex,
+        target: WorkerRank,
+        event: &KvEvent,
+    ) -> bool {
         match index.apply(target, event) {
-            Ok(_) => outcome.applied += 1,
+            Ok(_) => {
+                self.outcome.applied += 1;
+                true
+            }
             Err(error) => {
-                outcome.rejected += 1;
-                *reasons.entry(rejection_reason(&error)).or_default() += 1;
-                outcome.first_rejection.get_or_insert(error);
+                self.outcome.rejected += 1;
+                *self.reasons.entry(rejection_reason(&error)).or_default() += 1;
+                self.outcome.first_rejection.get_or_insert(error);
+                false
             }
         }
     }
-    core.count_events("applied", "ok", u64::from(outcome.applied));
-    for (reason, count) in reasons {
-        core.count_events("rejected", reason, count);
+
+    /// Counts everything in the events metrics.
+    fn finish(self, core: &RouterCore) -> EngineOutcome {
+        core.count_events("applied", "ok", u64::from(self.outcome.applied));
+        for (reason, count) in self.reasons {
+            let kind = if reason == "duplicate" {
+                "skipped"
+            } else {
+                "rejected"
+            };
+            core.count_events(kind, reason, count);
+        }
+        self.outcome
     }
-    Ok(outcome)
 }
 
 fn rejection_reason(error: &IndexError) -> &'static str {
