@@ -413,15 +413,7 @@ async fn busy_workers_reject_advise_queue_and_time_out() {
     assert!(status.message().contains("late"));
 
     // A full queue: one waiter fills it, the next is refused.
-    let waiter = {
-        let mut router = server.router();
-        tokio::spawn(async move {
-            router
-                .select_worker(select_hashes("waiter", "m", &[60]))
-                .await
-        })
-    };
-    wait_for_queue_depth(&server, 1).await;
+    let waiter = queued_waiter(&server, "waiter").await;
     let (code, message) = code_of(&server, select_hashes("overflow", "m", &[70])).await;
     assert_eq!(code, Code::ResourceExhausted);
     assert!(message.contains("queue"), "{message}");
@@ -444,15 +436,7 @@ async fn busy_workers_reject_advise_queue_and_time_out() {
 #[tokio::test]
 async fn a_caller_that_goes_away_leaves_no_booking_or_queue_entry() {
     let server = busy_fleet(ServeConfig::for_tests()).await;
-    let waiter = {
-        let mut router = server.router();
-        tokio::spawn(async move {
-            router
-                .select_worker(select_hashes("gone", "m", &[60]))
-                .await
-        })
-    };
-    wait_for_queue_depth(&server, 1).await;
+    let waiter = queued_waiter(&server, "gone").await;
     waiter.abort();
     wait_for_queue_depth(&server, 0).await;
     server
@@ -479,6 +463,18 @@ async fn a_caller_that_goes_away_leaves_no_booking_or_queue_entry() {
         ),
         (0, 0, 0)
     );
+}
+
+/// A SelectWorker for block 60 in its own task, once it waits in the queue.
+async fn queued_waiter(
+    server: &TestServer,
+    request_id: &str,
+) -> tokio::task::JoinHandle<Result<tonic::Response<pb::SelectWorkerResponse>, tonic::Status>> {
+    let mut router = server.router();
+    let request = select_hashes(request_id, "m", &[60]);
+    let waiter = tokio::spawn(async move { router.select_worker(request).await });
+    wait_for_queue_depth(server, 1).await;
+    waiter
 }
 
 async fn wait_for_queue_depth(server: &TestServer, depth: usize) {
