@@ -36,8 +36,19 @@ fn action_with(
         5 => (wr.clone(), proptest::option::weighted(0.6, engine.clone()),
               proptest::collection::vec((engine.clone(), local.clone()), 0..len))
             .prop_map(|(w, parent, blocks)| Action::Event(w, KvEvent::Stored { parent, blocks })),
-        2 => (wr.clone(), proptest::collection::vec(engine, 0..5))
+        2 => (wr.clone(), proptest::collection::vec(engine.clone(), 0..5))
             .prop_map(|(w, blocks)| Action::Event(w, KvEvent::Removed { blocks })),
+        // chains as engines send them: consecutive engine hashes stored in
+        // order, evicted deepest first (runs of removes in one segment)
+        2 => (wr.clone(), engine.clone(), proptest::collection::vec(local.clone(), 1..len + 1))
+            .prop_map(|(w, first, locals)| Action::Event(w, KvEvent::Stored {
+                parent: first.checked_sub(1),
+                blocks: locals.iter().enumerate().map(|(i, &l)| (first + i as u64, l)).collect(),
+            })),
+        2 => (wr.clone(), engine, 1..len as u64 + 1)
+            .prop_map(|(w, first, n)| Action::Event(w, KvEvent::Removed {
+                blocks: (first..first + n).rev().collect(),
+            })),
         1 => wr.clone().prop_map(|w| Action::Event(w, KvEvent::Cleared)),
         1 => (0..workers).prop_map(Action::RemoveWorker),
         1 => wr.prop_map(Action::RemoveRank),

@@ -44,7 +44,8 @@
 //!   `mask`, higher slots in a per-segment `wide` vector (empty for most).
 //! * Engine hashes: each slot maps engine hash -> position in a table of
 //!   positions keyed by the position's creation engine hash (the usual
-//!   case; compared through the segment) and an `alias` map for the others.
+//!   case; compared through the segment; a [`GroupTable`], whose probes
+//!   read one cache line) and an `alias` map for the others.
 //!   When one slot holds a position through several engine hashes, the
 //!   extra references are counted in `extra_refs`; the holder bit goes only
 //!   with the last one. `count` is the slot's number of engine hashes.
@@ -57,10 +58,16 @@
 //!   observable (splits it made remain; they change no answer or stat).
 //!   A remove first takes every block's entry out of the maps (one probe
 //!   each), then unholds the positions; splits rename those still pending.
+//!   Positions that descend one by one in a segment the slot holds alone
+//!   (LRU evicts a chain's tail deepest first) are unheld as one run: one
+//!   change of `held`, or one hole run. Both a store and a remove load the
+//!   table lines of all their blocks before probing any, so that the cache
+//!   misses overlap.
 //! * A query walks segment by segment, ANDing the still-matching slots with
 //!   each segment's holders and comparing hashes linearly up to the first
 //!   hole or `held`.
 
+use super::group_table::GroupTable;
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use hashbrown::HashTable;
@@ -157,29 +164,20 @@ impl Seg {
         self.holes.get(i).is_some_and(|r| r[0] <= abs)
     }
 
-    /// The holder dropped `abs`, a held position before the last one.
-    fn add_hole(&mut self, abs: u32) {
-        // the first run that ends at or after `abs` (it cannot contain it)
-        let i = self.holes.partition_point(|r| r[1] < abs);
-        if self.holes.get(i).is_some_and(|r| r[1] == abs) {
-            let next = self.holes.get(i + 1).copied();
-            let end = match next {
-                Some([a, b]) if a == abs + 1 => {
-                    self.holes.remove(i + 1);
-                    b
-                }
-                _ => abs + 1,
-            };
-            if let Some(r) = self.holes.get_mut(i) {
-                r[1] = end;
-            }
-        } else if let Some(r) = self.holes.get_mut(i)
-            && r[0] == abs + 1
+    /// The holder dropped positions `[a, b)`, held and before the last
+    /// held one.
+    fn add_holes(&mut self, a: u32, b: u32) {
+        // runs touching `[a, b)` (at most one on each side) merge with it
+        let i = self.holes.partition_point(|r| r[1] < a);
+        let (mut lo, mut hi, mut j) = (a, b, i);
+        while let Some(r) = self.holes.get(j)
+            && r[0] <= hi
         {
-            r[0] = abs;
-        } else {
-            self.holes.insert(i, [abs, abs + 1]);
+            lo = lo.min(r[0]);
+            hi = hi.max(r[1]);
+            j += 1;
         }
+        self.holes.splice(i..j, [[lo, hi]]);
     }
 
     /// The holder holds hole position `abs` again.
@@ -334,7 +332,7 @@ struct Slot {
     worker: WorkerRank,
     live: bool,
     /// Positions, keyed by their creation engine hash.
-    table: HashTable<Pos>,
+    table: GroupTable,
     /// Engine hashes that differ from their position's creation hash.
     alias: FxHashMap<EngineHash, Pos>,
     /// The reverse of `alias`, so a split renames an aliased position
@@ -350,7 +348,7 @@ impl Slot {
         Self {
             worker,
             live: true,
-            table: HashTable::new(),
+            table: GroupTable::new(),
             alias: FxHashMap::default(),
             alias_at: FxHashMap::default(),
             alias_more: FxHashMap::default(),
@@ -826,9 +824,7 @@ impl IndexCore {
                     continue;
                 };
                 let (old_p, new_p) = (pos(old, abs), pos(new, abs));
-                if let Some(v) = slot.table.find_mut(engine_hash(e), |&p| p == old_p) {
-                    *v = new_p;
-                }
+                slot.table.replace(engine_hash(e), |p| p == old_p, new_p);
                 if !slot.alias.is_empty() {
                     slot.rename_alias(old_p, new_p);
                 }
@@ -881,9 +877,9 @@ impl IndexCore {
     /// The position slot `s` holds under engine hash `e`.
     fn lookup(&self, s: u32, e: EngineHash) -> Option<Pos> {
         let slot = self.slots.get(s as usize)?;
-        if let Some(&p) = slot
+        if let Some(p) = slot
             .table
-            .find(engine_hash(e), |&p| self.engine_at(p) == Some(e))
+            .find(engine_hash(e), |p| self.engine_at(p) == Some(e))
         {
             return Some(p);
         }
@@ -903,7 +899,7 @@ impl IndexCore {
             return;
         };
         if canonical {
-            slot.table.insert_unique(engine_hash(e), p, |&x| {
+            slot.table.insert_new(engine_hash(e), p, |x| {
                 engine_hash(engine_in(segs, x).unwrap_or(0))
             });
         } else {
@@ -916,7 +912,7 @@ impl IndexCore {
     fn clear_slot(&mut self, s: u32) -> u64 {
         let n = match self.slots.get_mut(s as usize) {
             Some(slot) => {
-                slot.table = HashTable::new();
+                slot.table = GroupTable::new();
                 slot.alias = FxHashMap::default();
                 slot.alias_at = FxHashMap::default();
                 slot.alias_more = FxHashMap::default();
@@ -957,13 +953,7 @@ impl IndexCore {
             return false;
         };
         let removed = if canonical {
-            match slot.table.find_entry(engine_hash(e), |&x| x == p) {
-                Ok(entry) => {
-                    entry.remove();
-                    true
-                }
-                Err(_) => false,
-            }
+            slot.table.remove(engine_hash(e), |x| x == p).is_some()
         } else {
             slot.remove_alias(e).is_some()
         };
@@ -993,7 +983,7 @@ impl IndexCore {
         {
             // a block from the middle of a chain only `s` holds: a hole,
             // no split
-            g.add_hole(abs);
+            g.add_holes(abs, abs + 1);
             return;
         }
         self.unhold_uniform(s, p);
@@ -1127,6 +1117,13 @@ impl IndexCore {
         let mut out = ApplyOutcome::default();
         let mut pending = std::mem::take(&mut self.pending);
         pending.clear();
+        if let Some(slot) = self.slots.get(s as usize) {
+            // load every block's table line first: the misses overlap
+            let lines = blocks
+                .iter()
+                .fold(0, |acc, &e| acc ^ slot.table.touch(engine_hash(e)));
+            std::hint::black_box(lines);
+        }
         for &e in blocks {
             let Some(p) = self.take_entry(s, e) else {
                 out.skipped += 1;
@@ -1153,13 +1150,53 @@ impl IndexCore {
         self.pending = pending;
         let mut i = 0;
         while let Some(&p) = self.pending.get(i) {
-            i += 1;
+            let n = self.descending_run(s, i);
+            i += n;
             self.pending_from = i;
-            self.unhold(s, p);
+            if n == 1 {
+                self.unhold(s, p);
+            } else {
+                self.unhold_run(p, n as u32);
+            }
         }
         self.pending.clear();
         self.pending_from = 0;
         out
+    }
+
+    /// How many pending positions from `pending[i]` on descend one by one
+    /// in one segment held by slot `s` alone (1 if not such a segment).
+    fn descending_run(&self, s: u32, i: usize) -> usize {
+        let Some(&p) = self.pending.get(i) else {
+            return 0;
+        };
+        if !self.seg(pos_seg(p)).is_some_and(|g| g.only(s)) {
+            return 1;
+        }
+        let tail = self.pending.get(i + 1..).unwrap_or(&[]);
+        1 + tail
+            .iter()
+            .zip(1..=pos_abs(p))
+            .take_while(|&(&q, k)| q == p - u64::from(k))
+            .count()
+    }
+
+    /// Unhold `n` positions ending at `p` (`p` and the `n - 1` before it),
+    /// all held by one slot alone: lower `held` past them if they end the
+    /// held part, else make them one hole run.
+    fn unhold_run(&mut self, p: Pos, n: u32) {
+        let id = pos_seg(p);
+        let Some(g) = self.seg_mut(id) else {
+            return;
+        };
+        let (lo, hi) = (pos_abs(p) + 1 - n, pos_abs(p) + 1);
+        if hi == g.start + g.held {
+            g.held = lo - g.start;
+            g.normalize();
+            self.prune(id);
+        } else {
+            g.add_holes(lo, hi);
+        }
     }
 
     /// Take slot `s`'s entry for engine hash `e` out of its maps and return
@@ -1169,11 +1206,11 @@ impl IndexCore {
         let slot = self.slots.get_mut(s as usize)?;
         match slot
             .table
-            .find_entry(engine_hash(e), |&x| engine_in(segs, x) == Some(e))
+            .remove(engine_hash(e), |x| engine_in(segs, x) == Some(e))
         {
-            Ok(entry) => Some(entry.remove().0),
-            Err(_) if slot.alias.is_empty() => None,
-            Err(_) => slot.remove_alias(e),
+            Some(p) => Some(p),
+            None if slot.alias.is_empty() => None,
+            None => slot.remove_alias(e),
         }
     }
 
@@ -1471,22 +1508,24 @@ impl IndexCore {
         let Some(slot) = self.slots.get_mut(s as usize) else {
             return Ok(());
         };
+        let lines = todo
+            .iter()
+            .fold(0, |acc, &(e, _)| acc ^ slot.table.touch(engine_hash(e)));
+        std::hint::black_box(lines);
         let mut done = todo.len();
         for (k, &(e, _)) in todo.iter().enumerate() {
             let p = pos(id, first_abs + k as u32);
             let clash = has_alias && slot.alias.contains_key(&e);
-            match slot.table.entry(
-                engine_hash(e),
-                |&x| x != p && engine_in(segs, x) == Some(e),
-                |&x| engine_hash(engine_in(segs, x).unwrap_or(0)),
-            ) {
-                hashbrown::hash_table::Entry::Vacant(v) if !clash => {
-                    v.insert(p);
-                }
-                _ => {
-                    done = k;
-                    break;
-                }
+            if clash
+                || !slot.table.insert_unless(
+                    engine_hash(e),
+                    p,
+                    |x| x != p && engine_in(segs, x) == Some(e),
+                    |x| engine_hash(engine_in(segs, x).unwrap_or(0)),
+                )
+            {
+                done = k;
+                break;
             }
         }
         slot.count += done as u64;
@@ -1676,7 +1715,7 @@ impl IndexCore {
         b += table_bytes(self.edges.capacity(), 4);
         b += (self.slots.capacity() * size_of::<Slot>()) as u64;
         for s in &self.slots {
-            b += table_bytes(s.table.capacity(), 8);
+            b += s.table.bytes() as u64;
             b += table_bytes(s.alias.capacity(), 16);
             b += table_bytes(s.alias_at.capacity(), 16);
             b += table_bytes(s.alias_more.capacity(), 32);
@@ -1821,6 +1860,8 @@ mod tests {
             }
             for (s, slot) in self.slots.iter().enumerate() {
                 let s = s as u32;
+                slot.table
+                    .check(|p| engine_hash(self.engine_at(p).unwrap_or(0)))?;
                 let mut n = 0u64;
                 let held_at = |p: Pos| -> Result<(), String> {
                     let g = self.seg(pos_seg(p)).ok_or("entry to no segment")?;
@@ -1832,7 +1873,7 @@ mod tests {
                     }
                     Ok(())
                 };
-                for &p in slot.table.iter() {
+                for p in slot.table.iter() {
                     held_at(p)?;
                     let e = self.engine_at(p).ok_or("no engine")?;
                     if self.lookup(s, e) != Some(p) {
@@ -1877,7 +1918,7 @@ mod tests {
                     let slot = self.slots.get(s as usize).ok_or("holder slot")?;
                     for abs in (g.start..g.start + g.held).filter(|&a| !g.is_hole(a)) {
                         let p = pos(id as u32, abs);
-                        let refs = slot.table.iter().filter(|&&x| x == p).count()
+                        let refs = slot.table.iter().filter(|&x| x == p).count()
                             + slot.alias.values().filter(|&&x| x == p).count();
                         let extra = self.extra_refs.get(&(p, s)).copied().unwrap_or(0);
                         if refs == 0 || refs != 1 + extra as usize {
@@ -2190,7 +2231,7 @@ mod tests {
         /// layout invariant.
         #[test]
         fn invariants_hold(ops in proptest::collection::vec(
-            (0u64..4, 0u8..10, proptest::option::of(0u64..40),
+            (0u64..4, 0u8..14, proptest::option::of(0u64..40),
              proptest::collection::vec((0u64..40, 0u64..2), 0..12)), 1..80)) {
             let mut c = IndexCore::new(1);
             for (who, kind, parent, blocks) in ops {
@@ -2198,7 +2239,20 @@ mod tests {
                 match kind {
                     0..=5 => { let _ = c.apply(who, &store(parent, &blocks)); }
                     6..=8 => { let _ = c.apply(who, &rm(&blocks.iter().map(|b| b.0).collect::<Vec<_>>())); }
-                    _ => { let _ = c.apply(who, &KvEvent::Cleared); }
+                    9 => { let _ = c.apply(who, &KvEvent::Cleared); }
+                    // chains as engines send them: consecutive engine
+                    // hashes, evicted deepest first
+                    10 | 11 => {
+                        let first = parent.unwrap_or(0);
+                        let chain: Vec<(u64, u64)> = blocks.iter().enumerate()
+                            .map(|(i, b)| (first + i as u64, b.1)).collect();
+                        let _ = c.apply(who, &store(first.checked_sub(1), &chain));
+                    }
+                    _ => {
+                        let first = parent.unwrap_or(0);
+                        let ids: Vec<u64> = (first..first + blocks.len() as u64).rev().collect();
+                        let _ = c.apply(who, &rm(&ids));
+                    }
                 }
                 if let Err(e) = c.check_invariants() {
                     proptest::prop_assert!(false, "{}", e);

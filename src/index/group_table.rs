@@ -1,0 +1,409 @@
+//! A hash table of tree positions in which one cache line answers a probe.
+//!
+//! Why this exists: every stored or removed block costs one probe of its
+//! target's engine-hash table, and on an index larger than the cache each
+//! probe misses. A SwissTable (hashbrown) keeps its control bytes apart from
+//! its entries, so finding a present key touches two lines. Here seven
+//! entries and their tags share one 64-byte line, and [`GroupTable::touch`]
+//! lets a caller load the lines of a whole event before working on them, so
+//! that their misses overlap instead of queuing one after another.
+//!
+//! Layout (invariants, checked by `check` in the tests):
+//! * Groups of 7 slots, a power of two of them. `ctrl` byte `i < 7` is slot
+//!   `i`'s tag: 0 when empty, else the top byte of the entry's hash
+//!   (raised to 1 if it is 0). Byte 7 is the group's overflow count.
+//! * An entry lives in its home group (`hash & mask`) or, when that is full,
+//!   in the first group after it with room, wrapping around. Each group it
+//!   passed on the way counts it in its overflow count, so a probe goes on
+//!   past a group only while its count is not 0. Removal counts down along
+//!   the same way: no tombstones, so a table never needs rehashing to clean
+//!   up. A count that reaches 255 stays there until the next resize (probes
+//!   past it remain correct, only longer).
+//! * Keys are not stored: the caller's `eq` confirms a candidate (the key
+//!   lives in the tree), and `rehash` gives a stored value's hash when the
+//!   table grows. The table holds at most 6 entries per group on average.
+
+const SLOTS: usize = 7;
+const OVERFLOW_SHIFT: u32 = 56;
+const LOW_BYTES: u64 = 0x0101_0101_0101_0101;
+const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Default)]
+struct Group {
+    ctrl: u64,
+    vals: [u64; SLOTS],
+}
+
+impl Group {
+    fn tag(&self, i: usize) -> u8 {
+        (self.ctrl >> (8 * i)) as u8
+    }
+
+    fn overflow(&self) -> u8 {
+        (self.ctrl >> OVERFLOW_SHIFT) as u8
+    }
+
+    fn set_tag(&mut self, i: usize, tag: u8) {
+        let shift = 8 * i as u32;
+        self.ctrl = (self.ctrl & !(0xFF << shift)) | (u64::from(tag) << shift);
+    }
+
+    fn add_overflow(&mut self) {
+        let n = self.overflow().saturating_add(1);
+        self.ctrl = (self.ctrl & !(0xFF << OVERFLOW_SHIFT)) | (u64::from(n) << OVERFLOW_SHIFT);
+    }
+
+    fn sub_overflow(&mut self) {
+        let n = self.overflow();
+        if n != u8::MAX {
+            let n = n.saturating_sub(1);
+            self.ctrl = (self.ctrl & !(0xFF << OVERFLOW_SHIFT)) | (u64::from(n) << OVERFLOW_SHIFT);
+        }
+    }
+
+    /// Bit `8 * i + 7` set for each slot `i` whose tag may be `tag` (exact
+    /// for the lowest; callers confirm each with `tag(i)`).
+    #[inline(always)]
+    fn candidates(&self, tag: u8) -> u64 {
+        // byte 7 (the overflow count) must never look like a match
+        let x = (self.ctrl ^ (LOW_BYTES * u64::from(tag))) | (0xFF << OVERFLOW_SHIFT);
+        x.wrapping_sub(LOW_BYTES) & !x & HIGH_BITS
+    }
+
+    /// The first empty slot.
+    #[inline(always)]
+    fn free_slot(&self) -> Option<usize> {
+        match self.candidates(0) {
+            0 => None,
+            m => Some((m.trailing_zeros() / 8) as usize),
+        }
+    }
+}
+
+#[inline(always)]
+fn tag_of(hash: u64) -> u8 {
+    ((hash >> 56) as u8).max(1)
+}
+
+/// See the module docs. Values are `u64` tree positions.
+#[derive(Clone, Default)]
+pub struct GroupTable {
+    groups: Vec<Group>,
+    len: usize,
+}
+
+impl GroupTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Heap bytes.
+    pub fn bytes(&self) -> usize {
+        self.groups.capacity() * size_of::<Group>()
+    }
+
+    #[inline(always)]
+    fn home(&self, hash: u64) -> usize {
+        (hash as usize) & self.groups.len().wrapping_sub(1)
+    }
+
+    #[inline(always)]
+    fn next(&self, g: usize) -> usize {
+        (g + 1) & self.groups.len().wrapping_sub(1)
+    }
+
+    /// Load the home line of `hash` (a prefetch: callers fold the results
+    /// into `std::hint::black_box`).
+    #[inline(always)]
+    pub fn touch(&self, hash: u64) -> u64 {
+        // the next group too: a probe goes on to it when the home overflowed
+        let g = self.home(hash);
+        let line = |g: usize| self.groups.get(g).map_or(0, |x| x.ctrl);
+        line(g) ^ line(self.next(g))
+    }
+
+    /// (group, slot) of the entry for `hash` that `eq` accepts.
+    #[inline(always)]
+    fn locate(&self, hash: u64, mut eq: impl FnMut(u64) -> bool) -> Option<(usize, usize)> {
+        let tag = tag_of(hash);
+        let mut g = self.home(hash);
+        for _ in 0..self.groups.len() {
+            let group = self.groups.get(g)?;
+            let mut m = group.candidates(tag);
+            while m != 0 {
+                let i = (m.trailing_zeros() / 8) as usize;
+                m &= m - 1;
+                if group.tag(i) == tag
+                    && let Some(&v) = group.vals.get(i)
+                    && eq(v)
+                {
+                    return Some((g, i));
+                }
+            }
+            if group.overflow() == 0 {
+                return None;
+            }
+            g = self.next(g);
+        }
+        None
+    }
+
+    /// The value for `hash` that `eq` accepts.
+    #[inline(always)]
+    pub fn find(&self, hash: u64, eq: impl FnMut(u64) -> bool) -> Option<u64> {
+        let (g, i) = self.locate(hash, eq)?;
+        self.groups.get(g)?.vals.get(i).copied()
+    }
+
+    /// Replace the value for `hash` that `eq` accepts; false if none.
+    pub fn replace(&mut self, hash: u64, eq: impl FnMut(u64) -> bool, value: u64) -> bool {
+        let Some((g, i)) = self.locate(hash, eq) else {
+            return false;
+        };
+        match self.groups.get_mut(g).and_then(|x| x.vals.get_mut(i)) {
+            Some(v) => {
+                *v = value;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Take out the value for `hash` that `eq` accepts.
+    #[inline(always)]
+    pub fn remove(&mut self, hash: u64, eq: impl FnMut(u64) -> bool) -> Option<u64> {
+        let (g, i) = self.locate(hash, eq)?;
+        let group = self.groups.get_mut(g)?;
+        let v = group.vals.get(i).copied()?;
+        group.set_tag(i, 0);
+        self.len -= 1;
+        let mut k = self.home(hash);
+        while k != g {
+            if let Some(x) = self.groups.get_mut(k) {
+                x.sub_overflow();
+            }
+            k = self.next(k);
+        }
+        Some(v)
+    }
+
+    /// Add `value` for `hash` unless `eq` accepts a present value (then
+    /// false, nothing added). `rehash` is a stored value's hash, for growth.
+    #[inline(always)]
+    pub fn insert_unless(
+        &mut self,
+        hash: u64,
+        value: u64,
+        eq: impl FnMut(u64) -> bool,
+        rehash: impl Fn(u64) -> u64,
+    ) -> bool {
+        if self.locate(hash, eq).is_some() {
+            return false;
+        }
+        self.insert_new(hash, value, rehash);
+        true
+    }
+
+    /// Add `value` for `hash`, known to be absent.
+    #[inline(always)]
+    pub fn insert_new(&mut self, hash: u64, value: u64, rehash: impl Fn(u64) -> u64) {
+        if (self.len + 1) > self.groups.len() * (SLOTS - 1) {
+            self.grow(&rehash);
+        }
+        self.place(hash, value);
+        self.len += 1;
+    }
+
+    #[inline(always)]
+    fn place(&mut self, hash: u64, value: u64) {
+        let tag = tag_of(hash);
+        let mut g = self.home(hash);
+        for _ in 0..self.groups.len() {
+            let next = self.next(g);
+            let Some(group) = self.groups.get_mut(g) else {
+                return;
+            };
+            if let Some(i) = group.free_slot() {
+                group.set_tag(i, tag);
+                if let Some(v) = group.vals.get_mut(i) {
+                    *v = value;
+                }
+                return;
+            }
+            group.add_overflow();
+            g = next;
+        }
+    }
+
+    fn grow(&mut self, rehash: &impl Fn(u64) -> u64) {
+        let n = (self.groups.len() * 2).max(1);
+        let old = std::mem::replace(&mut self.groups, vec![Group::default(); n]);
+        for group in &old {
+            for i in 0..SLOTS {
+                if group.tag(i) != 0
+                    && let Some(&v) = group.vals.get(i)
+                {
+                    self.place(rehash(v), v);
+                }
+            }
+        }
+    }
+
+    /// Every value, in no particular order.
+    #[cfg(test)]
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.groups.iter().flat_map(|g| {
+            (0..SLOTS)
+                .filter(|&i| g.tag(i) != 0)
+                .filter_map(|i| g.vals.get(i).copied())
+        })
+    }
+
+    /// Check the layout invariants against the true hashes of the values.
+    #[cfg(test)]
+    pub fn check(&self, hash_of: impl Fn(u64) -> u64) -> Result<(), String> {
+        let n = self.groups.len();
+        let mut passed = vec![0u32; n];
+        let mut count = 0;
+        for (g, group) in self.groups.iter().enumerate() {
+            for i in 0..SLOTS {
+                let tag = group.tag(i);
+                if tag == 0 {
+                    continue;
+                }
+                count += 1;
+                let v = group.vals.get(i).copied().ok_or("slot")?;
+                let h = hash_of(v);
+                if tag != tag_of(h) {
+                    return Err(format!("value {v} has tag {tag}, wants {}", tag_of(h)));
+                }
+                let mut k = self.home(h);
+                while k != g {
+                    if let Some(p) = passed.get_mut(k) {
+                        *p += 1;
+                    }
+                    k = self.next(k);
+                }
+            }
+        }
+        if count != self.len {
+            return Err(format!("len {} but {count} entries", self.len));
+        }
+        for (g, group) in self.groups.iter().enumerate() {
+            let want = passed.get(g).copied().unwrap_or(0);
+            let have = u32::from(group.overflow());
+            if have != want && have != 255 {
+                return Err(format!("group {g}: overflow {have}, entries passed {want}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    /// Values are keys here; `spread` bits of hash decide the home group, so
+    /// a small `spread` crowds every key into a few groups.
+    fn hash(v: u64, spread: u32) -> u64 {
+        let h = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let h = h ^ (h >> 29);
+        (h & !((1u64 << 56) - 1)) | ((h >> 8) & ((1u64 << spread) - 1))
+    }
+
+    fn run(ops: &[(u8, u64)], spread: u32, check_every: usize) -> Result<(), String> {
+        let mut t = GroupTable::new();
+        let mut model: HashMap<u64, ()> = HashMap::new();
+        for (n, &(op, key)) in ops.iter().enumerate() {
+            let h = hash(key, spread);
+            match op % 3 {
+                0 => {
+                    let added = t.insert_unless(h, key, |v| v == key, |v| hash(v, spread));
+                    let want = model.insert(key, ()).is_none();
+                    if added != want {
+                        return Err(format!("insert {key}: added {added}, want {want}"));
+                    }
+                }
+                1 => {
+                    let got = t.remove(h, |v| v == key);
+                    let want = model.remove(&key).map(|_| key);
+                    if got != want {
+                        return Err(format!("remove {key}: {got:?}, want {want:?}"));
+                    }
+                }
+                _ => {
+                    let got = t.find(h, |v| v == key);
+                    let want = model.contains_key(&key).then_some(key);
+                    if got != want {
+                        return Err(format!("find {key}: {got:?}, want {want:?}"));
+                    }
+                }
+            }
+            if n % check_every == 0 {
+                t.check(|v| hash(v, spread))?;
+            }
+        }
+        t.check(|v| hash(v, spread))?;
+        let mut all: Vec<u64> = t.iter().collect();
+        all.sort_unstable();
+        let mut want: Vec<u64> = model.keys().copied().collect();
+        want.sort_unstable();
+        if all != want {
+            return Err("iter differs from the model".into());
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #[test]
+        fn matches_a_hash_map(
+            ops in prop::collection::vec((0u8..3, 0u64..400), 0..600),
+            spread in prop::sample::select(vec![0u32, 1, 3, 20]),
+        ) {
+            prop_assert_eq!(run(&ops, spread, 1), Ok(()));
+        }
+    }
+
+    #[test]
+    fn a_crowded_group_saturates_its_count_and_stays_exact() -> Result<(), String> {
+        // 2000 keys all homed in group 0: counts pass 255 and stick there
+        let ops: Vec<(u8, u64)> = (0..2000u64)
+            .map(|k| (0, k))
+            .chain((0..2000).step_by(3).map(|k| (1, k)))
+            .chain((0..2000).map(|k| (2, k)))
+            .collect();
+        let mut t = GroupTable::new();
+        for &(_, k) in ops.iter().filter(|o| o.0 == 0) {
+            t.insert_new(hash(k, 0), k, |v| hash(v, 0));
+        }
+        if t.groups.first().map(Group::overflow) != Some(255) {
+            return Err("group 0's count should have saturated".into());
+        }
+        t.check(|v| hash(v, 0))?;
+        run(&ops, 0, 500)
+    }
+
+    #[test]
+    fn replace_renames_one_value() -> Result<(), String> {
+        let mut t = GroupTable::new();
+        for k in 0..50u64 {
+            t.insert_new(hash(k, 20), k * 10, |v| hash(v / 10, 20));
+        }
+        if !t.replace(hash(7, 20), |v| v == 70, 71) {
+            return Err("replace found nothing".into());
+        }
+        if t.find(hash(7, 20), |v| v == 70).is_some()
+            || t.find(hash(7, 20), |v| v == 71) != Some(71)
+        {
+            return Err("replace did not rename".into());
+        }
+        if t.replace(hash(8, 20), |v| v == 999, 1) {
+            return Err("replace of an absent value".into());
+        }
+        Ok(())
+    }
+}
