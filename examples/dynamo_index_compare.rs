@@ -162,7 +162,6 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let bs = log.header.block_size;
     let (dy, dy_index) = measured(
         || DynamoReplay {
             tree: RadixTree::new(),
@@ -171,7 +170,7 @@ fn main() -> ExitCode {
         &log,
     );
     drop(dy_index);
-    let (kv, kv_index) = measured(|| KvRouteReplay::new(bs), &log);
+    let (kv, kv_index) = measured(|| KvRouteReplay::registered(&log), &log);
     drop(kv_index);
     println!("{}", dy.to_json());
     println!("{}", kv.to_json());

@@ -333,6 +333,27 @@ impl KvRouteReplay {
             scratch: OverlapScores::default(),
         }
     }
+
+    /// An index for `log` whose targets are registered the way the service
+    /// registers workers: each one that appears in the log declares the
+    /// header's `capacity` as its KV capacity ([`KvIndex::reserve`]).
+    pub fn registered(log: &OpLog) -> Self {
+        let replay = Self::new(log.header.block_size);
+        if log.header.capacity > 0 {
+            let targets: std::collections::BTreeSet<_> = log
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Event { worker, .. } => Some(*worker),
+                    Op::Match(_) => None,
+                })
+                .collect();
+            for target in targets {
+                replay.index.reserve(target, log.header.capacity);
+            }
+        }
+        replay
+    }
 }
 
 impl ReplayIndex for KvRouteReplay {
@@ -410,7 +431,7 @@ pub fn bench_index(path: &Path, impl_name: &str) -> Result<ReplayReport, OplogEr
     let log = OpLog::load(path)?;
     let bs = log.header.block_size;
     match impl_name {
-        "kvroute" => Ok(replay(&mut KvRouteReplay::new(bs), &log)),
+        "kvroute" => Ok(replay(&mut KvRouteReplay::registered(&log), &log)),
         "naive" => Ok(replay(
             &mut NaiveReplay {
                 index: NaiveIndex::new(bs),

@@ -114,6 +114,7 @@ impl pb::workers_server::Workers for WorkersService {
         }
         let record = self.core.registry.read().get(worker_id).cloned();
         if let Some(record) = record {
+            self.ingest.reserve(&record.snapshot()).await;
             self.subscriptions
                 .update(&record, source, false)
                 .await

@@ -98,6 +98,20 @@ impl GroupTable {
         Self::default()
     }
 
+    /// Make room for `n` entries in all, so that inserting up to that many
+    /// never resizes (a resize reads every key back through `rehash`).
+    pub fn reserve(&mut self, n: usize, rehash: impl Fn(u64) -> u64) {
+        while n > self.groups.len() * (SLOTS - 1) {
+            self.grow(&rehash);
+        }
+    }
+
+    /// Drop every entry, keeping the room.
+    pub fn clear(&mut self) {
+        self.groups.fill(Group::default());
+        self.len = 0;
+    }
+
     /// Heap bytes.
     pub fn bytes(&self) -> usize {
         self.groups.capacity() * size_of::<Group>()
@@ -385,6 +399,25 @@ mod tests {
         }
         t.check(|v| hash(v, 0))?;
         run(&ops, 0, 500)
+    }
+
+    #[test]
+    fn a_reserved_table_takes_that_many_without_resizing_and_keeps_room_when_cleared() {
+        let mut t = GroupTable::new();
+        t.reserve(5000, |v| hash(v, 20));
+        let groups = t.groups.len();
+        assert!(groups * (SLOTS - 1) >= 5000);
+        for k in 0..5000u64 {
+            t.insert_new(hash(k, 20), k, |v| hash(v, 20));
+        }
+        assert_eq!(t.groups.len(), groups);
+        assert_eq!(t.check(|v| hash(v, 20)), Ok(()));
+        t.clear();
+        assert_eq!(
+            (t.groups.len(), t.find(hash(7, 20), |v| v == 7)),
+            (groups, None)
+        );
+        assert_eq!(t.check(|v| hash(v, 20)), Ok(()));
     }
 
     #[test]

@@ -164,6 +164,14 @@ impl KvIndex {
         self.core.write().apply(worker, event)
     }
 
+    /// Expect `worker` to cache up to `blocks` blocks (its KV capacity, from
+    /// registration): its engine-hash table is sized for them once instead
+    /// of growing, which would stall readers while it rehashes. Capped at
+    /// [`radix::MAX_RESERVED_BLOCKS`]; forgotten with the target.
+    pub fn reserve(&self, worker: WorkerRank, blocks: u64) {
+        self.core.write().reserve(worker, blocks);
+    }
+
     /// Drop every dp rank of `worker` and all their blocks; returns blocks dropped.
     pub fn remove_worker(&self, worker: WorkerId) -> u64 {
         self.core.write().remove_worker(worker)

@@ -79,6 +79,11 @@ const NIL: u32 = u32::MAX;
 const FREE: u32 = u32::MAX - 1;
 const ROOT: u32 = 0;
 const INLINE_SLOTS: u32 = 64;
+/// The most blocks capacity reservations make table room for, per target
+/// and in all (a registration is untrusted input: one stored block must
+/// not be able to claim gigabytes).
+pub const MAX_RESERVED_BLOCKS: u64 = 1 << 20;
+const MAX_RESERVED_TOTAL: u64 = 1 << 24;
 
 type Pos = u64;
 
@@ -341,6 +346,8 @@ struct Slot {
     alias_at: FxHashMap<Pos, EngineHash>,
     alias_more: FxHashMap<Pos, Vec<EngineHash>>,
     count: u64,
+    /// Blocks of table room granted by a reservation.
+    reserved: u64,
 }
 
 impl Slot {
@@ -353,6 +360,7 @@ impl Slot {
             alias_at: FxHashMap::default(),
             alias_more: FxHashMap::default(),
             count: 0,
+            reserved: 0,
         }
     }
 }
@@ -419,6 +427,13 @@ pub struct IndexCore {
     slots: Vec<Slot>,
     slot_of: FxHashMap<WorkerRank, u32>,
     free_slots: BTreeSet<u32>,
+    /// Blocks each target expects to cache (its KV capacity): its table
+    /// is sized for them when it first stores, and never grows after
+    /// (growing reads every key back through the tree, under the lock).
+    reserved: FxHashMap<WorkerRank, u64>,
+    /// Room granted to live slots, in blocks (at most `reserve_budget`).
+    reserved_room: u64,
+    reserve_budget: u64,
     /// (position, slot) -> references beyond the first.
     extra_refs: FxHashMap<(Pos, u32), u32>,
     /// Scratch: engine hashes added by the store being applied.
@@ -474,6 +489,9 @@ impl IndexCore {
             slots: Vec::new(),
             slot_of: FxHashMap::default(),
             free_slots: BTreeSet::new(),
+            reserved: FxHashMap::default(),
+            reserved_room: 0,
+            reserve_budget: MAX_RESERVED_TOTAL,
             extra_refs: FxHashMap::default(),
             undo: Vec::new(),
             pending: Vec::new(),
@@ -862,12 +880,42 @@ impl IndexCore {
             }
         };
         self.slot_of.insert(worker, s);
+        if let Some(&blocks) = self.reserved.get(&worker) {
+            self.reserve_slot(s, blocks);
+        }
         s
+    }
+
+    /// Make target `worker`'s table room for `blocks` blocks (at most
+    /// [`MAX_RESERVED_BLOCKS`]), now or when it first stores.
+    pub fn reserve(&mut self, worker: WorkerRank, blocks: u64) {
+        let blocks = blocks.min(MAX_RESERVED_BLOCKS);
+        self.reserved.insert(worker, blocks);
+        if let Some(&s) = self.slot_of.get(&worker) {
+            self.reserve_slot(s, blocks);
+        }
+    }
+
+    fn reserve_slot(&mut self, s: u32, blocks: u64) {
+        let segs = &self.segs;
+        let Some(slot) = self.slots.get_mut(s as usize) else {
+            return;
+        };
+        let others = self.reserved_room - slot.reserved;
+        let grant = blocks.min(self.reserve_budget.saturating_sub(others));
+        if grant > slot.reserved {
+            slot.table.reserve(grant as usize, |x| {
+                engine_hash(engine_in(segs, x).unwrap_or(0))
+            });
+            slot.reserved = grant;
+            self.reserved_room = others + grant;
+        }
     }
 
     fn release_slot(&mut self, s: u32) {
         if let Some(slot) = self.slots.get_mut(s as usize) {
             self.slot_of.remove(&slot.worker);
+            self.reserved_room -= slot.reserved;
             *slot = Slot::new(slot.worker);
             slot.live = false;
             self.free_slots.insert(s);
@@ -912,7 +960,7 @@ impl IndexCore {
     fn clear_slot(&mut self, s: u32) -> u64 {
         let n = match self.slots.get_mut(s as usize) {
             Some(slot) => {
-                slot.table = GroupTable::new();
+                slot.table.clear();
                 slot.alias = FxHashMap::default();
                 slot.alias_at = FxHashMap::default();
                 slot.alias_more = FxHashMap::default();
@@ -1545,6 +1593,7 @@ impl IndexCore {
     }
 
     pub fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
+        self.reserved.remove(&worker);
         match self.slot_of.get(&worker).copied() {
             Some(s) => {
                 let n = self.clear_slot(s);
@@ -1556,6 +1605,7 @@ impl IndexCore {
     }
 
     pub fn remove_worker(&mut self, worker: WorkerId) -> u64 {
+        self.reserved.retain(|r, _| r.worker_id != worker);
         let ranks: Vec<WorkerRank> = self
             .slot_of
             .keys()
@@ -2197,6 +2247,42 @@ mod tests {
         ok(&c)?;
         assert_eq!(prefix(&c, &[0, 1, 2, 3], w(1)), 0);
         Ok(())
+    }
+
+    #[test]
+    fn reservations_size_tables_once_within_a_budget() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        c.reserve_budget = 3000;
+        let table_bytes = |c: &IndexCore, who: WorkerRank| {
+            c.slot_of
+                .get(&who)
+                .and_then(|&s| c.slots.get(s as usize))
+                .map_or(0, |s| s.table.bytes())
+        };
+        // reserved before the first store: the table never grows
+        c.reserve(w(1), 2000);
+        try_apply(&mut c, w(1), &store(None, &chain(0, 1)))?;
+        let sized = table_bytes(&c, w(1));
+        try_apply(&mut c, w(1), &store(Some(0), &chain(1, 1999)))?;
+        assert_eq!(table_bytes(&c, w(1)), sized);
+        // without a reservation the same stores grow it from nothing
+        try_apply(&mut c, w(2), &store(None, &chain(0, 1)))?;
+        let small = table_bytes(&c, w(2));
+        try_apply(&mut c, w(2), &store(Some(0), &chain(1, 1999)))?;
+        assert!(small < sized && table_bytes(&c, w(2)) >= sized);
+        // reserving a target that already stores resizes it once, within
+        // what is left of the budget
+        c.reserve(w(2), 2000);
+        assert_eq!(c.reserved_room, 3000);
+        ok(&c)?;
+        // a removed target gives its room back
+        c.remove_rank(w(1));
+        c.reserve(w(3), 2500);
+        try_apply(&mut c, w(3), &store(None, &chain(0, 1)))?;
+        assert_eq!(c.reserved_room, 3000);
+        c.remove_worker(3);
+        assert_eq!(c.reserved_room, 1000);
+        ok(&c)
     }
 
     #[test]

@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::{
     core::RouterCore,
     index::{IndexError, KvEvent},
-    types::{DpRank, WorkerId, WorkerRank},
+    types::{DpRank, WorkerId, WorkerRank, WorkerSnapshot},
 };
 use cursor::Verdict;
 
@@ -116,6 +116,11 @@ enum Job {
         model: String,
         reply: oneshot::Sender<u64>,
     },
+    Reserve {
+        targets: Vec<WorkerRank>,
+        model: String,
+        blocks: u64,
+    },
 }
 
 /// The sending side of the writer; cheap to clone.
@@ -144,6 +149,25 @@ impl IngestHandle {
             .await
             .map_err(|_| IngestError::WriterStopped)?;
         answer.await.map_err(|_| IngestError::WriterStopped)?
+    }
+
+    /// Sizes the index tables of a registered worker's dp ranks for its KV
+    /// capacity (see [`crate::index::KvIndex::reserve`]), in order with the
+    /// jobs queued before. Nothing to do for a worker that declares none.
+    pub async fn reserve(&self, worker: &WorkerSnapshot) {
+        if worker.total_kv_blocks == 0 {
+            return;
+        }
+        let targets = worker
+            .ranks()
+            .map(|r| WorkerRank::new(worker.worker_id, r))
+            .collect();
+        let job = Job::Reserve {
+            targets,
+            model: worker.model.clone(),
+            blocks: worker.total_kv_blocks,
+        };
+        let _ = self.tx.send(job).await;
     }
 
     /// Drops every block of a worker (after the registry forgot it), in order
@@ -186,6 +210,17 @@ pub fn start_writer(core: Arc<RouterCore>) -> std::io::Result<IngestHandle> {
                         reply,
                     } => {
                         let _ = reply.send(remove_worker(&core, worker_id, &model));
+                    }
+                    Job::Reserve {
+                        targets,
+                        model,
+                        blocks,
+                    } => {
+                        if let Some(index) = core.index_of(&model) {
+                            for target in targets {
+                                index.reserve(target, blocks);
+                            }
+                        }
                     }
                 }
             }
