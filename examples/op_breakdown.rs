@@ -3,8 +3,8 @@
 //! kind over the runs, which is steadier than one replay on a busy machine.
 //!
 //! Usage: `cargo run --release --example op_breakdown -- FILE [REPS]`
-use kvroute::index::{KvEvent, KvIndex, OverlapScores};
-use kvroute::oplog::{Op, OpLog};
+use kvroute::index::{KvEvent, OverlapScores};
+use kvroute::oplog::{KvRouteReplay, Op, OpLog};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -27,7 +27,8 @@ fn main() -> ExitCode {
     };
     let mut best = [f64::MAX; 4];
     for _ in 0..reps {
-        let idx = KvIndex::new(log.header.block_size);
+        // workers registered with the log's capacity, as in the replay
+        let idx = KvRouteReplay::registered(&log).index;
         let mut out = OverlapScores::default();
         let mut t = [0f64; 4];
         let mut lat: Vec<u64> = Vec::new();

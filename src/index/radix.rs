@@ -1544,7 +1544,7 @@ impl IndexCore {
             return Ok(());
         };
         let first_abs = g.end();
-        g.pairs.reserve_exact(todo.len());
+        g.pairs.reserve(todo.len());
         g.pairs.extend(todo.iter().map(|&(e, l)| [l, e]));
         g.held = g.pairs.len() as u32;
         self.positions += todo.len() as u64;
