@@ -101,8 +101,9 @@ impl GroupTable {
     /// Make room for `n` entries in all, so that inserting up to that many
     /// never resizes (a resize reads every key back through `rehash`).
     pub fn reserve(&mut self, n: usize, rehash: impl Fn(u64) -> u64) {
-        while n > self.groups.len() * (SLOTS - 1) {
-            self.grow(&rehash);
+        let groups = n.div_ceil(SLOTS - 1).next_power_of_two();
+        if n > 0 && groups > self.groups.len() {
+            self.resize(groups, &rehash);
         }
     }
 
@@ -127,8 +128,9 @@ impl GroupTable {
         (g + 1) & self.groups.len().wrapping_sub(1)
     }
 
-    /// Load the home line of `hash` (a prefetch: callers fold the results
-    /// into `std::hint::black_box`).
+    /// Load the lines a probe for `hash` reads first, its home group and
+    /// the next (a prefetch: callers fold the results into
+    /// `std::hint::black_box`).
     #[inline(always)]
     pub fn touch(&self, hash: u64) -> u64 {
         // the next group too: a probe goes on to it when the home overflowed
@@ -251,7 +253,11 @@ impl GroupTable {
     }
 
     fn grow(&mut self, rehash: &impl Fn(u64) -> u64) {
-        let n = (self.groups.len() * 2).max(1);
+        self.resize((self.groups.len() * 2).max(1), rehash);
+    }
+
+    /// Move every entry into `n` groups (a power of two, enough for them).
+    fn resize(&mut self, n: usize, rehash: &impl Fn(u64) -> u64) {
         let old = std::mem::replace(&mut self.groups, vec![Group::default(); n]);
         for group in &old {
             for i in 0..SLOTS {
