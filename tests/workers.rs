@@ -20,14 +20,17 @@ async fn cached_blocks(server: &TestServer, worker_id: u64) -> Option<u64> {
         .map(|r| r.into_inner().ranks.iter().map(|r| r.cached_blocks).sum())
 }
 
-async fn index_blocks(server: &TestServer) -> u64 {
+async fn index_stats(server: &TestServer) -> pb::IndexStats {
     server
         .admin()
         .get_index_stats(pb::GetIndexStatsRequest { model: None })
         .await
         .unwrap()
         .into_inner()
-        .blocks
+}
+
+async fn index_blocks(server: &TestServer) -> u64 {
+    index_stats(server).await.blocks
 }
 
 #[tokio::test]
@@ -363,16 +366,6 @@ async fn deregistering_drops_blocks_and_reregistering_updates() {
     assert_eq!(again.code(), Code::NotFound);
 }
 
-async fn index_bytes(server: &TestServer) -> u64 {
-    server
-        .admin()
-        .get_index_stats(pb::GetIndexStatsRequest { model: None })
-        .await
-        .unwrap()
-        .into_inner()
-        .memory_bytes
-}
-
 /// The KV capacity a worker registers sizes its index table up front, so
 /// the table never rehashes under the index lock as the cache fills.
 #[tokio::test]
@@ -386,7 +379,7 @@ async fn registered_kv_capacity_sizes_the_index_table_up_front() {
         .await
         .unwrap();
     // room for 60,000 positions of 8 bytes is at least 480 KB
-    assert!(index_bytes(&declared).await >= 480_000);
+    assert!(index_stats(&declared).await.memory_bytes >= 480_000);
 
     let undeclared = TestServer::start().await;
     let mut none = registration(1, "m");
@@ -396,7 +389,7 @@ async fn registered_kv_capacity_sizes_the_index_table_up_front() {
         .publish(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
         .await
         .unwrap();
-    assert!(index_bytes(&undeclared).await < 64_000);
+    assert!(index_stats(&undeclared).await.memory_bytes < 64_000);
 }
 
 #[tokio::test]
