@@ -431,8 +431,7 @@ pub struct IndexCore {
     /// is sized for them when it first stores, and never grows after
     /// (growing reads every key back through the tree, under the lock).
     reserved: FxHashMap<WorkerRank, u64>,
-    /// Room granted to live slots, in blocks (at most `reserve_budget`).
-    reserved_room: u64,
+    /// Most room granted to all slots together, in blocks.
     reserve_budget: u64,
     /// (position, slot) -> references beyond the first.
     extra_refs: FxHashMap<(Pos, u32), u32>,
@@ -490,7 +489,6 @@ impl IndexCore {
             slot_of: FxHashMap::default(),
             free_slots: BTreeSet::new(),
             reserved: FxHashMap::default(),
-            reserved_room: 0,
             reserve_budget: MAX_RESERVED_TOTAL,
             extra_refs: FxHashMap::default(),
             undo: Vec::new(),
@@ -897,25 +895,28 @@ impl IndexCore {
     }
 
     fn reserve_slot(&mut self, s: u32, blocks: u64) {
-        let segs = &self.segs;
-        let Some(slot) = self.slots.get_mut(s as usize) else {
-            return;
-        };
-        let others = self.reserved_room - slot.reserved;
+        let others = self.reserved_room() - self.slots.get(s as usize).map_or(0, |x| x.reserved);
         let grant = blocks.min(self.reserve_budget.saturating_sub(others));
-        if grant > slot.reserved {
+        let segs = &self.segs;
+        if let Some(slot) = self.slots.get_mut(s as usize)
+            && grant > slot.reserved
+        {
             slot.table.reserve(grant as usize, |x| {
                 engine_hash(engine_in(segs, x).unwrap_or(0))
             });
             slot.reserved = grant;
-            self.reserved_room = others + grant;
         }
+    }
+
+    /// Room granted to live slots, in blocks (a released slot's is gone
+    /// with it).
+    fn reserved_room(&self) -> u64 {
+        self.slots.iter().map(|x| x.reserved).sum()
     }
 
     fn release_slot(&mut self, s: u32) {
         if let Some(slot) = self.slots.get_mut(s as usize) {
             self.slot_of.remove(&slot.worker);
-            self.reserved_room -= slot.reserved;
             *slot = Slot::new(slot.worker);
             slot.live = false;
             self.free_slots.insert(s);
@@ -2273,15 +2274,15 @@ mod tests {
         // reserving a target that already stores resizes it once, within
         // what is left of the budget
         c.reserve(w(2), 2000);
-        assert_eq!(c.reserved_room, 3000);
+        assert_eq!(c.reserved_room(), 3000);
         ok(&c)?;
         // a removed target gives its room back
         c.remove_rank(w(1));
         c.reserve(w(3), 2500);
         try_apply(&mut c, w(3), &store(None, &chain(0, 1)))?;
-        assert_eq!(c.reserved_room, 3000);
+        assert_eq!(c.reserved_room(), 3000);
         c.remove_worker(3);
-        assert_eq!(c.reserved_room, 1000);
+        assert_eq!(c.reserved_room(), 1000);
         ok(&c)
     }
 
