@@ -4,7 +4,7 @@
 //! target's engine-hash table, and on an index larger than the cache each
 //! probe misses. A SwissTable (hashbrown) keeps its control bytes apart from
 //! its entries, so finding a present key touches two lines. Here seven
-//! entries and their tags share one 64-byte line, and [`GroupTable::touch`]
+//! entries and their tags share one 64-byte line, and [`GroupTable::touch_all`]
 //! lets a caller load the lines of a whole event before working on them, so
 //! that their misses overlap instead of queuing one after another.
 //!
@@ -128,11 +128,17 @@ impl GroupTable {
         (g + 1) & self.groups.len().wrapping_sub(1)
     }
 
-    /// Load the lines a probe for `hash` reads first, its home group and
-    /// the next (a prefetch: callers fold the results into
-    /// `std::hint::black_box`).
+    /// Load the lines that probes for `hashes` read first, all of them
+    /// before any probe, so that their cache misses overlap.
     #[inline(always)]
-    pub fn touch(&self, hash: u64) -> u64 {
+    pub fn touch_all(&self, hashes: impl Iterator<Item = u64>) {
+        let lines = hashes.fold(0, |acc, h| acc ^ self.touch(h));
+        std::hint::black_box(lines);
+    }
+
+    /// Load a probe's first lines: `hash`'s home group and the next.
+    #[inline(always)]
+    fn touch(&self, hash: u64) -> u64 {
         // the next group too: a probe goes on to it when the home overflowed
         let g = self.home(hash);
         let line = |g: usize| self.groups.get(g).map_or(0, |x| x.ctrl);

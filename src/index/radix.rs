@@ -1167,11 +1167,7 @@ impl IndexCore {
         let mut pending = std::mem::take(&mut self.pending);
         pending.clear();
         if let Some(slot) = self.slots.get(s as usize) {
-            // load every block's table line first: the misses overlap
-            let lines = blocks
-                .iter()
-                .fold(0, |acc, &e| acc ^ slot.table.touch(engine_hash(e)));
-            std::hint::black_box(lines);
+            slot.table.touch_all(blocks.iter().map(|&e| engine_hash(e)));
         }
         for &e in blocks {
             let Some(p) = self.take_entry(s, e) else {
@@ -1557,10 +1553,8 @@ impl IndexCore {
         let Some(slot) = self.slots.get_mut(s as usize) else {
             return Ok(());
         };
-        let lines = todo
-            .iter()
-            .fold(0, |acc, &(e, _)| acc ^ slot.table.touch(engine_hash(e)));
-        std::hint::black_box(lines);
+        slot.table
+            .touch_all(todo.iter().map(|&(e, _)| engine_hash(e)));
         let mut done = todo.len();
         for (k, &(e, _)) in todo.iter().enumerate() {
             let p = pos(id, first_abs + k as u32);
