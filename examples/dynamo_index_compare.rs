@@ -1,6 +1,7 @@
 //! Replay one OPLOG v1 file through dynamo-kv-router 1.6.1's `RadixTree` and
 //! through kvroute's `KvIndex` in one run, with the same loop and the same
-//! heap accounting, and print both JSON lines plus the ratios.
+//! heap accounting, and print both JSON lines plus the ratios (with the
+//! loop's own time, timing and dropping each op with no index behind it).
 //!
 //! Memory: a counting global allocator measures live heap bytes; an index's
 //! bytes are the live bytes after its replay minus those before it was built
@@ -131,6 +132,34 @@ impl ReplayIndex for DynamoReplay {
     }
 }
 
+/// The replay loop with no index: each op is prepared the way kvroute's
+/// are, then only timed and dropped. Its time is the fixed cost both
+/// indexes' figures include.
+struct HarnessFloor;
+
+impl ReplayIndex for HarnessFloor {
+    type Prepared = Op;
+
+    fn impl_name(&self) -> String {
+        "harness-floor".into()
+    }
+
+    fn prepare(&self, op: &Op) -> Op {
+        op.clone()
+    }
+
+    fn run(&mut self, op: Op, _prefixes: &mut Vec<u32>) -> Step {
+        match op {
+            Op::Match(_) => Step::Matched,
+            Op::Event { .. } => Step::Applied,
+        }
+    }
+
+    fn entries(&self) -> u64 {
+        0
+    }
+}
+
 fn measured<I: ReplayIndex>(make: impl FnOnce() -> I, log: &OpLog) -> (ReplayReport, I) {
     let before = live();
     let mut index = make();
@@ -172,6 +201,7 @@ fn main() -> ExitCode {
     drop(dy_index);
     let (kv, kv_index) = measured(|| KvRouteReplay::registered(&log), &log);
     drop(kv_index);
+    let (floor, _) = measured(|| HarnessFloor, &log);
     println!("{}", dy.to_json());
     println!("{}", kv.to_json());
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
@@ -181,6 +211,7 @@ fn main() -> ExitCode {
         "match_p99_ratio": ratio(kv.match_p99_us, dy.match_p99_us),
         "bytes_per_entry_ratio": ratio(kv.bytes_per_entry.unwrap_or(f64::NAN), dy.bytes_per_entry.unwrap_or(f64::NAN)),
         "same_answers": kv.overlap_sum == dy.overlap_sum && kv.score_sum == dy.score_sum,
+        "harness_floor_secs": floor.secs,
     });
     println!("{ratios}");
     ExitCode::SUCCESS
