@@ -36,7 +36,7 @@
 //! index between two whole events (never half an event). Routing reads take
 //! the read lock and run in parallel on every core.
 
-mod group_table;
+pub mod group_table;
 pub mod naive;
 pub mod radix;
 

@@ -1,0 +1,86 @@
+//! The engine-hash table's share of an op-log replay: replay only the table
+//! work of the log (one `GroupTable` per target, reserved for the header's
+//! `capacity` as the index does; each stored block inserted, each removed
+//! block taken), with no tree behind it, and print the best time of N
+//! replays. Values are the engine hashes themselves, so a probe confirms a
+//! candidate without the tree's extra load; this is a floor for the table,
+//! not a model of the whole index.
+//!
+//! Usage: `cargo run --release --example table_only_replay -- FILE [REPS]`
+use kvroute::index::KvEvent;
+use kvroute::index::group_table::GroupTable;
+use kvroute::oplog::{Op, OpLog};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Spreads an engine hash over the table (any good 64-bit mixer will do).
+fn spread(e: u64) -> u64 {
+    let m = u128::from(e ^ 0x5851_F42D_4C95_7F2D) * 0xD6E8_FEB8_6659_FD93_u128;
+    (m as u64) ^ ((m >> 64) as u64)
+}
+
+fn main() -> ExitCode {
+    let Some(path) = std::env::args().nth(1).map(PathBuf::from) else {
+        eprintln!("usage: table_only_replay FILE [REPS]");
+        return ExitCode::from(2);
+    };
+    let reps: usize = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let log = match OpLog::load(&path) {
+        Ok(log) => log,
+        Err(e) => {
+            eprintln!("{}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    let capacity = log.header.capacity as usize;
+    let mut best = (f64::MAX, f64::MAX);
+    for _ in 0..reps {
+        let mut tables = HashMap::new();
+        let (mut store, mut remove) = (0f64, 0f64);
+        for op in &log.ops {
+            let Op::Event { worker, event } = op else {
+                continue;
+            };
+            let table = tables.entry(*worker).or_insert_with(|| {
+                let mut t = GroupTable::new();
+                t.reserve(capacity, spread);
+                t
+            });
+            let t0 = Instant::now();
+            match event {
+                KvEvent::Stored { blocks, .. } => {
+                    table.touch_all(blocks.iter().map(|b| spread(b.0)));
+                    for &(e, _) in blocks {
+                        table.insert_unless(spread(e), e, |x| x == e, spread);
+                    }
+                    store += t0.elapsed().as_secs_f64();
+                }
+                KvEvent::Removed { blocks } => {
+                    table.touch_all(blocks.iter().map(|&e| spread(e)));
+                    for &e in blocks {
+                        std::hint::black_box(table.remove(spread(e), |x| x == e));
+                    }
+                    remove += t0.elapsed().as_secs_f64();
+                }
+                KvEvent::Cleared => table.clear(),
+            }
+        }
+        println!(
+            "store {store:.4} remove {remove:.4} total {:.4}",
+            store + remove
+        );
+        best = (best.0.min(store), best.1.min(remove));
+    }
+    println!(
+        "MIN store {:.4} remove {:.4} total {:.4}",
+        best.0,
+        best.1,
+        best.0 + best.1
+    );
+    ExitCode::SUCCESS
+}
