@@ -1,14 +1,14 @@
 //! The engine-hash table's share of an op-log replay: replay only the table
 //! work of the log (one `GroupTable` per target, reserved for the header's
 //! `capacity` as the index does; each stored block inserted, each removed
-//! block taken), with no tree behind it, and print the best time of N
-//! replays. Values are the engine hashes themselves, so a probe confirms a
+//! block taken, prefetching ahead as the index does), with no tree behind
+//! it, and print the best time of N replays. Values are the engine hashes themselves, so a probe confirms a
 //! candidate without the tree's extra load; this is a floor for the table,
 //! not a model of the whole index.
 //!
 //! Usage: `cargo run --release --example table_only_replay -- FILE [REPS]`
 use kvroute::index::KvEvent;
-use kvroute::index::group_table::GroupTable;
+use kvroute::index::group_table::{GroupTable, PREFETCH_AHEAD};
 use kvroute::oplog::{Op, OpLog};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -54,15 +54,25 @@ fn main() -> ExitCode {
             let t0 = Instant::now();
             match event {
                 KvEvent::Stored { blocks, .. } => {
-                    table.touch_all(blocks.iter().map(|b| spread(b.0)));
-                    for &(e, _) in blocks {
+                    for &(e, _) in blocks.iter().take(PREFETCH_AHEAD) {
+                        table.prefetch(spread(e));
+                    }
+                    for (k, &(e, _)) in blocks.iter().enumerate() {
+                        if let Some(&(ahead, _)) = blocks.get(k + PREFETCH_AHEAD) {
+                            table.prefetch(spread(ahead));
+                        }
                         table.insert_unless(spread(e), e, |x| x == e, spread);
                     }
                     store += t0.elapsed().as_secs_f64();
                 }
                 KvEvent::Removed { blocks } => {
-                    table.touch_all(blocks.iter().map(|&e| spread(e)));
-                    for &e in blocks {
+                    for &e in blocks.iter().take(PREFETCH_AHEAD) {
+                        table.prefetch(spread(e));
+                    }
+                    for (k, &e) in blocks.iter().enumerate() {
+                        if let Some(&ahead) = blocks.get(k + PREFETCH_AHEAD) {
+                            table.prefetch(spread(ahead));
+                        }
                         std::hint::black_box(table.remove(spread(e), |x| x == e));
                     }
                     remove += t0.elapsed().as_secs_f64();

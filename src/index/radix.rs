@@ -60,14 +60,14 @@
 //!   each), then unholds the positions; splits rename those still pending.
 //!   Positions that descend one by one in a segment the slot holds alone
 //!   (LRU evicts a chain's tail deepest first) are unheld as one run: one
-//!   change of `held`, or one hole run. Both a store and a remove load the
-//!   table lines of all their blocks before probing any, so that the cache
-//!   misses overlap.
+//!   change of `held`, or one hole run. Both a store and a remove prefetch
+//!   the table lines of the block `PREFETCH_AHEAD` places ahead of the one
+//!   they probe, so that the cache misses overlap with the probes.
 //! * A query walks segment by segment, ANDing the still-matching slots with
 //!   each segment's holders and comparing hashes linearly up to the first
 //!   hole or `held`.
 
-use super::group_table::GroupTable;
+use super::group_table::{GroupTable, PREFETCH_AHEAD};
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use hashbrown::HashTable;
@@ -835,7 +835,17 @@ impl IndexCore {
             let Some(slot) = self.slots.get_mut(s as usize) else {
                 continue;
             };
+            let moved = n
+                .pairs
+                .get((from - start) as usize..(to.max(from) - start) as usize)
+                .unwrap_or(&[]);
+            for &[_, e] in moved.iter().take(PREFETCH_AHEAD) {
+                slot.table.prefetch(engine_hash(e));
+            }
             for abs in from..to {
+                if let Some(&[_, ahead]) = n.pairs.get((abs - start) as usize + PREFETCH_AHEAD) {
+                    slot.table.prefetch(engine_hash(ahead));
+                }
                 let Some(&[_, e]) = n.pairs.get((abs - start) as usize) else {
                     continue;
                 };
@@ -1166,10 +1176,9 @@ impl IndexCore {
         let mut out = ApplyOutcome::default();
         let mut pending = std::mem::take(&mut self.pending);
         pending.clear();
-        if let Some(slot) = self.slots.get(s as usize) {
-            slot.table.touch_all(blocks.iter().map(|&e| engine_hash(e)));
-        }
-        for &e in blocks {
+        self.prefetch_entries(s, blocks.iter().take(PREFETCH_AHEAD).copied());
+        for (k, &e) in blocks.iter().enumerate() {
+            self.prefetch_entries(s, blocks.get(k + PREFETCH_AHEAD).copied());
             let Some(p) = self.take_entry(s, e) else {
                 out.skipped += 1;
                 continue;
@@ -1241,6 +1250,16 @@ impl IndexCore {
             self.prune(id);
         } else {
             g.add_holes(lo, hi);
+        }
+    }
+
+    /// Start loading slot `s`'s table lines for engine hashes `hashes`.
+    #[inline(always)]
+    fn prefetch_entries(&self, s: u32, hashes: impl IntoIterator<Item = EngineHash>) {
+        if let Some(slot) = self.slots.get(s as usize) {
+            for e in hashes {
+                slot.table.prefetch(engine_hash(e));
+            }
         }
     }
 
@@ -1473,7 +1492,11 @@ impl IndexCore {
     /// Err(e) for the first of `blocks` whose engine hash slot `s`
     /// already holds or that repeats an earlier one of them.
     fn check_new(&mut self, s: u32, blocks: &[(EngineHash, LocalHash)]) -> Result<(), EngineHash> {
-        let held = blocks.iter().position(|b| self.lookup(s, b.0).is_some());
+        self.prefetch_entries(s, blocks.iter().take(PREFETCH_AHEAD).map(|b| b.0));
+        let held = blocks.iter().enumerate().position(|(k, b)| {
+            self.prefetch_entries(s, blocks.get(k + PREFETCH_AHEAD).map(|b| b.0));
+            self.lookup(s, b.0).is_some()
+        });
         let dup = self.first_dup(blocks);
         match (held, dup) {
             (Some(i), Some(j)) => Err(blocks.get(i.min(j)).map_or(0, |b| b.0)),
@@ -1553,10 +1576,14 @@ impl IndexCore {
         let Some(slot) = self.slots.get_mut(s as usize) else {
             return Ok(());
         };
-        slot.table
-            .touch_all(todo.iter().map(|&(e, _)| engine_hash(e)));
+        for &(e, _) in todo.iter().take(PREFETCH_AHEAD) {
+            slot.table.prefetch(engine_hash(e));
+        }
         let mut done = todo.len();
         for (k, &(e, _)) in todo.iter().enumerate() {
+            if let Some(&(ahead, _)) = todo.get(k + PREFETCH_AHEAD) {
+                slot.table.prefetch(engine_hash(ahead));
+            }
             let p = pos(id, first_abs + k as u32);
             let clash = has_alias && slot.alias.contains_key(&e);
             if clash
