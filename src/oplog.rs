@@ -374,7 +374,7 @@ impl ReplayIndex for KvRouteReplay {
                 prefixes.extend(self.scratch.scores.iter().map(|s| s.blocks));
                 Step::Matched
             }
-            Op::Event { worker, event } => match self.index.apply(worker, &event) {
+            Op::Event { worker, event } => match self.index.apply_owned(worker, event) {
                 Ok(_) => Step::Applied,
                 Err(_) => Step::Rejected,
             },

@@ -164,6 +164,17 @@ impl KvIndex {
         self.core.write().apply(worker, event)
     }
 
+    /// [`Self::apply`] for an event the caller is done with: a store that
+    /// starts a new run of blocks keeps the event's array instead of
+    /// copying it.
+    pub fn apply_owned(
+        &self,
+        worker: WorkerRank,
+        event: KvEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        self.core.write().apply_owned(worker, event)
+    }
+
     /// Expect `worker` to cache up to `blocks` blocks (its KV capacity, from
     /// registration): its engine-hash table is sized for them once instead
     /// of growing, which would stall readers while it rehashes. Capped at

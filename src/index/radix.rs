@@ -9,7 +9,7 @@
 //!
 //! Layout (invariants, checked by `check_invariants` in the tests):
 //! * A segment is a non-empty run of tree positions (blocks) in path order,
-//!   each stored as `[local hash, creation engine hash]`. Positions
+//!   each stored as `(creation engine hash, local hash)`. Positions
 //!   `[0, held)` share the segment's holder set, except its `holes`;
 //!   positions `[held, len)` are held by no one (they stay only because
 //!   deeper positions are held); `held == 0` exactly when the holder set is
@@ -72,6 +72,7 @@ use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, Worker
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 
 const NIL: u32 = u32::MAX;
@@ -86,6 +87,9 @@ pub const MAX_RESERVED_BLOCKS: u64 = 1 << 20;
 const MAX_RESERVED_TOTAL: u64 = 1 << 24;
 
 type Pos = u64;
+
+/// A stored block: (engine hash, local hash).
+type Block = (EngineHash, LocalHash);
 
 #[inline(always)]
 fn pos(seg: u32, abs: u32) -> Pos {
@@ -104,8 +108,9 @@ fn pos_abs(p: Pos) -> u32 {
 
 #[derive(Clone, Debug)]
 struct Seg {
-    /// `[local hash, creation engine hash]` per position.
-    pairs: Vec<[u64; 2]>,
+    /// `(creation engine hash, local hash)` per position: the layout of a
+    /// stored event's blocks, so a new segment can adopt an event's array.
+    pairs: Vec<Block>,
     /// Absolute index of `pairs[0]`.
     start: u32,
     /// Parent segment (NIL for the root, FREE for a free segment; then
@@ -540,7 +545,7 @@ impl IndexCore {
     fn head_local(&self, id: u32) -> LocalHash {
         self.seg(id)
             .and_then(|s| s.pairs.first())
-            .map_or(0, |p| p[0])
+            .map_or(0, |p| p.1)
     }
 
     /// The child segment of `parent` whose first local hash is `local`.
@@ -554,7 +559,7 @@ impl IndexCore {
         }
         if let Some(c) = self.seg(p.first)
             && c.parent == parent
-            && c.pairs.first().is_some_and(|x| x[0] == local)
+            && c.pairs.first().is_some_and(|x| x.1 == local)
         {
             return p.first;
         }
@@ -564,7 +569,7 @@ impl IndexCore {
         self.edges
             .find(edge_hash(parent, local), |&id| {
                 self.seg(id).is_some_and(|n| {
-                    n.parent == parent && n.pairs.first().is_some_and(|x| x[0] == local)
+                    n.parent == parent && n.pairs.first().is_some_and(|x| x.1 == local)
                 })
             })
             .copied()
@@ -576,7 +581,7 @@ impl IndexCore {
         let segs = &self.segs;
         self.edges.insert_unique(h, id, |&x| {
             segs.get(x as usize).map_or(0, |n| {
-                edge_hash(n.parent, n.pairs.first().map_or(0, |p| p[0]))
+                edge_hash(n.parent, n.pairs.first().map_or(0, |p| p.1))
             })
         });
     }
@@ -686,7 +691,7 @@ impl IndexCore {
         let Some(s) = self.seg_mut(id) else {
             return NIL;
         };
-        let head_pairs: Vec<[u64; 2]> = s.pairs.drain(..k as usize).collect();
+        let head_pairs: Vec<Block> = s.pairs.drain(..k as usize).collect();
         let tail_holes = s.split_holes(s.start + k);
         let head_holes = std::mem::replace(&mut s.holes, tail_holes);
         let (held, mask, wide) = s.part(s.held.min(k));
@@ -744,7 +749,7 @@ impl IndexCore {
         let Some(s) = self.seg_mut(id) else {
             return NIL;
         };
-        let tail_pairs: Vec<[u64; 2]> = s.pairs.drain(k as usize..).collect();
+        let tail_pairs: Vec<Block> = s.pairs.drain(k as usize..).collect();
         let tail_holes = s.split_holes(s.start + k);
         let (held, mask, wide) = s.part(s.held.saturating_sub(k));
         let (h_held, h_mask, h_wide) = s.part(s.held.min(k));
@@ -839,14 +844,14 @@ impl IndexCore {
                 .pairs
                 .get((from - start) as usize..(to.max(from) - start) as usize)
                 .unwrap_or(&[]);
-            for &[_, e] in moved.iter().take(PREFETCH_AHEAD) {
+            for &(e, _) in moved.iter().take(PREFETCH_AHEAD) {
                 slot.table.prefetch(engine_hash(e));
             }
             for abs in from..to {
-                if let Some(&[_, ahead]) = n.pairs.get((abs - start) as usize + PREFETCH_AHEAD) {
+                if let Some(&(ahead, _)) = n.pairs.get((abs - start) as usize + PREFETCH_AHEAD) {
                     slot.table.prefetch(engine_hash(ahead));
                 }
-                let Some(&[_, e]) = n.pairs.get((abs - start) as usize) else {
+                let Some(&(e, _)) = n.pairs.get((abs - start) as usize) else {
                     continue;
                 };
                 let (old_p, new_p) = (pos(old, abs), pos(new, abs));
@@ -1143,7 +1148,9 @@ impl IndexCore {
         event: &KvEvent,
     ) -> Result<ApplyOutcome, IndexError> {
         let res = match event {
-            KvEvent::Stored { parent, blocks } => self.store(worker, *parent, blocks),
+            KvEvent::Stored { parent, blocks } => {
+                self.store(worker, *parent, Cow::Borrowed(blocks))
+            }
             KvEvent::Removed { blocks } => Ok(self.remove(worker, blocks)),
             KvEvent::Cleared => Ok(ApplyOutcome {
                 applied: self
@@ -1154,6 +1161,32 @@ impl IndexCore {
                 skipped: 0,
             }),
         };
+        self.count_outcome(res)
+    }
+
+    /// [`Self::apply`] of an event the caller gives up: a store that hangs
+    /// its blocks under a new segment keeps the event's array as that
+    /// segment's (no allocation or copy, and the memory is warm from the
+    /// caller's use).
+    pub fn apply_owned(
+        &mut self,
+        worker: WorkerRank,
+        event: KvEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        match event {
+            KvEvent::Stored { parent, blocks } => {
+                let res = self.store(worker, parent, Cow::Owned(blocks));
+                self.count_outcome(res)
+            }
+            other => self.apply(worker, &other),
+        }
+    }
+
+    /// Count an applied or rejected event in the stats.
+    fn count_outcome(
+        &mut self,
+        res: Result<ApplyOutcome, IndexError>,
+    ) -> Result<ApplyOutcome, IndexError> {
         match &res {
             Ok(o) => {
                 self.events_applied += 1;
@@ -1284,7 +1317,7 @@ impl IndexCore {
     fn step(&self, c: &mut Cursor, local: LocalHash) -> Option<Pos> {
         let g = self.seg(c.seg)?;
         if (c.used as usize) < g.pairs.len() {
-            if g.pairs.get(c.used as usize).is_some_and(|x| x[0] == local) {
+            if g.pairs.get(c.used as usize).is_some_and(|x| x.1 == local) {
                 let p = pos(c.seg, g.start + c.used);
                 c.used += 1;
                 return Some(p);
@@ -1316,7 +1349,7 @@ impl IndexCore {
         &mut self,
         worker: WorkerRank,
         parent: Option<EngineHash>,
-        blocks: &[(EngineHash, LocalHash)],
+        blocks: Cow<'_, [Block]>,
     ) -> Result<ApplyOutcome, IndexError> {
         let existing = self.slot_of.get(&worker).copied();
         let parent_pos = match parent {
@@ -1363,7 +1396,7 @@ impl IndexCore {
         &mut self,
         s: u32,
         parent_pos: Option<Pos>,
-        blocks: &[(EngineHash, LocalHash)],
+        blocks: Cow<'_, [Block]>,
     ) -> Result<ApplyOutcome, EngineHash> {
         let mut out = ApplyOutcome::default();
         let mut c = self.start_cursor(parent_pos);
@@ -1385,9 +1418,8 @@ impl IndexCore {
                         used: c.used,
                     };
                 }
-                let rest = blocks.get(i..).unwrap_or(&[]);
-                self.append_new(s, c.seg, rest)?;
-                out.applied += rest.len() as u64;
+                out.applied += (blocks.len() - i) as u64;
+                self.append_new(s, c.seg, blocks, i)?;
                 break;
             };
             let id = pos_seg(p);
@@ -1461,7 +1493,7 @@ impl IndexCore {
                     g.pairs.get((rel + run) as usize),
                     blocks.get(i + run as usize),
                 )
-                && x[0] == b.1
+                && x.1 == b.1
             {
                 run += 1;
             }
@@ -1523,59 +1555,67 @@ impl IndexCore {
             .min()
     }
 
-    /// Hang new `blocks` under the end of segment `at` for slot `s`; on a
-    /// conflict, the blocks added so far are in `undo`.
+    /// Hang new `blocks[from..]` under the end of segment `at` for slot
+    /// `s`; on a conflict, the blocks added so far are in `undo`. A new
+    /// segment takes an owned `blocks` as its array.
     fn append_new(
         &mut self,
         s: u32,
         at: u32,
-        blocks: &[(EngineHash, LocalHash)],
+        blocks: Cow<'_, [Block]>,
+        from: usize,
     ) -> Result<(), EngineHash> {
-        let Some(&(e0, l0)) = blocks.first() else {
+        let Some(&(e0, _)) = blocks.get(from) else {
             return Ok(());
         };
         let appendable = at != ROOT
             && self
                 .seg(at)
                 .is_some_and(|g| g.kids == 0 && g.only(s) && g.held as usize == g.pairs.len());
-        let id = if appendable {
-            at
+        let (id, first_abs) = if appendable {
+            let Some(g) = self.segs.get_mut(at as usize) else {
+                return Ok(());
+            };
+            let first_abs = g.end();
+            g.pairs.extend_from_slice(blocks.get(from..).unwrap_or(&[]));
+            (at, first_abs)
         } else {
             // probe the first block before a segment exists for it
             if self.lookup(s, e0).is_some() {
                 return Err(e0);
             }
+            let mut pairs = match blocks {
+                Cow::Owned(mut v) => {
+                    v.drain(..from);
+                    if v.capacity() > 2 * v.len() {
+                        v.shrink_to_fit();
+                    }
+                    v
+                }
+                Cow::Borrowed(b) => b.get(from..).unwrap_or(&[]).to_vec(),
+            };
             let mut g = Seg::empty(at);
-            g.pairs.reserve_exact(blocks.len());
-            g.pairs.push([l0, e0]);
+            std::mem::swap(&mut g.pairs, &mut pairs);
             g.set(s);
-            self.positions += 1;
             let id = self.new_child(at, g);
             let abs = self.seg(id).map_or(0, |g| g.start);
             self.map_insert(s, pos(id, abs), e0);
             self.undo.push(e0);
-            id
+            (id, abs + 1)
         };
-        // write every block, then insert its table entry; the first block
-        // already held (or repeated within the event) shows up as an
-        // occupied entry, and the positions from it on are dropped again
-        let todo = blocks.get(usize::from(!appendable)..).unwrap_or(&[]);
-        let Some(g) = self.segs.get_mut(id as usize) else {
+        // insert each written block's table entry; the first block already
+        // held (or repeated within the event) shows up as an occupied
+        // entry, and the positions from it on are dropped again
+        let segs = &self.segs;
+        let Some(g) = segs.get(id as usize) else {
             return Ok(());
         };
-        let first_abs = g.end();
-        g.pairs.reserve(todo.len());
-        g.pairs.extend(todo.iter().map(|&(e, l)| [l, e]));
-        g.held = g.pairs.len() as u32;
-        self.positions += todo.len() as u64;
-        let has_alias = self
-            .slots
-            .get(s as usize)
-            .is_some_and(|sl| !sl.alias.is_empty());
-        let segs = &self.segs;
+        let todo = g.pairs.get((first_abs - g.start) as usize..).unwrap_or(&[]);
+        let fresh = todo.len() + usize::from(!appendable);
         let Some(slot) = self.slots.get_mut(s as usize) else {
             return Ok(());
         };
+        let has_alias = !slot.alias.is_empty();
         for &(e, _) in todo.iter().take(PREFETCH_AHEAD) {
             slot.table.prefetch(engine_hash(e));
         }
@@ -1600,18 +1640,19 @@ impl IndexCore {
         }
         slot.count += done as u64;
         self.undo.extend(todo.iter().take(done).map(|b| b.0));
-        if done < todo.len() {
-            // drop the positions pushed for the blocks not added
-            let drop = (todo.len() - done) as u32;
-            if let Some(g) = self.segs.get_mut(id as usize) {
-                let keep = g.pairs.len() - drop as usize;
-                g.pairs.truncate(keep);
-                g.held -= drop;
-            }
-            self.positions -= u64::from(drop);
-            return Err(todo.get(done).map_or(0, |b| b.0));
+        let conflict = todo.get(done).map(|b| b.0);
+        let drop = (todo.len() - done) as u32;
+        let Some(g) = self.segs.get_mut(id as usize) else {
+            return Ok(());
+        };
+        g.held = g.pairs.len() as u32 - drop;
+        g.pairs.truncate(g.held as usize);
+        self.positions += (fresh - drop as usize) as u64;
+        match conflict {
+            // the positions written for the blocks not added are dropped
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     pub fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
@@ -1806,14 +1847,14 @@ impl IndexCore {
 
 /// How many leading positions of `pairs` match `query` (equal lengths).
 #[inline(always)]
-fn match_len(pairs: &[[u64; 2]], query: &[LocalHash]) -> usize {
+fn match_len(pairs: &[Block], query: &[LocalHash]) -> usize {
     // compare 4 at a time without early exits, then find the first miss
     let mut i = 0;
     let mut pc = pairs.chunks_exact(4);
     let mut qc = query.chunks_exact(4);
     for (p, q) in (&mut pc).zip(&mut qc) {
         if let ([p0, p1, p2, p3], [q0, q1, q2, q3]) = (p, q) {
-            let all = (p0[0] == *q0) & (p1[0] == *q1) & (p2[0] == *q2) & (p3[0] == *q3);
+            let all = (p0.1 == *q0) & (p1.1 == *q1) & (p2.1 == *q2) & (p3.1 == *q3);
             if !all {
                 break;
             }
@@ -1821,7 +1862,7 @@ fn match_len(pairs: &[[u64; 2]], query: &[LocalHash]) -> usize {
         i += 4;
     }
     while let (Some(p), Some(q)) = (pairs.get(i), query.get(i)) {
-        if p[0] != *q {
+        if p.1 != *q {
             break;
         }
         i += 1;
@@ -1835,7 +1876,7 @@ fn match_len(pairs: &[[u64; 2]], query: &[LocalHash]) -> usize {
 fn engine_in(segs: &[Seg], p: Pos) -> Option<EngineHash> {
     let s = segs.get(pos_seg(p) as usize)?;
     let i = pos_abs(p).checked_sub(s.start)? as usize;
-    s.pairs.get(i).map(|x| x[1])
+    s.pairs.get(i).map(|x| x.0)
 }
 
 #[cfg(test)]
@@ -2345,7 +2386,8 @@ mod tests {
             for (who, kind, parent, blocks) in ops {
                 let who = WorkerRank::new(who, 0);
                 match kind {
-                    0..=5 => { let _ = c.apply(who, &store(parent, &blocks)); }
+                    0..=2 => { let _ = c.apply(who, &store(parent, &blocks)); }
+                    3..=5 => { let _ = c.apply_owned(who, store(parent, &blocks)); }
                     6..=8 => { let _ = c.apply(who, &rm(&blocks.iter().map(|b| b.0).collect::<Vec<_>>())); }
                     9 => { let _ = c.apply(who, &KvEvent::Cleared); }
                     // chains as engines send them: consecutive engine
@@ -2354,7 +2396,7 @@ mod tests {
                         let first = parent.unwrap_or(0);
                         let chain: Vec<(u64, u64)> = blocks.iter().enumerate()
                             .map(|(i, b)| (first + i as u64, b.1)).collect();
-                        let _ = c.apply(who, &store(first.checked_sub(1), &chain));
+                        let _ = c.apply_owned(who, store(first.checked_sub(1), &chain));
                     }
                     _ => {
                         let first = parent.unwrap_or(0);

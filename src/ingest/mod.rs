@@ -280,8 +280,8 @@ pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutc
     let mut tally = Tally::default();
     let mut cursors = core.cursors.lock();
     let cursor = cursors.entry(target).or_default();
-    for IngestEvent { event_id, event } in &batch.events {
-        let verdict = cursor.admit(*event_id, matches!(event, KvEvent::Cleared));
+    for IngestEvent { event_id, event } in batch.events {
+        let verdict = cursor.admit(event_id, matches!(event, KvEvent::Cleared));
         match verdict {
             Verdict::Skip => {
                 outcome.skipped += 1;
@@ -294,7 +294,7 @@ pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutc
             Verdict::Apply => {}
         }
         if !tally.apply(&index, target, event) {
-            cursor.record_rejected(*event_id);
+            cursor.record_rejected(event_id);
         }
     }
     outcome.last_applied = cursor.last_applied();
@@ -326,7 +326,7 @@ pub fn apply_engine_batch(
     )?;
     let target = WorkerRank::new(worker_id, batch.dp_rank);
     let mut tally = Tally::default();
-    for event in &batch.events {
+    for event in batch.events {
         tally.apply(&index, target, event);
     }
     Ok(tally.finish(core))
@@ -343,14 +343,10 @@ struct Tally {
 }
 
 impl Tally {
-    /// Applies `event`; false if the index rejected it.
-    fn apply(
-        &mut self,
-        index: &crate::index::KvIndex,
-        target: WorkerRank,
-        event: &KvEvent,
-    ) -> bool {
-        match index.apply(target, event) {
+    /// Applies `event` (handed over: a store keeps its block array); false
+    /// if the index rejected it.
+    fn apply(&mut self, index: &crate::index::KvIndex, target: WorkerRank, event: KvEvent) -> bool {
+        match index.apply_owned(target, event) {
             Ok(_) => {
                 self.outcome.applied += 1;
                 true
