@@ -32,21 +32,24 @@ fn main() -> ExitCode {
         let mut out = OverlapScores::default();
         let mut t = [0f64; 4];
         let mut lat: Vec<u64> = Vec::new();
-        for op in &log.ops {
+        // each op is handed over, as the replay and the ingest do
+        let ops = log.ops.clone();
+        for op in ops {
             let t0 = Instant::now();
             let k = match op {
                 Op::Match(q) => {
-                    idx.find_matches_into(q, &mut out);
+                    idx.find_matches_into(&q, &mut out);
                     lat.push(t0.elapsed().as_nanos() as u64);
                     0
                 }
                 Op::Event { worker, event } => {
-                    let _ = idx.apply(*worker, event);
-                    match event {
+                    let k = match event {
                         KvEvent::Stored { .. } => 1,
                         KvEvent::Removed { .. } => 2,
                         KvEvent::Cleared => 3,
-                    }
+                    };
+                    let _ = idx.apply_owned(worker, event);
+                    k
                 }
             };
             if let Some(x) = t.get_mut(k) {
