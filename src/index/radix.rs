@@ -449,6 +449,8 @@ pub struct IndexCore {
     pending_from: usize,
     /// Scratch: (engine hash, index) pairs, sorted to find repeats.
     scratch: Vec<(EngineHash, usize)>,
+    /// Scratch: the positions a shift moves into a child.
+    shifted: Vec<Block>,
     /// Splits so far (a split moves positions).
     splits: u64,
     events_applied: u64,
@@ -500,6 +502,7 @@ impl IndexCore {
             pending: Vec::new(),
             pending_from: 0,
             scratch: Vec::new(),
+            shifted: Vec::new(),
             splits: 0,
             events_applied: 0,
             events_rejected: 0,
@@ -790,29 +793,53 @@ impl IndexCore {
         t
     }
 
-    /// Move the last position of `id` (fully held, two or more positions)
-    /// to the front of its only child `c`, contiguous with it; the caller
-    /// has checked that `c`'s holders are the position's holders after the
-    /// change.
-    fn shift_into_child(&mut self, id: u32, c: u32) {
+    /// Move the last `n` positions of `id` (fully held, more than `n`
+    /// positions) to the front of its only child `c`, contiguous with it;
+    /// the caller has checked that `c`'s holders are those positions'
+    /// holders after the change.
+    fn shift_into_child(&mut self, id: u32, c: u32, n: u32) {
         self.splits += 1;
         self.remove_edge(id, c);
-        let Some(g) = self.seg_mut(id) else {
-            return;
-        };
-        let Some(last) = g.pairs.pop() else {
-            return;
-        };
-        g.held -= 1;
+        let mut moved = std::mem::take(&mut self.shifted);
+        moved.clear();
+        if let Some(g) = self.seg_mut(id) {
+            let keep = g.pairs.len().saturating_sub(n as usize);
+            moved.extend(g.pairs.drain(keep..));
+            g.held -= moved.len() as u32;
+        }
+        let n = moved.len() as u32;
         if let Some(k) = self.seg_mut(c) {
-            k.pairs.insert(0, last);
-            k.start -= 1;
-            k.held += 1;
+            k.pairs.splice(0..0, moved.drain(..));
+            k.start -= n;
+            k.held += n;
             let abs = k.start;
             self.insert_edge(id, c);
-            // the moved position is the one being unheld, not a pending one
-            self.moved_in_maps(id, c, abs, abs + 1);
+            // the moved positions are the ones being unheld, not pending ones
+            self.moved_in_maps(id, c, abs, abs + n);
         }
+        self.shifted = moved;
+    }
+
+    /// The child that the last position `p` of a shared segment joins
+    /// when slot `s` drops it: the segment's only child, contiguous with
+    /// it and held by exactly the segment's other holders.
+    fn shift_child(&self, s: u32, p: Pos) -> Option<u32> {
+        let g = self.seg(pos_seg(p))?;
+        let len = g.pairs.len() as u32;
+        if s >= INLINE_SLOTS
+            || pos_abs(p) + 1 != g.end()
+            || g.held != len
+            || len < 2
+            || g.kids != 1
+            || !g.wide.is_empty()
+        {
+            return None;
+        }
+        let others = g.mask & !(1u64 << s);
+        let (c, end) = (g.first, g.end());
+        self.seg(c)
+            .is_some_and(|k| k.start == end && k.held > 0 && k.mask == others && k.wide.is_empty())
+            .then_some(c)
     }
 
     /// Positions `[from, to)` of segment `old` now belong to `new`: update
@@ -1071,19 +1098,11 @@ impl IndexCore {
             return;
         }
         let len = g.pairs.len() as u32;
-        if i + 1 == len && g.held == len && len > 1 && g.kids == 1 && g.wide.is_empty() {
-            // the last position of a shared segment: if its only child is
-            // held by the others alone, the position joins that child
-            let (c, end) = (g.first, g.end());
-            let others = g.mask & !(1u64 << s.min(63));
-            if s < INLINE_SLOTS
-                && self.seg(c).is_some_and(|k| {
-                    k.start == end && k.held > 0 && k.mask == others && k.wide.is_empty()
-                })
-            {
-                self.shift_into_child(id, c);
-                return;
-            }
+        if let Some(c) = self.shift_child(s, p) {
+            // the last position of a shared segment joins its only child,
+            // held by the others alone
+            self.shift_into_child(id, c, 1);
+            return;
         }
         let Some(g) = self.seg(id) else {
             return;
@@ -1237,13 +1256,13 @@ impl IndexCore {
         self.pending = pending;
         let mut i = 0;
         while let Some(&p) = self.pending.get(i) {
-            let n = self.descending_run(s, i);
+            let (n, shift) = self.descending_run(s, i);
             i += n;
             self.pending_from = i;
-            if n == 1 {
-                self.unhold(s, p);
-            } else {
-                self.unhold_run(p, n as u32);
+            match shift {
+                Some(c) => self.shift_into_child(pos_seg(p), c, n as u32),
+                None if n == 1 => self.unhold(s, p),
+                None => self.unhold_run(p, n as u32),
             }
         }
         self.pending.clear();
@@ -1252,20 +1271,33 @@ impl IndexCore {
     }
 
     /// How many pending positions from `pending[i]` on descend one by one
-    /// in one segment held by slot `s` alone (1 if not such a segment).
-    fn descending_run(&self, s: u32, i: usize) -> usize {
+    /// in one segment held by slot `s` alone, or from the end of a shared
+    /// segment that they all leave for its child (then that child); 1 and
+    /// None if neither.
+    fn descending_run(&self, s: u32, i: usize) -> (usize, Option<u32>) {
         let Some(&p) = self.pending.get(i) else {
-            return 0;
+            return (0, None);
         };
-        if !self.seg(pos_seg(p)).is_some_and(|g| g.only(s)) {
-            return 1;
-        }
+        let Some(g) = self.seg(pos_seg(p)) else {
+            return (1, None);
+        };
+        // how far below `p` a run may reach: to the segment's first
+        // position if `s` holds it alone, and leaving one position behind
+        // if the run joins the child
+        let (reach, shift) = if g.only(s) {
+            (pos_abs(p), None)
+        } else if let Some(c) = self.shift_child(s, p) {
+            (g.pairs.len() as u32 - 2, Some(c))
+        } else {
+            return (1, None);
+        };
         let tail = self.pending.get(i + 1..).unwrap_or(&[]);
-        1 + tail
+        let n = 1 + tail
             .iter()
-            .zip(1..=pos_abs(p))
+            .zip(1..=reach)
             .take_while(|&(&q, k)| q == p - u64::from(k))
-            .count()
+            .count();
+        (n, shift)
     }
 
     /// Unhold `n` positions ending at `p` (`p` and the `n - 1` before it),
@@ -2088,6 +2120,50 @@ mod tests {
         try_apply(&mut c, w(1), &store(Some(102), &[(103, 3)]))?;
         ok(&c)?;
         assert_eq!(prefix(&c, &q, w(1)), 10);
+        Ok(())
+    }
+
+    #[test]
+    fn evicting_a_shared_tail_moves_it_into_the_child_at_once() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        // worker 1 holds blocks 0..8, worker 2 the same 8 and 4 more
+        try_apply(&mut c, w(1), &store(None, &chain(100, 8)))?;
+        try_apply(&mut c, w(2), &store(None, &chain(200, 12)))?;
+        ok(&c)?;
+        let segments = c.stats().nodes;
+        let splits = c.splits;
+        // worker 1 evicts its last five, deepest first: a split isolates
+        // the deepest (worker 2's tail began a segment of its own), and
+        // the other four join it in one shift (one at a time, that was
+        // four)
+        try_apply(&mut c, w(1), &rm(&[107, 106, 105, 104, 103]))?;
+        ok(&c)?;
+        assert_eq!(
+            c.splits,
+            splits + 2,
+            "one split, then one shift for the run"
+        );
+        assert_eq!(
+            c.stats().nodes,
+            segments,
+            "no position was added or dropped"
+        );
+        let q: Vec<u64> = (0..12).collect();
+        assert_eq!(prefix(&c, &q, w(1)), 3);
+        assert_eq!(prefix(&c, &q, w(2)), 12);
+        // the moved blocks are still worker 2's under its engine hashes
+        try_apply(&mut c, w(2), &rm(&[211, 210, 209, 208, 207]))?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(2)), 7);
+        // and worker 1 can store them again under its own
+        try_apply(
+            &mut c,
+            w(1),
+            &store(Some(102), &[(103, 3), (104, 4), (105, 5)]),
+        )?;
+        ok(&c)?;
+        assert_eq!(prefix(&c, &q, w(1)), 6);
+        assert_eq!(prefix(&c, &q, w(2)), 7);
         Ok(())
     }
 
