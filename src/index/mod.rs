@@ -36,6 +36,7 @@
 //! index between two whole events (never half an event). Routing reads take
 //! the read lock and run in parallel on every core.
 
+mod array_pool;
 pub mod group_table;
 pub mod naive;
 pub mod radix;

@@ -67,6 +67,7 @@
 //!   each segment's holders and comparing hashes linearly up to the first
 //!   hole or `held`.
 
+use super::array_pool::ArrayPool;
 use super::group_table::{GroupTable, PREFETCH_AHEAD};
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
@@ -85,6 +86,8 @@ const INLINE_SLOTS: u32 = 64;
 /// not be able to claim gigabytes).
 pub const MAX_RESERVED_BLOCKS: u64 = 1 << 20;
 const MAX_RESERVED_TOTAL: u64 = 1 << 24;
+/// Most bytes of freed segment arrays kept for reuse.
+const POOL_BYTES: usize = 1 << 18;
 
 type Pos = u64;
 
@@ -451,6 +454,8 @@ pub struct IndexCore {
     scratch: Vec<(EngineHash, usize)>,
     /// Scratch: the positions a shift moves into a child.
     shifted: Vec<Block>,
+    /// Freed segment arrays, for the next segments.
+    pool: ArrayPool<Block>,
     /// Splits so far (a split moves positions).
     splits: u64,
     events_applied: u64,
@@ -503,6 +508,7 @@ impl IndexCore {
             pending_from: 0,
             scratch: Vec::new(),
             shifted: Vec::new(),
+            pool: ArrayPool::new(POOL_BYTES),
             splits: 0,
             events_applied: 0,
             events_rejected: 0,
@@ -662,8 +668,9 @@ impl IndexCore {
             self.unlink(parent, id);
             let next_free = self.free_head;
             if let Some(x) = self.seg_mut(id) {
-                *x = Seg::empty(FREE);
+                let freed = std::mem::replace(x, Seg::empty(FREE));
                 x.first = next_free;
+                self.pool.give(freed.pairs);
             }
             self.free_head = id;
             self.free_len += 1;
@@ -691,10 +698,11 @@ impl IndexCore {
     /// takes `id`'s place under its parent; `id` becomes its only child.
     fn split_head(&mut self, id: u32, k: u32) -> u32 {
         self.splits += 1;
+        let mut head_pairs = self.pool.take(k as usize);
         let Some(s) = self.seg_mut(id) else {
             return NIL;
         };
-        let head_pairs: Vec<Block> = s.pairs.drain(..k as usize).collect();
+        head_pairs.extend(s.pairs.drain(..k as usize));
         let tail_holes = s.split_holes(s.start + k);
         let head_holes = std::mem::replace(&mut s.holes, tail_holes);
         let (held, mask, wide) = s.part(s.held.min(k));
@@ -749,10 +757,14 @@ impl IndexCore {
     /// segment (returned), `id`'s only child.
     fn split_tail(&mut self, id: u32, k: u32) -> u32 {
         self.splits += 1;
+        let n = self
+            .seg(id)
+            .map_or(0, |s| s.pairs.len().saturating_sub(k as usize));
+        let mut tail_pairs = self.pool.take(n);
         let Some(s) = self.seg_mut(id) else {
             return NIL;
         };
-        let tail_pairs: Vec<Block> = s.pairs.drain(k as usize..).collect();
+        tail_pairs.extend(s.pairs.drain(k as usize..));
         let tail_holes = s.split_holes(s.start + k);
         let (held, mask, wide) = s.part(s.held.saturating_sub(k));
         let (h_held, h_mask, h_wide) = s.part(s.held.min(k));
@@ -808,6 +820,17 @@ impl IndexCore {
             g.held -= moved.len() as u32;
         }
         let n = moved.len() as u32;
+        let need = self.seg(c).map_or(0, |k| k.pairs.len()) + moved.len();
+        if self.seg(c).is_some_and(|k| k.pairs.capacity() < need) {
+            // a bigger array for the child, from the pool when it can
+            let mut bigger = self.pool.take(need.next_power_of_two());
+            if let Some(k) = self.seg_mut(c) {
+                bigger.append(&mut moved);
+                bigger.append(&mut k.pairs);
+                std::mem::swap(&mut k.pairs, &mut bigger);
+            }
+            self.pool.give(bigger);
+        }
         if let Some(k) = self.seg_mut(c) {
             k.pairs.splice(0..0, moved.drain(..));
             k.start -= n;
@@ -1624,7 +1647,12 @@ impl IndexCore {
                     }
                     v
                 }
-                Cow::Borrowed(b) => b.get(from..).unwrap_or(&[]).to_vec(),
+                Cow::Borrowed(b) => {
+                    let b = b.get(from..).unwrap_or(&[]);
+                    let mut v = self.pool.take(b.len());
+                    v.extend_from_slice(b);
+                    v
+                }
             };
             let mut g = Seg::empty(at);
             std::mem::swap(&mut g.pairs, &mut pairs);
@@ -1873,6 +1901,7 @@ impl IndexCore {
         b += table_bytes(self.slot_of.capacity(), 24);
         b += table_bytes(self.extra_refs.capacity(), 24);
         b += (self.undo.capacity() * 8 + self.pending.capacity() * 8) as u64;
+        b += (self.shifted.capacity() * 16 + self.pool.bytes()) as u64;
         b
     }
 }
