@@ -86,7 +86,8 @@ impl Group {
 /// conversation op log: 4 to 32 all do well, 8 best).
 pub const PREFETCH_AHEAD: usize = 8;
 
-/// Ask the CPU to start loading the cache line of `x`.
+/// Ask the CPU to start loading the cache line of `x` (x86_64; elsewhere
+/// nothing, as aarch64's prefetch intrinsic is not stable yet).
 #[inline(always)]
 fn prefetch_line<T>(x: Option<&T>) {
     #[cfg(target_arch = "x86_64")]

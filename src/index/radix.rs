@@ -33,12 +33,17 @@
 //!   before another target joins a segment with holes, they are turned
 //!   into unheld segments by splits (`flatten`). The last position of a
 //!   shared segment joins the front of its only child when that child has
-//!   the remaining holders; any other remove isolates the position by
-//!   splits. A split moves the smaller side (counting children
-//!   to re-parent) to a new segment and rewrites the moved positions in the
-//!   holders' maps. Segments are not merged otherwise. A segment left with
-//!   no held position and no children is freed, and so, in turn, are its
+//!   the remaining holders (a run of them, evicted deepest first, in one
+//!   move); any other remove isolates the position by splits. A split
+//!   moves the smaller side (counting children to re-parent) to a new
+//!   segment and rewrites the moved positions in the holders' maps.
+//!   Segments are not merged otherwise. A segment left with no held
+//!   position and no children is freed, and so, in turn, are its
 //!   ancestors alike.
+//! * Arrays: a store that starts a new segment with an event handed over
+//!   (`apply_owned`) keeps the event's array as the segment's; freed
+//!   segments' arrays wait in a bounded `ArrayPool` for the next split,
+//!   shift or copied store.
 //! * Targets (worker, dp_rank) are interned into dense slots; the lowest
 //!   free slot is reused. Holder sets are bitmasks: slots 0..64 inline in
 //!   `mask`, higher slots in a per-segment `wide` vector (empty for most).
