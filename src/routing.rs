@@ -3,7 +3,7 @@
 //! select → admit → commit under one lock so two RESERVE calls never both
 //! choose before either booking shows, and runs the WAIT queue.
 //!
-//! The queue: a waiting call holds a [`QueueTicket`]; every change that can
+//! The queue: a waiting call holds a `QueueTicket`; every change that can
 //! lower load (release, prefill complete, expiry, heartbeat, registration)
 //! calls [`RouterCore::drain_queue`], which re-selects the head and, if it is
 //! no longer busy, commits and hands it the selection. A caller that goes
