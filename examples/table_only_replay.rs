@@ -8,7 +8,7 @@
 //!
 //! Usage: `cargo run --release --example table_only_replay -- FILE [REPS]`
 use kvroute::index::KvEvent;
-use kvroute::index::group_table::{GroupTable, PREFETCH_AHEAD};
+use kvroute::index::group_table::GroupTable;
 use kvroute::oplog::{Op, OpLog};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -54,25 +54,15 @@ fn main() -> ExitCode {
             let t0 = Instant::now();
             match event {
                 KvEvent::Stored { blocks, .. } => {
-                    for &(e, _) in blocks.iter().take(PREFETCH_AHEAD) {
-                        table.prefetch(spread(e));
-                    }
                     for (k, &(e, _)) in blocks.iter().enumerate() {
-                        if let Some(&(ahead, _)) = blocks.get(k + PREFETCH_AHEAD) {
-                            table.prefetch(spread(ahead));
-                        }
+                        table.prefetch_ahead(k, |i| blocks.get(i).map(|b| spread(b.0)));
                         table.insert_unless(spread(e), e, |x| x == e, spread);
                     }
                     store += t0.elapsed().as_secs_f64();
                 }
                 KvEvent::Removed { blocks } => {
-                    for &e in blocks.iter().take(PREFETCH_AHEAD) {
-                        table.prefetch(spread(e));
-                    }
                     for (k, &e) in blocks.iter().enumerate() {
-                        if let Some(&ahead) = blocks.get(k + PREFETCH_AHEAD) {
-                            table.prefetch(spread(ahead));
-                        }
+                        table.prefetch_ahead(k, |i| blocks.get(i).map(|&e| spread(e)));
                         std::hint::black_box(table.remove(spread(e), |x| x == e));
                     }
                     remove += t0.elapsed().as_secs_f64();

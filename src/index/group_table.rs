@@ -170,6 +170,22 @@ impl GroupTable {
         prefetch_line(self.groups.get(self.next(g)));
     }
 
+    /// For a loop that probes keys 0, 1, 2, ... in order, called before
+    /// probing key `k`: prefetches key `k + PREFETCH_AHEAD` (and, at the
+    /// first key, the ones before it). `hash_of(i)` is key `i`'s hash, None
+    /// past the end.
+    #[inline(always)]
+    pub fn prefetch_ahead(&self, k: usize, hash_of: impl Fn(usize) -> Option<u64>) {
+        if k == 0 {
+            for h in (0..PREFETCH_AHEAD).map_while(&hash_of) {
+                self.prefetch(h);
+            }
+        }
+        if let Some(h) = hash_of(k + PREFETCH_AHEAD) {
+            self.prefetch(h);
+        }
+    }
+
     /// (group, slot) of the entry for `hash` that `eq` accepts.
     #[inline(always)]
     fn locate(&self, hash: u64, mut eq: impl FnMut(u64) -> bool) -> Option<(usize, usize)> {

@@ -73,7 +73,7 @@
 //!   hole or `held`.
 
 use super::array_pool::ArrayPool;
-use super::group_table::{GroupTable, PREFETCH_AHEAD};
+use super::group_table::GroupTable;
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use hashbrown::HashTable;
@@ -895,18 +895,12 @@ impl IndexCore {
             let Some(slot) = self.slots.get_mut(s as usize) else {
                 continue;
             };
-            let moved = n
-                .pairs
-                .get((from - start) as usize..(to.max(from) - start) as usize)
-                .unwrap_or(&[]);
-            for &(e, _) in moved.iter().take(PREFETCH_AHEAD) {
-                slot.table.prefetch(engine_hash(e));
-            }
+            let first = (from - start) as usize;
             for abs in from..to {
-                if let Some(&(ahead, _)) = n.pairs.get((abs - start) as usize + PREFETCH_AHEAD) {
-                    slot.table.prefetch(engine_hash(ahead));
-                }
-                let Some(&(e, _)) = n.pairs.get((abs - start) as usize) else {
+                let k = (abs - from) as usize;
+                slot.table
+                    .prefetch_ahead(k, |i| n.pairs.get(first + i).map(|b| engine_hash(b.0)));
+                let Some(&(e, _)) = n.pairs.get(first + k) else {
                     continue;
                 };
                 let (old_p, new_p) = (pos(old, abs), pos(new, abs));
@@ -1256,9 +1250,8 @@ impl IndexCore {
         let mut out = ApplyOutcome::default();
         let mut pending = std::mem::take(&mut self.pending);
         pending.clear();
-        self.prefetch_entries(s, blocks.iter().take(PREFETCH_AHEAD).copied());
         for (k, &e) in blocks.iter().enumerate() {
-            self.prefetch_entries(s, blocks.get(k + PREFETCH_AHEAD).copied());
+            self.prefetch_ahead(s, k, |i| blocks.get(i).copied());
             let Some(p) = self.take_entry(s, e) else {
                 out.skipped += 1;
                 continue;
@@ -1346,13 +1339,13 @@ impl IndexCore {
         }
     }
 
-    /// Start loading slot `s`'s table lines for engine hashes `hashes`.
+    /// [`GroupTable::prefetch_ahead`] in slot `s`'s table, for a loop over
+    /// the engine hashes `engine_of(0)`, `engine_of(1)`, ...
     #[inline(always)]
-    fn prefetch_entries(&self, s: u32, hashes: impl IntoIterator<Item = EngineHash>) {
+    fn prefetch_ahead(&self, s: u32, k: usize, engine_of: impl Fn(usize) -> Option<EngineHash>) {
         if let Some(slot) = self.slots.get(s as usize) {
-            for e in hashes {
-                slot.table.prefetch(engine_hash(e));
-            }
+            slot.table
+                .prefetch_ahead(k, |i| engine_of(i).map(engine_hash));
         }
     }
 
@@ -1584,9 +1577,8 @@ impl IndexCore {
     /// Err(e) for the first of `blocks` whose engine hash slot `s`
     /// already holds or that repeats an earlier one of them.
     fn check_new(&mut self, s: u32, blocks: &[(EngineHash, LocalHash)]) -> Result<(), EngineHash> {
-        self.prefetch_entries(s, blocks.iter().take(PREFETCH_AHEAD).map(|b| b.0));
         let held = blocks.iter().enumerate().position(|(k, b)| {
-            self.prefetch_entries(s, blocks.get(k + PREFETCH_AHEAD).map(|b| b.0));
+            self.prefetch_ahead(s, k, |i| blocks.get(i).map(|b| b.0));
             self.lookup(s, b.0).is_some()
         });
         let dup = self.first_dup(blocks);
@@ -1681,14 +1673,10 @@ impl IndexCore {
             return Ok(());
         };
         let has_alias = !slot.alias.is_empty();
-        for &(e, _) in todo.iter().take(PREFETCH_AHEAD) {
-            slot.table.prefetch(engine_hash(e));
-        }
         let mut done = todo.len();
         for (k, &(e, _)) in todo.iter().enumerate() {
-            if let Some(&(ahead, _)) = todo.get(k + PREFETCH_AHEAD) {
-                slot.table.prefetch(engine_hash(ahead));
-            }
+            slot.table
+                .prefetch_ahead(k, |i| todo.get(i).map(|b| engine_hash(b.0)));
             let p = pos(id, first_abs + k as u32);
             let clash = has_alias && slot.alias.contains_key(&e);
             if clash
