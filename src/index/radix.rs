@@ -827,7 +827,9 @@ impl IndexCore {
         let n = moved.len() as u32;
         let need = self.seg(c).map_or(0, |k| k.pairs.len()) + moved.len();
         if self.seg(c).is_some_and(|k| k.pairs.capacity() < need) {
-            // a bigger array for the child, from the pool when it can
+            // a bigger array for the child, from the pool when it can,
+            // filled in order (the moved positions, then the child's), so
+            // that the splice below has nothing left to insert
             let mut bigger = self.pool.take(need.next_power_of_two());
             if let Some(k) = self.seg_mut(c) {
                 bigger.append(&mut moved);
@@ -1576,7 +1578,7 @@ impl IndexCore {
 
     /// Err(e) for the first of `blocks` whose engine hash slot `s`
     /// already holds or that repeats an earlier one of them.
-    fn check_new(&mut self, s: u32, blocks: &[(EngineHash, LocalHash)]) -> Result<(), EngineHash> {
+    fn check_new(&mut self, s: u32, blocks: &[Block]) -> Result<(), EngineHash> {
         let held = blocks.iter().enumerate().position(|(k, b)| {
             self.prefetch_ahead(s, k, |i| blocks.get(i).map(|b| b.0));
             self.lookup(s, b.0).is_some()
@@ -1590,7 +1592,7 @@ impl IndexCore {
     }
 
     /// The first index of `blocks` whose engine hash repeats an earlier one.
-    fn first_dup(&mut self, blocks: &[(EngineHash, LocalHash)]) -> Option<usize> {
+    fn first_dup(&mut self, blocks: &[Block]) -> Option<usize> {
         if blocks.len() < 2 {
             return None;
         }
@@ -1636,7 +1638,7 @@ impl IndexCore {
             if self.lookup(s, e0).is_some() {
                 return Err(e0);
             }
-            let mut pairs = match blocks {
+            let pairs = match blocks {
                 Cow::Owned(mut v) => {
                     v.drain(..from);
                     if v.capacity() > 2 * v.len() {
@@ -1651,8 +1653,10 @@ impl IndexCore {
                     v
                 }
             };
-            let mut g = Seg::empty(at);
-            std::mem::swap(&mut g.pairs, &mut pairs);
+            let mut g = Seg {
+                pairs,
+                ..Seg::empty(at)
+            };
             g.set(s);
             let id = self.new_child(at, g);
             let abs = self.seg(id).map_or(0, |g| g.start);
