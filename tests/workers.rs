@@ -370,26 +370,23 @@ async fn deregistering_drops_blocks_and_reregistering_updates() {
 /// the table never rehashes under the index lock as the cache fills.
 #[tokio::test]
 async fn registered_kv_capacity_sizes_the_index_table_up_front() {
-    let declared = TestServer::start().await;
-    let mut big = registration(1, "m");
-    big.total_kv_blocks = 60_000;
-    declared.register(big).await;
-    declared
-        .publish(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
-        .await
-        .unwrap();
     // room for 60,000 positions of 8 bytes is at least 480 KB
-    assert!(index_stats(&declared).await.memory_bytes >= 480_000);
+    assert!(memory_after_first_store(60_000).await >= 480_000);
+    assert!(memory_after_first_store(0).await < 64_000);
+}
 
-    let undeclared = TestServer::start().await;
-    let mut none = registration(1, "m");
-    none.total_kv_blocks = 0;
-    undeclared.register(none).await;
-    undeclared
+/// Index memory on a fresh server once a worker registered with
+/// `total_kv_blocks` has stored one block.
+async fn memory_after_first_store(total_kv_blocks: u64) -> u64 {
+    let server = TestServer::start().await;
+    let mut worker = registration(1, "m");
+    worker.total_kv_blocks = total_kv_blocks;
+    server.register(worker).await;
+    server
         .publish(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
         .await
         .unwrap();
-    assert!(index_stats(&undeclared).await.memory_bytes < 64_000);
+    index_stats(&server).await.memory_bytes
 }
 
 #[tokio::test]
