@@ -2,9 +2,9 @@
 //! work of the log (one `GroupTable` per target, reserved for the header's
 //! `capacity` as the index does; each stored block inserted, each removed
 //! block taken, prefetching ahead as the index does), with no tree behind
-//! it, and print the best time of N replays. Values are the engine hashes themselves, so a probe confirms a
-//! candidate without the tree's extra load; this is a floor for the table,
-//! not a model of the whole index.
+//! it, and print the best time of N replays. Values are the engine hashes
+//! themselves, so a probe confirms a candidate without the tree's extra
+//! load; this is a floor for the table, not a model of the whole index.
 //!
 //! Usage: `cargo run --release --example table_only_replay -- FILE [REPS]`
 use kvroute::index::KvEvent;
