@@ -11,6 +11,9 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, ValueEnum, parser::ValueSource};
 
+// the most blocks per event that the flag accepts is the index's own limit
+const _: () = assert!(crate::index::radix::MAX_EVENT_BLOCKS == 16_777_215);
+
 /// Default weight of prefill cost against decode cost. Dynamo's router uses
 /// 1.0 (and `--overlap-weight 1 --overlap-credit 0` reproduces its choices);
 /// trace replay showed a high weight best for time to first token on both
@@ -143,9 +146,10 @@ pub struct ServeConfig {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_events_per_batch: u32,
 
-    /// Most blocks in one stored event (and prompt blocks per request).
+    /// Most blocks in one stored event (and prompt blocks per request), at
+    /// most the index's own limit (`index::radix::MAX_EVENT_BLOCKS`).
     #[arg(long, env = "KVROUTE_MAX_BLOCKS_PER_EVENT", default_value_t = 16384,
-          value_parser = clap::value_parser!(u32).range(1..))]
+          value_parser = clap::value_parser!(u32).range(1..=16_777_215))]
     pub max_blocks_per_event: u32,
 
     /// Seed of the random tie-break and sampling (0: a fresh seed per start).

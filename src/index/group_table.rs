@@ -23,6 +23,11 @@
 //! * Keys are not stored: the caller's `eq` confirms a candidate (the key
 //!   lives in the tree), and `rehash` gives a stored value's hash when the
 //!   table grows. The table holds at most 6 entries per group on average.
+//! * Values leave [`CHECK_BITS`] clear, and the table keeps 8 more bits of
+//!   the hash there. A candidate must match those too before `eq` is
+//!   asked, so an insert (whose key is nearly always absent) almost never
+//!   has a tag match confirmed through the tree: with the tag alone, about
+//!   2% of inserts paid two cache misses for one.
 
 const SLOTS: usize = 7;
 const OVERFLOW_SHIFT: u32 = 56;
@@ -116,6 +121,16 @@ fn tag_of(hash: u64) -> u8 {
     ((hash >> 56) as u8).max(1)
 }
 
+/// Bits that every value leaves clear: the table keeps 8 more bits of the
+/// key's hash there (see the module docs).
+pub const CHECK_BITS: u64 = 0xFF << CHECK_SHIFT;
+const CHECK_SHIFT: u32 = 24;
+
+#[inline(always)]
+fn check_of(hash: u64) -> u64 {
+    ((hash >> 48) & 0xFF) << CHECK_SHIFT
+}
+
 /// See the module docs. Values are `u64` tree positions.
 #[derive(Clone, Default)]
 pub struct GroupTable {
@@ -190,6 +205,7 @@ impl GroupTable {
     #[inline(always)]
     fn locate(&self, hash: u64, mut eq: impl FnMut(u64) -> bool) -> Option<(usize, usize)> {
         let tag = tag_of(hash);
+        let check = check_of(hash);
         let mut g = self.home(hash);
         for _ in 0..self.groups.len() {
             let group = self.groups.get(g)?;
@@ -199,7 +215,8 @@ impl GroupTable {
                 m &= m - 1;
                 if group.tag(i) == tag
                     && let Some(&v) = group.vals.get(i)
-                    && eq(v)
+                    && v & CHECK_BITS == check
+                    && eq(v & !CHECK_BITS)
                 {
                     return Some((g, i));
                 }
@@ -216,7 +233,7 @@ impl GroupTable {
     #[inline(always)]
     pub fn find(&self, hash: u64, eq: impl FnMut(u64) -> bool) -> Option<u64> {
         let (g, i) = self.locate(hash, eq)?;
-        self.groups.get(g)?.vals.get(i).copied()
+        self.groups.get(g)?.vals.get(i).map(|&v| v & !CHECK_BITS)
     }
 
     /// Replace the value for `hash` that `eq` accepts; false if none.
@@ -226,7 +243,8 @@ impl GroupTable {
         };
         match self.groups.get_mut(g).and_then(|x| x.vals.get_mut(i)) {
             Some(v) => {
-                *v = value;
+                debug_assert_eq!(value & CHECK_BITS, 0);
+                *v = value | check_of(hash);
                 true
             }
             None => false,
@@ -238,7 +256,7 @@ impl GroupTable {
     pub fn remove(&mut self, hash: u64, eq: impl FnMut(u64) -> bool) -> Option<u64> {
         let (g, i) = self.locate(hash, eq)?;
         let group = self.groups.get_mut(g)?;
-        let v = group.vals.get(i).copied()?;
+        let v = group.vals.get(i).copied()? & !CHECK_BITS;
         group.set_tag(i, 0);
         self.len -= 1;
         let mut k = self.home(hash);
@@ -290,7 +308,8 @@ impl GroupTable {
             if let Some(i) = group.free_slot() {
                 group.set_tag(i, tag);
                 if let Some(v) = group.vals.get_mut(i) {
-                    *v = value;
+                    debug_assert_eq!(value & CHECK_BITS, 0);
+                    *v = value | check_of(hash);
                 }
                 return;
             }
@@ -311,6 +330,7 @@ impl GroupTable {
                 if group.tag(i) != 0
                     && let Some(&v) = group.vals.get(i)
                 {
+                    let v = v & !CHECK_BITS;
                     self.place(rehash(v), v);
                 }
             }
@@ -323,7 +343,7 @@ impl GroupTable {
         self.groups.iter().flat_map(|g| {
             (0..SLOTS)
                 .filter(|&i| g.tag(i) != 0)
-                .filter_map(|i| g.vals.get(i).copied())
+                .filter_map(|i| g.vals.get(i).map(|&v| v & !CHECK_BITS))
         })
     }
 
@@ -340,9 +360,10 @@ impl GroupTable {
                     continue;
                 }
                 count += 1;
-                let v = group.vals.get(i).copied().ok_or("slot")?;
+                let raw = group.vals.get(i).copied().ok_or("slot")?;
+                let v = raw & !CHECK_BITS;
                 let h = hash_of(v);
-                if tag != tag_of(h) {
+                if tag != tag_of(h) || raw & CHECK_BITS != check_of(h) {
                     return Err(format!("value {v} has tag {tag}, wants {}", tag_of(h)));
                 }
                 let mut k = self.home(h);
@@ -471,6 +492,39 @@ mod tests {
             (groups, None)
         );
         assert_eq!(t.check(|v| hash(v, 20)), Ok(()));
+    }
+
+    #[test]
+    fn only_a_candidate_with_the_same_check_bits_is_confirmed() {
+        // one home and one tag for every key; bits 48..56 of the hash differ
+        let hash = |k: u64| (0xAB << 56) | ((k & 0xFF) << 48);
+        let mut t = GroupTable::new();
+        for k in 0..6u64 {
+            t.insert_new(hash(k), k, hash);
+        }
+        let mut asked = Vec::new();
+        let added = t.insert_unless(
+            hash(6),
+            6,
+            |v| {
+                asked.push(v);
+                v == 6
+            },
+            hash,
+        );
+        assert!(added);
+        assert_eq!(asked, Vec::<u64>::new());
+        // same check bits as key 2 (hash(258) == hash(2)): key 2 is asked
+        assert_eq!(t.find(hash(258), |v| v == 258), None);
+        let mut asked = Vec::new();
+        let _ = t.find(hash(258), |v| {
+            asked.push(v);
+            false
+        });
+        assert_eq!(asked, vec![2]);
+        assert_eq!(t.check(hash), Ok(()));
+        assert_eq!(t.remove(hash(3), |v| v == 3), Some(3));
+        assert_eq!(t.find(hash(6), |v| v == 6), Some(6));
     }
 
     #[test]

@@ -24,6 +24,8 @@
 //!   [`IndexError::EngineHashConflict`] and the index is left untouched.
 //! * Two different engine hashes of one target at the same path are both
 //!   kept; the target holds the node until both are removed.
+//! * `Stored` of more than [`radix::MAX_EVENT_BLOCKS`] blocks (16.7 M):
+//!   rejected with [`IndexError::TooManyBlocks`]; the index is untouched.
 //! * `Removed` of an engine hash the target does not hold: a counted no-op per
 //!   block; the other blocks of the event are still removed.
 //! * `Cleared`, `remove_rank` and `remove_worker` of unknown targets: no-ops.
@@ -74,6 +76,12 @@ pub enum IndexError {
     EngineHashConflict {
         worker: WorkerRank,
         engine_hash: EngineHash,
+    },
+    #[error("{worker}: stored {blocks} blocks in one event, more than the {max} the index takes")]
+    TooManyBlocks {
+        worker: WorkerRank,
+        blocks: usize,
+        max: usize,
     },
 }
 

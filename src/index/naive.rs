@@ -11,6 +11,7 @@
 //! restores a copy of the target's state taken before it, so it is
 //! all-or-nothing by construction. Speed is not a goal.
 
+use super::radix::MAX_EVENT_BLOCKS;
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -93,6 +94,13 @@ impl NaiveIndex {
         parent: Option<EngineHash>,
         blocks: &[(EngineHash, LocalHash)],
     ) -> Result<ApplyOutcome, IndexError> {
+        if blocks.len() > MAX_EVENT_BLOCKS {
+            return Err(IndexError::TooManyBlocks {
+                worker,
+                blocks: blocks.len(),
+                max: MAX_EVENT_BLOCKS,
+            });
+        }
         let mut path = match parent {
             None => Vec::new(),
             Some(p) => match t.engine.get(&p) {

@@ -73,7 +73,7 @@
 //!   hole or `held`.
 
 use super::array_pool::ArrayPool;
-use super::group_table::GroupTable;
+use super::group_table::{CHECK_BITS, GroupTable};
 use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, WorkerOverlap};
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use hashbrown::HashTable;
@@ -93,6 +93,14 @@ pub const MAX_RESERVED_BLOCKS: u64 = 1 << 20;
 const MAX_RESERVED_TOTAL: u64 = 1 << 24;
 /// Most bytes of freed segment arrays kept for reuse.
 const POOL_BYTES: usize = 1 << 18;
+/// Absolute indices stay below this, so that a position leaves the group
+/// table's `CHECK_BITS` clear: a store that would append past it starts a
+/// new segment instead (which starts at 0), and a store of more blocks
+/// than [`MAX_EVENT_BLOCKS`] is rejected.
+const ABS_LIMIT: u32 = 1 << CHECK_BITS.trailing_zeros();
+const _: () = assert!(CHECK_BITS >> 32 == 0 && CHECK_BITS & (ABS_LIMIT as u64 - 1) == 0);
+/// Most blocks one stored event may carry.
+pub const MAX_EVENT_BLOCKS: usize = ABS_LIMIT as usize - 1;
 
 type Pos = u64;
 
@@ -101,6 +109,7 @@ type Block = (EngineHash, LocalHash);
 
 #[inline(always)]
 fn pos(seg: u32, abs: u32) -> Pos {
+    debug_assert!(abs < ABS_LIMIT);
     (u64::from(seg) << 32) | u64::from(abs)
 }
 
@@ -461,6 +470,8 @@ pub struct IndexCore {
     shifted: Vec<Block>,
     /// Freed segment arrays, for the next segments.
     pool: ArrayPool<Block>,
+    /// [`ABS_LIMIT`], lowered by tests to reach it.
+    abs_limit: u32,
     /// Splits so far (a split moves positions).
     splits: u64,
     events_applied: u64,
@@ -514,6 +525,7 @@ impl IndexCore {
             scratch: Vec::new(),
             shifted: Vec::new(),
             pool: ArrayPool::new(POOL_BYTES),
+            abs_limit: ABS_LIMIT,
             splits: 0,
             events_applied: 0,
             events_rejected: 0,
@@ -1406,6 +1418,13 @@ impl IndexCore {
         parent: Option<EngineHash>,
         blocks: Cow<'_, [Block]>,
     ) -> Result<ApplyOutcome, IndexError> {
+        if blocks.len() >= self.abs_limit as usize {
+            return Err(IndexError::TooManyBlocks {
+                worker,
+                blocks: blocks.len(),
+                max: self.abs_limit as usize - 1,
+            });
+        }
         let existing = self.slot_of.get(&worker).copied();
         let parent_pos = match parent {
             None => None,
@@ -1622,10 +1641,14 @@ impl IndexCore {
         let Some(&(e0, _)) = blocks.get(from) else {
             return Ok(());
         };
+        let room = self.abs_limit as usize;
         let appendable = at != ROOT
-            && self
-                .seg(at)
-                .is_some_and(|g| g.kids == 0 && g.only(s) && g.held as usize == g.pairs.len());
+            && self.seg(at).is_some_and(|g| {
+                g.kids == 0
+                    && g.only(s)
+                    && g.held as usize == g.pairs.len()
+                    && g.end() as usize + (blocks.len() - from) <= room
+            });
         let (id, first_abs) = if appendable {
             let Some(g) = self.segs.get_mut(at as usize) else {
                 return Ok(());
@@ -2206,6 +2229,43 @@ mod tests {
         let q: Vec<u64> = (0..50).collect();
         assert_eq!(prefix(&c, &q, w(1)), 50);
         Ok(())
+    }
+
+    #[test]
+    fn appends_stop_at_the_abs_limit_and_longer_stores_are_rejected() -> Result<(), String> {
+        let mut c = IndexCore::new(1);
+        c.abs_limit = 8;
+        try_apply(&mut c, w(1), &store(None, &chain(100, 5)))?;
+        // 5 + 5 positions would pass index 8: a new segment, starting at 0
+        let b: Vec<(u64, u64)> = (5..10).map(|i| (100 + i, i)).collect();
+        try_apply(&mut c, w(1), &store(Some(104), &b))?;
+        ok(&c)?;
+        assert_eq!(c.segs.len(), 3, "root + two segments");
+        assert!(c.segs.iter().all(|g| g.end() <= 8));
+        let q: Vec<u64> = (0..10).collect();
+        assert_eq!(prefix(&c, &q, w(1)), 10);
+        // a store must fit one segment: 7 blocks do, 8 do not
+        try_apply(&mut c, w(2), &store(None, &chain(200, 7)))?;
+        let before = c.stats();
+        assert_eq!(
+            c.apply(w(2), &store(Some(206), &chain(300, 8))),
+            Err(IndexError::TooManyBlocks {
+                worker: w(2),
+                blocks: 8,
+                max: 7
+            })
+        );
+        let after = c.stats();
+        assert_eq!(
+            (
+                after.blocks,
+                after.nodes,
+                after.per_worker,
+                after.events_rejected
+            ),
+            (before.blocks, before.nodes, before.per_worker, 1)
+        );
+        ok(&c)
     }
 
     #[test]

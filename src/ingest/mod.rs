@@ -379,5 +379,6 @@ fn rejection_reason(error: &IndexError) -> &'static str {
     match error {
         IndexError::UnknownParent { .. } => "unknown_parent",
         IndexError::EngineHashConflict { .. } => "engine_hash_conflict",
+        IndexError::TooManyBlocks { .. } => "too_many_blocks",
     }
 }
