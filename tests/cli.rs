@@ -53,6 +53,14 @@ fn block_size_zero_is_refused() {
 }
 
 #[test]
+fn blocks_per_event_over_the_index_limit_are_refused() {
+    // the index takes at most 2^24 - 1 blocks in one stored event
+    let (code, stderr) = serve_fails(&["--max-blocks-per-event", "16777216"], &[]);
+    assert_eq!(code, 2);
+    assert_one_clear_line(&stderr, "--max-blocks-per-event");
+}
+
+#[test]
 fn unparsable_address_is_refused() {
     let (code, stderr) = serve_fails(&["--grpc-addr", "not-an-address"], &[]);
     assert_eq!(code, 2);
