@@ -5,29 +5,19 @@
 //! `table_only_replay`'s says the engine-hash table does.
 //!
 //! Usage: `cargo run --release --example event_costs -- FILE [REPS]`
+mod common;
+
 use kvroute::index::{KvEvent, OverlapScores};
-use kvroute::oplog::{KvRouteReplay, Op, OpLog};
-use std::path::PathBuf;
+use kvroute::oplog::{KvRouteReplay, Op};
 use std::process::ExitCode;
 use std::time::Instant;
 
 const KINDS: [&str; 3] = ["match", "store", "remove"];
 
 fn main() -> ExitCode {
-    let Some(path) = std::env::args().nth(1).map(PathBuf::from) else {
-        eprintln!("usage: event_costs FILE [REPS]");
-        return ExitCode::from(2);
-    };
-    let reps: usize = std::env::args()
-        .nth(2)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
-    let log = match OpLog::load(&path) {
-        Ok(log) => log,
-        Err(e) => {
-            eprintln!("{}: {e}", path.display());
-            return ExitCode::FAILURE;
-        }
+    let (log, reps) = match common::log_and_reps("event_costs", 5) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
     // (kind, blocks, best nanoseconds) per op; clears are left out
     let mut ops: Vec<(usize, f64, f64)> = vec![(usize::MAX, 0.0, f64::MAX); log.ops.len()];

@@ -3,27 +3,17 @@
 //! kind over the runs, which is steadier than one replay on a busy machine.
 //!
 //! Usage: `cargo run --release --example op_breakdown -- FILE [REPS]`
+mod common;
+
 use kvroute::index::{KvEvent, OverlapScores};
-use kvroute::oplog::{KvRouteReplay, Op, OpLog};
-use std::path::PathBuf;
+use kvroute::oplog::{KvRouteReplay, Op};
 use std::process::ExitCode;
 use std::time::Instant;
 
 fn main() -> ExitCode {
-    let Some(path) = std::env::args().nth(1).map(PathBuf::from) else {
-        eprintln!("usage: op_breakdown FILE [REPS]");
-        return ExitCode::from(2);
-    };
-    let reps: usize = std::env::args()
-        .nth(2)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    let log = match OpLog::load(&path) {
-        Ok(log) => log,
-        Err(e) => {
-            eprintln!("{}: {e}", path.display());
-            return ExitCode::FAILURE;
-        }
+    let (log, reps) = match common::log_and_reps("op_breakdown", 3) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
     let mut best = [f64::MAX; 4];
     for _ in 0..reps {

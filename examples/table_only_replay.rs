@@ -8,11 +8,12 @@
 //! not a model of the whole index.
 //!
 //! Usage: `cargo run --release --example table_only_replay -- FILE [REPS]`
+mod common;
+
 use kvroute::index::KvEvent;
 use kvroute::index::group_table::{CHECK_BITS, GroupTable};
-use kvroute::oplog::{Op, OpLog};
+use kvroute::oplog::Op;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -29,20 +30,9 @@ fn value(e: u64) -> u64 {
 }
 
 fn main() -> ExitCode {
-    let Some(path) = std::env::args().nth(1).map(PathBuf::from) else {
-        eprintln!("usage: table_only_replay FILE [REPS]");
-        return ExitCode::from(2);
-    };
-    let reps: usize = std::env::args()
-        .nth(2)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
-    let log = match OpLog::load(&path) {
-        Ok(log) => log,
-        Err(e) => {
-            eprintln!("{}: {e}", path.display());
-            return ExitCode::FAILURE;
-        }
+    let (log, reps) = match common::log_and_reps("table_only_replay", 5) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
     let capacity = log.header.capacity as usize;
     let mut best = (f64::MAX, f64::MAX);
