@@ -364,7 +364,12 @@ impl GroupTable {
                 let v = raw & !CHECK_BITS;
                 let h = hash_of(v);
                 if tag != tag_of(h) || raw & CHECK_BITS != check_of(h) {
-                    return Err(format!("value {v} has tag {tag}, wants {}", tag_of(h)));
+                    return Err(format!(
+                        "value {v} has tag {tag} and check bits {:#x}, wants {} and {:#x}",
+                        raw & CHECK_BITS,
+                        tag_of(h),
+                        check_of(h)
+                    ));
                 }
                 let mut k = self.home(h);
                 while k != g {
