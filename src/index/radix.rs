@@ -450,8 +450,9 @@ pub struct IndexCore {
     slot_of: FxHashMap<WorkerRank, u32>,
     free_slots: BTreeSet<u32>,
     /// Blocks each target expects to cache (its KV capacity): its table
-    /// is sized for them when it first stores, and never grows after
-    /// (growing reads every key back through the tree, under the lock).
+    /// is sized for them when it registers (again, if its slot was dropped,
+    /// when it next stores), and never grows after (growing reads every key
+    /// back through the tree, under the lock).
     reserved: FxHashMap<WorkerRank, u64>,
     /// Most room granted to all slots together, in blocks.
     reserve_budget: u64,
@@ -963,13 +964,14 @@ impl IndexCore {
     }
 
     /// Make target `worker`'s table room for `blocks` blocks (at most
-    /// [`MAX_RESERVED_BLOCKS`]), now or when it first stores.
+    /// [`MAX_RESERVED_BLOCKS`]) now: a registration comes before the
+    /// target's events, so its table is built (and its pages touched) then,
+    /// not by the first store on the event path.
     pub fn reserve(&mut self, worker: WorkerRank, blocks: u64) {
         let blocks = blocks.min(MAX_RESERVED_BLOCKS);
         self.reserved.insert(worker, blocks);
-        if let Some(&s) = self.slot_of.get(&worker) {
-            self.reserve_slot(s, blocks);
-        }
+        let s = self.slot_or_create(worker);
+        self.reserve_slot(s, blocks);
     }
 
     fn reserve_slot(&mut self, s: u32, blocks: u64) {
@@ -2484,10 +2486,13 @@ mod tests {
                 .and_then(|&s| c.slots.get(s as usize))
                 .map_or(0, |s| s.table.bytes())
         };
-        // reserved before the first store: the table never grows
+        // reserved before the first store: the table is built at once, at
+        // its full size, and never grows
         c.reserve(w(1), 2000);
-        try_apply(&mut c, w(1), &store(None, &chain(0, 1)))?;
         let sized = table_bytes(&c, w(1));
+        assert!(sized >= 2000 * 8, "no table at registration: {sized} bytes");
+        try_apply(&mut c, w(1), &store(None, &chain(0, 1)))?;
+        assert_eq!(table_bytes(&c, w(1)), sized);
         try_apply(&mut c, w(1), &store(Some(0), &chain(1, 1999)))?;
         assert_eq!(table_bytes(&c, w(1)), sized);
         // without a reservation the same stores grow it from nothing
