@@ -138,7 +138,8 @@ pub struct IndexStats {
     pub blocks: u64,
     /// Tree nodes (distinct paths), root excluded.
     pub nodes: u64,
-    /// Targets known to the index.
+    /// Targets holding at least one block (a registered target that has
+    /// stored nothing yet is not one).
     pub workers: u64,
     /// Blocks per target, sorted by target; targets holding nothing omitted.
     pub per_worker: Vec<(WorkerRank, u64)>,

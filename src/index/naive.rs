@@ -183,7 +183,7 @@ impl NaiveIndex {
         IndexStats {
             blocks: per_worker.iter().map(|(_, n)| n).sum(),
             nodes: prefixes.len() as u64,
-            workers: self.targets.len() as u64,
+            workers: per_worker.len() as u64,
             per_worker,
             ..IndexStats::default()
         }

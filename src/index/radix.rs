@@ -1880,7 +1880,7 @@ impl IndexCore {
         IndexStats {
             blocks: per_worker.iter().map(|(_, n)| n).sum(),
             nodes: self.positions,
-            workers: self.slot_of.len() as u64,
+            workers: per_worker.len() as u64,
             per_worker,
             bytes_used: self.bytes_used(),
             events_applied: self.events_applied,
