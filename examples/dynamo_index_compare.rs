@@ -195,6 +195,7 @@ fn main() -> ExitCode {
     let mut path: Option<PathBuf> = None;
     let mut kvroute_first = false;
     let mut rounds = 1usize;
+    let mut bad_rounds = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--oplog" {
@@ -204,11 +205,11 @@ fn main() -> ExitCode {
         } else if a == "--rounds" {
             match args.next().and_then(|n| n.parse().ok()) {
                 Some(n) if n > 0 => rounds = n,
-                _ => path = None,
+                _ => bad_rounds = true,
             }
         }
     }
-    let Some(path) = path else {
+    let (Some(path), false) = (path, bad_rounds) else {
         eprintln!("usage: dynamo_index_compare --oplog FILE [--kvroute-first] [--rounds N]");
         return ExitCode::from(2);
     };
