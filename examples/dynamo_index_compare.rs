@@ -120,10 +120,6 @@ impl ReplayIndex for DynamoReplay {
         }
     }
 
-    fn is_match(op: &DynOp) -> bool {
-        matches!(op, DynOp::Match(_))
-    }
-
     fn run(&mut self, op: DynOp, prefixes: &mut Vec<u32>) -> Step {
         match op {
             DynOp::Match(q) => {
@@ -163,10 +159,6 @@ impl ReplayIndex for HarnessFloor {
         op.clone()
     }
 
-    fn is_match(op: &Op) -> bool {
-        matches!(op, Op::Match(_))
-    }
-
     fn run(&mut self, op: Op, _prefixes: &mut Vec<u32>) -> Step {
         match op {
             Op::Match(_) => Step::Matched,
@@ -183,7 +175,7 @@ fn measured<I: ReplayIndex>(make: impl FnOnce() -> I, log: &OpLog) -> (ReplayRep
     let before = live();
     let mut index = make();
     let prepared: Vec<I::Prepared> = log.ops.iter().map(|op| index.prepare(op)).collect();
-    let mut report = replay_prepared(&mut index, prepared, log.blocks());
+    let mut report = replay_prepared(&mut index, prepared, log);
     let bytes = (live() - before).max(0) as f64;
     if report.entries > 0 {
         report.bytes_per_entry = Some(bytes / report.entries as f64);

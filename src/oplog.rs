@@ -210,8 +210,6 @@ pub trait ReplayIndex {
     /// The `impl` field of the report.
     fn impl_name(&self) -> String;
     fn prepare(&self, op: &Op) -> Self::Prepared;
-    /// Whether a prepared op is a match (only matches are timed one by one).
-    fn is_match(op: &Self::Prepared) -> bool;
     /// Run one op. For a match, push every non-zero prefix length to `prefixes`
     /// (cleared by the caller).
     fn run(&mut self, op: Self::Prepared, prefixes: &mut Vec<u32>) -> Step;
@@ -265,27 +263,33 @@ fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
 }
 
 /// Replay prepared ops in order (the timed part); see the module docs.
+/// `prepared[i]` is `log.ops[i]` prepared for `index`.
 pub fn replay_prepared<I: ReplayIndex>(
     index: &mut I,
     prepared: Vec<I::Prepared>,
-    blocks: u64,
+    log: &OpLog,
 ) -> ReplayReport {
+    debug_assert_eq!(prepared.len(), log.ops.len(), "one prepared op per log op");
     let ops = prepared.len() as u64;
+    let blocks = log.blocks();
     let mut lat_ns: Vec<u64> = Vec::with_capacity(prepared.len());
     let mut prefixes: Vec<u32> = Vec::with_capacity(64);
     let (mut overlap_sum, mut score_sum, mut event_errors) = (0u64, 0u64, 0u64);
     let start = Instant::now();
-    for op in prepared {
+    for (op, source) in prepared.into_iter().zip(&log.ops) {
         prefixes.clear();
         // only a match's latency is reported, so only a match reads the
         // clock: two clock reads per event would add about 1 ms per
         // replay of loop cost to every index's figure
-        let t0 = I::is_match(&op).then(Instant::now);
+        let t0 = matches!(source, Op::Match(_)).then(Instant::now);
         let step = index.run(op, &mut prefixes);
         let dt = t0.map(|t| t.elapsed());
         match step {
             Step::Matched => {
-                debug_assert!(dt.is_some(), "a match ran untimed: is_match disagrees");
+                debug_assert!(
+                    dt.is_some(),
+                    "a match ran untimed: prepared from a non-match"
+                );
                 lat_ns.push(dt.map_or(0, |d| d.as_nanos() as u64));
                 overlap_sum += u64::from(prefixes.iter().copied().max().unwrap_or(0));
                 score_sum += prefixes.iter().map(|&p| u64::from(p)).sum::<u64>();
@@ -323,7 +327,7 @@ pub fn replay_prepared<I: ReplayIndex>(
 /// Prepare every op (untimed), then replay them in order.
 pub fn replay<I: ReplayIndex>(index: &mut I, log: &OpLog) -> ReplayReport {
     let prepared: Vec<I::Prepared> = log.ops.iter().map(|op| index.prepare(op)).collect();
-    replay_prepared(index, prepared, log.blocks())
+    replay_prepared(index, prepared, log)
 }
 
 /// kvroute's [`KvIndex`] under replay.
@@ -373,10 +377,6 @@ impl ReplayIndex for KvRouteReplay {
         op.clone()
     }
 
-    fn is_match(op: &Op) -> bool {
-        matches!(op, Op::Match(_))
-    }
-
     fn run(&mut self, op: Op, prefixes: &mut Vec<u32>) -> Step {
         match op {
             Op::Match(q) => {
@@ -414,10 +414,6 @@ impl ReplayIndex for NaiveReplay {
 
     fn prepare(&self, op: &Op) -> Op {
         op.clone()
-    }
-
-    fn is_match(op: &Op) -> bool {
-        matches!(op, Op::Match(_))
     }
 
     fn run(&mut self, op: Op, prefixes: &mut Vec<u32>) -> Step {
