@@ -85,14 +85,19 @@ pub fn parse(argv: Vec<String>) -> Result<Cli, CliError> {
     if serve.config.is_none() {
         return Ok(first);
     }
-    let matches = Cli::command()
+    let command = Cli::command();
+    let matches = command
+        .clone()
         .try_get_matches_from(&argv)
         .map_err(clap_error)?;
-    let Some(("serve", serve_matches)) = matches.subcommand() else {
+    let (Some(("serve", serve_matches)), Some(serve_command)) =
+        (matches.subcommand(), command.find_subcommand("serve"))
+    else {
         return Ok(first);
     };
-    let argv = config::argv_with_config_file(serve_matches, serve.config.as_ref(), argv)
-        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let argv =
+        config::argv_with_config_file(serve_command, serve_matches, serve.config.as_ref(), argv)
+            .map_err(|e| CliError::Usage(e.to_string()))?;
     parse_once(&argv)
 }
 

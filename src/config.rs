@@ -306,10 +306,12 @@ pub enum ConfigError {
 }
 
 /// Folds the TOML file named by `--config` (if any) into the parsed command
-/// line. `matches` are the `serve` sub-command's matches and `argv` the full
-/// original arguments; returns argv with the file's settings appended where
-/// neither a flag nor an env var set them.
+/// line. `command` is the `serve` sub-command (which settings exist),
+/// `matches` its matches and `argv` the full original arguments; returns
+/// argv with the file's settings appended where neither a flag nor an env
+/// var set them.
 pub fn argv_with_config_file(
+    command: &clap::Command,
     matches: &clap::ArgMatches,
     config_path: Option<&PathBuf>,
     argv: Vec<String>,
@@ -337,14 +339,18 @@ pub fn argv_with_config_file(
                 message: "`config` cannot be set from a config file".into(),
             });
         }
-        let source = matches
-            .try_contains_id(&id)
-            .map_err(|_| ConfigError::File {
-                path: shown.clone(),
+        // asked of the command, not of `matches`: `ArgMatches` checks that
+        // an id exists only in debug builds
+        if !command.get_arguments().any(|a| a.get_id() == id.as_str()) {
+            return Err(ConfigError::File {
+                path: shown,
                 message: format!("unknown setting `{key}`"),
-            })
-            .map(|_| matches.value_source(&id))?;
-        if !matches!(source, Some(ValueSource::DefaultValue) | None) {
+            });
+        }
+        if !matches!(
+            matches.value_source(&id),
+            Some(ValueSource::DefaultValue) | None
+        ) {
             continue; // a flag or env var wins over the file
         }
         if let toml::Value::Array(items) = value {
