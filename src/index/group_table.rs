@@ -276,10 +276,43 @@ impl GroupTable {
         &mut self,
         hash: u64,
         value: u64,
-        eq: impl FnMut(u64) -> bool,
+        mut eq: impl FnMut(u64) -> bool,
         rehash: impl Fn(u64) -> u64,
     ) -> bool {
-        if self.locate(hash, eq).is_some() {
+        // the usual case, in one look at one line: the home group has no
+        // overflow (so a present key would be in it), the key is not
+        // there, and the group has a free slot, where `place` would put it
+        let tag = tag_of(hash);
+        let check = check_of(hash);
+        let home = self.home(hash);
+        let room = self.len < self.groups.len() * (SLOTS - 1);
+        if let Some(group) = self.groups.get_mut(home)
+            && room
+            && group.overflow() == 0
+        {
+            let mut m = group.candidates(tag);
+            while m != 0 {
+                let i = (m.trailing_zeros() / 8) as usize;
+                m &= m - 1;
+                if group.tag(i) == tag
+                    && let Some(&v) = group.vals.get(i)
+                    && v & CHECK_BITS == check
+                    && eq(v & !CHECK_BITS)
+                {
+                    return false;
+                }
+            }
+            if let Some(i) = group.free_slot() {
+                group.set_tag(i, tag);
+                if let Some(v) = group.vals.get_mut(i) {
+                    debug_assert_eq!(value & CHECK_BITS, 0);
+                    *v = value | check;
+                }
+                self.len += 1;
+                return true;
+            }
+        }
+        if self.locate(hash, &mut eq).is_some() {
             return false;
         }
         self.insert_new(hash, value, rehash);
