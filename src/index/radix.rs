@@ -1266,27 +1266,41 @@ impl IndexCore {
         let mut out = ApplyOutcome::default();
         let mut pending = std::mem::take(&mut self.pending);
         pending.clear();
+        pending.reserve(blocks.len());
+        let segs = &self.segs;
+        let extra_refs = &mut self.extra_refs;
+        let Some(slot) = self.slots.get_mut(s as usize) else {
+            self.pending = pending;
+            return out;
+        };
         for (k, &e) in blocks.iter().enumerate() {
-            self.prefetch_ahead(s, k, |i| blocks.get(i).copied());
-            let Some(p) = self.take_entry(s, e) else {
+            slot.table
+                .prefetch_ahead(k, |i| blocks.get(i).map(|&x| engine_hash(x)));
+            let taken = match slot
+                .table
+                .remove(engine_hash(e), |x| engine_in(segs, x) == Some(e))
+            {
+                Some(p) => Some(p),
+                None if slot.alias.is_empty() => None,
+                None => slot.remove_alias(e),
+            };
+            let Some(p) = taken else {
                 out.skipped += 1;
                 continue;
             };
             out.applied += 1;
-            if !self.extra_refs.is_empty()
-                && let Some(r) = self.extra_refs.get_mut(&(p, s))
+            if !extra_refs.is_empty()
+                && let Some(r) = extra_refs.get_mut(&(p, s))
             {
                 *r -= 1;
                 if *r == 0 {
-                    self.extra_refs.remove(&(p, s));
+                    extra_refs.remove(&(p, s));
                 }
                 continue;
             }
             pending.push(p);
         }
-        if let Some(slot) = self.slots.get_mut(s as usize) {
-            slot.count -= out.applied;
-        }
+        slot.count -= out.applied;
         // pass 2: in event order (LRU sends the deepest of the oldest blocks
         // first, which lowers `held` or grows a hole run); a split renames
         // the positions still pending
@@ -1362,21 +1376,6 @@ impl IndexCore {
         if let Some(slot) = self.slots.get(s as usize) {
             slot.table
                 .prefetch_ahead(k, |i| engine_of(i).map(engine_hash));
-        }
-    }
-
-    /// Take slot `s`'s entry for engine hash `e` out of its maps and return
-    /// its position (None if it holds no such block).
-    fn take_entry(&mut self, s: u32, e: EngineHash) -> Option<Pos> {
-        let segs = &self.segs;
-        let slot = self.slots.get_mut(s as usize)?;
-        match slot
-            .table
-            .remove(engine_hash(e), |x| engine_in(segs, x) == Some(e))
-        {
-            Some(p) => Some(p),
-            None if slot.alias.is_empty() => None,
-            None => slot.remove_alias(e),
         }
     }
 
@@ -1721,8 +1720,12 @@ impl IndexCore {
             }
         }
         slot.count += done as u64;
-        self.undo.extend(todo.iter().take(done).map(|b| b.0));
         let conflict = todo.get(done).map(|b| b.0);
+        if conflict.is_some() {
+            // nothing after this can fail, so only a conflict needs the
+            // blocks it added recorded for the rollback
+            self.undo.extend(todo.iter().take(done).map(|b| b.0));
+        }
         let drop = (todo.len() - done) as u32;
         let Some(g) = self.segs.get_mut(id as usize) else {
             return Ok(());
