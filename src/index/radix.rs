@@ -1090,16 +1090,9 @@ impl IndexCore {
             return false;
         }
         slot.count -= 1;
-        if !self.extra_refs.is_empty()
-            && let Some(r) = self.extra_refs.get_mut(&(p, s))
-        {
-            *r -= 1;
-            if *r == 0 {
-                self.extra_refs.remove(&(p, s));
-            }
-            return true;
+        if !drop_extra_ref(&mut self.extra_refs, p, s) {
+            self.unhold(s, p);
         }
-        self.unhold(s, p);
         true
     }
 
@@ -1289,16 +1282,9 @@ impl IndexCore {
                 continue;
             };
             out.applied += 1;
-            if !extra_refs.is_empty()
-                && let Some(r) = extra_refs.get_mut(&(p, s))
-            {
-                *r -= 1;
-                if *r == 0 {
-                    extra_refs.remove(&(p, s));
-                }
-                continue;
+            if !drop_extra_ref(extra_refs, p, s) {
+                pending.push(p);
             }
-            pending.push(p);
         }
         slot.count -= out.applied;
         // pass 2: in event order (LRU sends the deepest of the oldest blocks
@@ -1954,6 +1940,24 @@ fn match_len(pairs: &[Block], query: &[LocalHash]) -> usize {
         i += 1;
     }
     i
+}
+
+/// Drop one of slot `s`'s extra references to position `p`: true if it
+/// had one (so `s` still holds `p`), false if the reference that went was
+/// its last (the caller unholds `p`).
+#[inline(always)]
+fn drop_extra_ref(extra_refs: &mut FxHashMap<(Pos, u32), u32>, p: Pos, s: u32) -> bool {
+    if extra_refs.is_empty() {
+        return false;
+    }
+    let Some(r) = extra_refs.get_mut(&(p, s)) else {
+        return false;
+    };
+    *r -= 1;
+    if *r == 0 {
+        extra_refs.remove(&(p, s));
+    }
+    true
 }
 
 /// The creation engine hash at position `p` (a free function, for closures
