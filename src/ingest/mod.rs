@@ -117,9 +117,7 @@ enum Job {
         reply: oneshot::Sender<u64>,
     },
     Reserve {
-        targets: Vec<WorkerRank>,
-        model: String,
-        blocks: u64,
+        worker: WorkerSnapshot,
     },
 }
 
@@ -158,14 +156,8 @@ impl IngestHandle {
         if worker.total_kv_blocks == 0 {
             return;
         }
-        let targets = worker
-            .ranks()
-            .map(|r| WorkerRank::new(worker.worker_id, r))
-            .collect();
         let job = Job::Reserve {
-            targets,
-            model: worker.model.clone(),
-            blocks: worker.total_kv_blocks,
+            worker: worker.clone(),
         };
         let _ = self.tx.send(job).await;
     }
@@ -211,21 +203,28 @@ pub fn start_writer(core: Arc<RouterCore>) -> std::io::Result<IngestHandle> {
                     } => {
                         let _ = reply.send(remove_worker(&core, worker_id, &model));
                     }
-                    Job::Reserve {
-                        targets,
-                        model,
-                        blocks,
-                    } => {
-                        if let Some(index) = core.index_of(&model) {
-                            for target in targets {
-                                index.reserve(target, blocks);
-                            }
-                        }
-                    }
+                    Job::Reserve { worker } => reserve(&core, &worker),
                 }
             }
         })?;
     Ok(IngestHandle { tx })
+}
+
+/// Sizes the index tables of `worker`'s dp ranks for its KV capacity: the
+/// writer's work for [`IngestHandle::reserve`], also called directly by the
+/// replay simulator.
+pub fn reserve(core: &RouterCore, worker: &WorkerSnapshot) {
+    if worker.total_kv_blocks == 0 {
+        return;
+    }
+    if let Some(index) = core.index_of(&worker.model) {
+        for rank in worker.ranks() {
+            index.reserve(
+                WorkerRank::new(worker.worker_id, rank),
+                worker.total_kv_blocks,
+            );
+        }
+    }
 }
 
 fn remove_worker(core: &RouterCore, worker_id: WorkerId, model: &str) -> u64 {

@@ -92,8 +92,16 @@ impl KvRoutePolicy {
                 taints: Vec::new(),
                 lease_ttl: Some(std::time::Duration::from_secs(365 * 24 * 3600)),
             };
+            let worker_id = registration.worker_id;
             if self.core.register_worker(registration).is_err() {
                 self.errors += 1;
+                continue;
+            }
+            // as the service does at registration: size the index tables
+            // for the engine's KV capacity
+            let record = self.core.registry.read().get(worker_id).cloned();
+            if let Some(record) = record {
+                ingest::reserve(&self.core, &record.snapshot());
             }
         }
         self.next_event_id = vec![0; fleet.len()];
@@ -246,5 +254,43 @@ impl Router for KvRoutePolicy {
 
     fn on_request_complete(&mut self, request_id: u64) {
         self.core.release_request(&request_id.to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::engine::EngineLoad;
+
+    fn engine(total_blocks: usize) -> EngineLoad {
+        EngineLoad {
+            total_blocks,
+            ..EngineLoad::default()
+        }
+    }
+
+    #[test]
+    fn registering_the_fleet_sizes_the_index_for_each_engine() -> Result<(), String> {
+        let mut policy = KvRoutePolicy::new(KvRouteKnobs::default()).map_err(|e| e.to_string())?;
+        let bytes = |p: &KvRoutePolicy| p.core.index_of(MODEL).map(|i| i.stats().bytes_used);
+        let small = [engine(1_000), engine(1_000)];
+        let fleet = |engines| FleetView {
+            engines,
+            block_size: 16,
+            max_num_batched_tokens: 8192,
+        };
+        policy.register(&fleet(&small));
+        let after_small = bytes(&policy).ok_or("no index for the sim model")?;
+        // tables sized for 2 x 1,000 blocks: at least 8 bytes per block
+        assert!(after_small >= 16_000, "{after_small} bytes");
+        let mut bigger = KvRoutePolicy::new(KvRouteKnobs::default()).map_err(|e| e.to_string())?;
+        bigger.register(&fleet(&[engine(100_000), engine(100_000)]));
+        let after_big = bytes(&bigger).ok_or("no index for the sim model")?;
+        assert!(
+            after_big >= 1_600_000 && after_big > 10 * after_small,
+            "{after_big} bytes for 2 x 100,000 blocks against {after_small} for 2 x 1,000"
+        );
+        assert_eq!(policy.errors, 0);
+        Ok(())
     }
 }
