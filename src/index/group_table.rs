@@ -77,6 +77,25 @@ impl Group {
         x.wrapping_sub(LOW_BYTES) & !x & HIGH_BITS
     }
 
+    /// The slot holding a value with `tag` and `check` bits that `eq`
+    /// accepts.
+    #[inline(always)]
+    fn find(&self, tag: u8, check: u64, mut eq: impl FnMut(u64) -> bool) -> Option<usize> {
+        let mut m = self.candidates(tag);
+        while m != 0 {
+            let i = (m.trailing_zeros() / 8) as usize;
+            m &= m - 1;
+            if self.tag(i) == tag
+                && let Some(&v) = self.vals.get(i)
+                && v & CHECK_BITS == check
+                && eq(v & !CHECK_BITS)
+            {
+                return Some(i);
+            }
+        }
+        None
+    }
+
     /// The first empty slot.
     #[inline(always)]
     fn free_slot(&self) -> Option<usize> {
@@ -209,17 +228,8 @@ impl GroupTable {
         let mut g = self.home(hash);
         for _ in 0..self.groups.len() {
             let group = self.groups.get(g)?;
-            let mut m = group.candidates(tag);
-            while m != 0 {
-                let i = (m.trailing_zeros() / 8) as usize;
-                m &= m - 1;
-                if group.tag(i) == tag
-                    && let Some(&v) = group.vals.get(i)
-                    && v & CHECK_BITS == check
-                    && eq(v & !CHECK_BITS)
-                {
-                    return Some((g, i));
-                }
+            if let Some(i) = group.find(tag, check, &mut eq) {
+                return Some((g, i));
             }
             if group.overflow() == 0 {
                 return None;
@@ -290,17 +300,8 @@ impl GroupTable {
             && room
             && group.overflow() == 0
         {
-            let mut m = group.candidates(tag);
-            while m != 0 {
-                let i = (m.trailing_zeros() / 8) as usize;
-                m &= m - 1;
-                if group.tag(i) == tag
-                    && let Some(&v) = group.vals.get(i)
-                    && v & CHECK_BITS == check
-                    && eq(v & !CHECK_BITS)
-                {
-                    return false;
-                }
+            if group.find(tag, check, &mut eq).is_some() {
+                return false;
             }
             if let Some(i) = group.free_slot() {
                 group.set_tag(i, tag);

@@ -1264,6 +1264,7 @@ impl IndexCore {
         let extra_refs = &mut self.extra_refs;
         let Some(slot) = self.slots.get_mut(s as usize) else {
             self.pending = pending;
+            out.skipped = blocks.len() as u64;
             return out;
         };
         for (k, &e) in blocks.iter().enumerate() {
