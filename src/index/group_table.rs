@@ -10,10 +10,12 @@
 //! another.
 //!
 //! Layout (invariants, checked by `check` in the tests):
-//! * Groups of 7 slots, a power of two of them. `ctrl` byte `i < 7` is slot
+//! * Groups of 7 slots, any number of them. `ctrl` byte `i < 7` is slot
 //!   `i`'s tag: 0 when empty, else the top byte of the entry's hash
 //!   (raised to 1 if it is 0). Byte 7 is the group's overflow count.
-//! * An entry lives in its home group (`hash & mask`) or, when that is full,
+//! * An entry lives in its home group (the hash's low 32 bits scaled to the
+//!   number of groups, so the tag and check bits stay independent of it)
+//!   or, when that is full,
 //!   in the first group after it with room, wrapping around. Each group it
 //!   passed on the way counts it in its overflow count, so a probe goes on
 //!   past a group only while its count is not 0. Removal counts down along
@@ -22,7 +24,13 @@
 //!   past it remain correct, only longer).
 //! * Keys are not stored: the caller's `eq` confirms a candidate (the key
 //!   lives in the tree), and `rehash` gives a stored value's hash when the
-//!   table grows. The table holds at most 6 entries per group on average.
+//!   table grows. The table holds at most [`MAX_PER_GROUP`] (3) entries per
+//!   group on average, 43% of its slots: at that load the home line nearly
+//!   always answers a probe, so a caller prefetches only that line per key,
+//!   and the line fill buffers serve twice as many keys in flight as with
+//!   two lines each (at 6 per group, 20% of inserts walked past home and
+//!   the second line had to be fetched too; measured in
+//!   `docs/INDEX_PERFORMANCE.md`, stop 14).
 //! * Values leave [`CHECK_BITS`] clear, and the table keeps 8 more bits of
 //!   the hash there. A candidate must match those too before `eq` is
 //!   asked, so an insert (whose key is nearly always absent) almost never
@@ -30,6 +38,8 @@
 //!   2% of inserts paid two cache misses for one.
 
 const SLOTS: usize = 7;
+/// Most entries per group, on average, before the table grows.
+pub const MAX_PER_GROUP: usize = 3;
 const OVERFLOW_SHIFT: u32 = 56;
 const LOW_BYTES: u64 = 0x0101_0101_0101_0101;
 const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
@@ -165,7 +175,7 @@ impl GroupTable {
     /// Make room for `n` entries in all, so that inserting up to that many
     /// never resizes (a resize reads every key back through `rehash`).
     pub fn reserve(&mut self, n: usize, rehash: impl Fn(u64) -> u64) {
-        let groups = n.div_ceil(SLOTS - 1).next_power_of_two();
+        let groups = n.div_ceil(MAX_PER_GROUP);
         if n > 0 && groups > self.groups.len() {
             self.resize(groups, &rehash);
         }
@@ -184,24 +194,21 @@ impl GroupTable {
 
     #[inline(always)]
     fn home(&self, hash: u64) -> usize {
-        (hash as usize) & self.groups.len().wrapping_sub(1)
+        (((hash & 0xFFFF_FFFF) * self.groups.len() as u64) >> 32) as usize
     }
 
     #[inline(always)]
     fn next(&self, g: usize) -> usize {
-        (g + 1) & self.groups.len().wrapping_sub(1)
+        if g + 1 < self.groups.len() { g + 1 } else { 0 }
     }
 
-    /// Start loading the lines a probe for `hash` reads first (its home
-    /// group, and the next for when the home overflowed) without waiting
-    /// for them. A caller probing many keys asks for the lines of the key
+    /// Start loading the line a probe for `hash` reads first (its home
+    /// group) without waiting for it. A caller probing many keys asks for the lines of the key
     /// [`PREFETCH_AHEAD`] places ahead of the one it probes, so that the
     /// misses overlap with the probes' work.
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
-        let g = self.home(hash);
-        prefetch_line(self.groups.get(g));
-        prefetch_line(self.groups.get(self.next(g)));
+        prefetch_line(self.groups.get(self.home(hash)));
     }
 
     /// For a loop that probes keys 0, 1, 2, ... in order, called before
@@ -295,7 +302,7 @@ impl GroupTable {
         let tag = tag_of(hash);
         let check = check_of(hash);
         let home = self.home(hash);
-        let room = self.len < self.groups.len() * (SLOTS - 1);
+        let room = self.len < self.groups.len() * MAX_PER_GROUP;
         if let Some(group) = self.groups.get_mut(home)
             && room
             && group.overflow() == 0
@@ -323,7 +330,7 @@ impl GroupTable {
     /// Add `value` for `hash`, known to be absent.
     #[inline(always)]
     pub fn insert_new(&mut self, hash: u64, value: u64, rehash: impl Fn(u64) -> u64) {
-        if (self.len + 1) > self.groups.len() * (SLOTS - 1) {
+        if (self.len + 1) > self.groups.len() * MAX_PER_GROUP {
             self.grow(&rehash);
         }
         self.place(hash, value);
@@ -356,7 +363,7 @@ impl GroupTable {
         self.resize((self.groups.len() * 2).max(1), rehash);
     }
 
-    /// Move every entry into `n` groups (a power of two, enough for them).
+    /// Move every entry into `n` groups (enough for them).
     fn resize(&mut self, n: usize, rehash: &impl Fn(u64) -> u64) {
         let old = std::mem::replace(&mut self.groups, vec![Group::default(); n]);
         for group in &old {
@@ -434,12 +441,17 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::HashMap;
 
-    /// Values are keys here; `spread` bits of hash decide the home group, so
-    /// a small `spread` crowds every key into a few groups.
+    /// Values are keys here; `spread` bits of hash (the top of the 32 the
+    /// home is scaled from) decide the home group, so a small `spread`
+    /// crowds every key into a few groups.
     fn hash(v: u64, spread: u32) -> u64 {
         let h = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let h = h ^ (h >> 29);
-        (h & !((1u64 << 56) - 1)) | ((h >> 8) & ((1u64 << spread) - 1))
+        let home_bits = match spread {
+            0 => 0,
+            _ => ((h >> 8) & ((1u64 << spread) - 1)) << (32 - spread),
+        };
+        (h & !((1u64 << 56) - 1)) | home_bits
     }
 
     fn run(ops: &[(u8, u64)], spread: u32, check_every: usize) -> Result<(), String> {
@@ -519,7 +531,7 @@ mod tests {
         let mut t = GroupTable::new();
         t.reserve(5000, |v| hash(v, 20));
         let groups = t.groups.len();
-        assert!(groups * (SLOTS - 1) >= 5000);
+        assert!(groups * MAX_PER_GROUP >= 5000);
         for k in 0..5000u64 {
             t.insert_new(hash(k, 20), k, |v| hash(v, 20));
         }
