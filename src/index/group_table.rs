@@ -15,8 +15,8 @@
 //!   (raised to 1 if it is 0). Byte 7 is the group's overflow count.
 //! * An entry lives in its home group (the hash's low 32 bits scaled to the
 //!   number of groups, so the tag and check bits stay independent of it)
-//!   or, when that is full,
-//!   in the first group after it with room, wrapping around. Each group it
+//!   or, when that is full, in the first group after it with room,
+//!   wrapping around. Each group it
 //!   passed on the way counts it in its overflow count, so a probe goes on
 //!   past a group only while its count is not 0. Removal counts down along
 //!   the same way: no tombstones, so a table never needs rehashing to clean
