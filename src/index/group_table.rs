@@ -194,6 +194,7 @@ impl GroupTable {
 
     #[inline(always)]
     fn home(&self, hash: u64) -> usize {
+        // a u32 times a group count (far below 2^32) fits in a u64
         (((hash & 0xFFFF_FFFF) * self.groups.len() as u64) >> 32) as usize
     }
 
@@ -203,9 +204,9 @@ impl GroupTable {
     }
 
     /// Start loading the line a probe for `hash` reads first (its home
-    /// group) without waiting for it. A caller probing many keys asks for the lines of the key
-    /// [`PREFETCH_AHEAD`] places ahead of the one it probes, so that the
-    /// misses overlap with the probes' work.
+    /// group) without waiting for it. A caller probing many keys asks for
+    /// the line of the key [`PREFETCH_AHEAD`] places ahead of the one it
+    /// probes, so that the misses overlap with the probes' work.
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
         prefetch_line(self.groups.get(self.home(hash)));
