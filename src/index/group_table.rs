@@ -25,8 +25,8 @@
 //! * Keys are not stored: the caller's `eq` confirms a candidate (the key
 //!   lives in the tree), and `rehash` gives a stored value's hash when the
 //!   table grows. The table holds at most [`MAX_PER_GROUP`] (3) entries per
-//!   group on average, 43% of its slots: at that load the home line nearly
-//!   always answers a probe, so a caller prefetches only that line per key,
+//!   group on average, 43% of its slots: at that load the home line
+//!   answers 95% of inserts, so a caller prefetches only that line per key,
 //!   and the line fill buffers serve twice as many keys in flight as with
 //!   two lines each (at 6 per group, 20% of inserts walked past home and
 //!   the second line had to be fetched too; measured in
