@@ -27,7 +27,7 @@ use dynamo_kv_router::protocols::{
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
 use kvroute::index::KvEvent;
-use kvroute::oplog::{KvRouteReplay, Op, OpLog, ReplayIndex, ReplayReport, Step, replay_prepared};
+use kvroute::oplog::{KvRouteReplay, Op, OpLog, ReplayIndex, ReplayReport, Step, replay};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -174,8 +174,7 @@ impl ReplayIndex for HarnessFloor {
 fn measured<I: ReplayIndex>(make: impl FnOnce() -> I, log: &OpLog) -> (ReplayReport, I) {
     let before = live();
     let mut index = make();
-    let prepared: Vec<I::Prepared> = log.ops.iter().map(|op| index.prepare(op)).collect();
-    let mut report = replay_prepared(&mut index, prepared, log);
+    let mut report = replay(&mut index, log);
     let bytes = (live() - before).max(0) as f64;
     if report.entries > 0 {
         report.bytes_per_entry = Some(bytes / report.entries as f64);
