@@ -970,8 +970,13 @@ impl IndexCore {
     pub fn reserve(&mut self, worker: WorkerRank, blocks: u64) {
         let blocks = blocks.min(MAX_RESERVED_BLOCKS);
         self.reserved.insert(worker, blocks);
-        let s = self.slot_or_create(worker);
-        self.reserve_slot(s, blocks);
+        match self.slot_of.get(&worker) {
+            Some(&s) => self.reserve_slot(s, blocks),
+            // a new slot takes its reservation from `reserved` as it is made
+            None => {
+                self.slot_or_create(worker);
+            }
+        }
     }
 
     fn reserve_slot(&mut self, s: u32, blocks: u64) {
