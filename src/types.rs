@@ -119,3 +119,13 @@ impl WorkerSnapshot {
             .unwrap_or_default()
     }
 }
+
+/// Load the router has booked on one worker rank and not yet seen finish
+/// (kept by `admission::bookings`, read by selection).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct BookedLoad {
+    pub prefill_tokens: u64,
+    pub prefill_blocks: u64,
+    pub decode_blocks: u64,
+    pub active_requests: u64,
+}

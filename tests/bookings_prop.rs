@@ -6,8 +6,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use kvroute::admission::bookings::{BookedLoad, BookingLedger};
 use kvroute::types::{LocalHash, WorkerRank};
+use kvroute::{admission::bookings::BookingLedger, types::BookedLoad};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]

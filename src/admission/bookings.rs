@@ -20,33 +20,13 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-use crate::types::{LocalHash, WorkerId, WorkerRank};
+use crate::select::BookedLoads;
+use crate::types::{BookedLoad, LocalHash, WorkerId, WorkerRank};
 
 use super::AdmissionError;
 
 /// Default age after which a booking that was never released is dropped.
 pub const DEFAULT_BOOKING_TTL_MS: u64 = 300_000;
-
-/// Load booked on one worker rank.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct BookedLoad {
-    pub prefill_tokens: u64,
-    pub prefill_blocks: u64,
-    pub decode_blocks: u64,
-    pub active_requests: u64,
-}
-
-/// Read access to booked load, so selection can be fed by the ledger or, in
-/// tests and previews, by a plain map.
-pub trait BookedLoads {
-    fn booked(&self, target: WorkerRank) -> BookedLoad;
-}
-
-impl BookedLoads for HashMap<WorkerRank, BookedLoad> {
-    fn booked(&self, target: WorkerRank) -> BookedLoad {
-        self.get(&target).copied().unwrap_or_default()
-    }
-}
 
 fn mix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -5,11 +5,12 @@ use crate::types::RankMap;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use super::bookings::{BookedLoad, BookingLedger};
+use super::bookings::BookingLedger;
 use super::*;
 use crate::select::{
     AffinityMode, CostScorer, SelectConfig, SelectContext, SelectError, SessionRef, select,
 };
+use crate::types::BookedLoad;
 use crate::types::{WorkerRank, WorkerSnapshot};
 
 fn worker(id: u64) -> WorkerSnapshot {

@@ -14,7 +14,7 @@
 use std::collections::HashSet;
 use std::fmt;
 
-use crate::admission::bookings::BookedLoad;
+use crate::types::BookedLoad;
 use crate::types::{DpRank, RequestPhase, WorkerId, WorkerRole, WorkerSnapshot};
 
 /// Why a worker rank cannot serve a request.

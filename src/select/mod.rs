@@ -5,7 +5,7 @@
 //! explain. Invariants:
 //! * [`select`] is pure: it reads the registry snapshots, index overlaps,
 //!   booked loads and session table it is given and changes none of them.
-//!   RESERVE callers book with [`crate::admission::commit`] afterwards;
+//!   RESERVE callers book afterwards (`admission::commit`);
 //! * a pin (hints, HARD session affinity, planned worker) is resolved and
 //!   validated before scoring; a pinned target is never replaced by another;
 //! * eligibility never depends on load: busy candidates are skipped only
@@ -29,14 +29,28 @@ use crate::types::RankMap;
 
 use rand::RngCore;
 
-use crate::admission::bookings::{BookedLoad, BookedLoads};
-use crate::types::{DpRank, RankLoad, RequestPhase, WorkerId, WorkerRank, WorkerSnapshot};
+use crate::types::{
+    BookedLoad, DpRank, RankLoad, RequestPhase, WorkerId, WorkerRank, WorkerSnapshot,
+};
 
 pub use affinity::{AffinityMode, SessionRef, SessionTable};
 pub use eligibility::{Busy, BusyThresholds, Eligibility, Ineligible};
 pub use error::{ErrorCode, SelectError};
 pub use pins::PinTarget;
 pub use scoring::{CandidateScore, CostScorer, ScoreInput, ScoreParams, Scorer};
+
+/// Read access to the load booked per (worker, rank): selection is fed by
+/// the router's booking ledger (`admission::bookings`) or, in tests and
+/// previews, by a plain map.
+pub trait BookedLoads {
+    fn booked(&self, target: WorkerRank) -> BookedLoad;
+}
+
+impl BookedLoads for std::collections::HashMap<WorkerRank, BookedLoad> {
+    fn booked(&self, target: WorkerRank) -> BookedLoad {
+        self.get(&target).copied().unwrap_or_default()
+    }
+}
 
 /// Routing hints a frontend attaches to a request.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -16,7 +16,7 @@ pub use cost::CostScorer;
 
 use rand::RngCore;
 
-use crate::admission::bookings::BookedLoad;
+use crate::types::BookedLoad;
 use crate::types::{RankLoad, WorkerRank};
 
 /// What a scorer knows about one candidate.

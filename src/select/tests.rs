@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use super::*;
-use crate::admission::bookings::BookedLoad;
+use crate::types::BookedLoad;
 use crate::types::{RankLoad, WorkerRole};
 
 const BS: u32 = 4;
