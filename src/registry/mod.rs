@@ -82,6 +82,19 @@ impl WorkerRecord {
     }
 }
 
+/// The registration one (worker, dp_rank)'s events are checked and applied
+/// against: a copy, so a batch is validated (and its tokens hashed) with no
+/// lock held.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventTarget {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    /// The registration the events are valid for (see `WorkerRecord`).
+    pub generation: u64,
+    pub model: String,
+    pub block_size: u32,
+}
+
 /// Registry failures, each naming the worker concerned.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RegistryError {
@@ -265,22 +278,26 @@ impl Registry {
         Ok(record)
     }
 
-    /// Removes every worker whose lease lapsed before `now`.
-    pub fn reap_expired(&mut self, now: Instant) -> Vec<WorkerRecord> {
-        let expired: Vec<WorkerId> = self
+    /// Workers whose lease lapsed by `now`, by id.
+    pub fn lapsed(&self, now: Instant) -> Vec<WorkerId> {
+        let mut lapsed: Vec<WorkerId> = self
             .workers
             .values()
             .filter(|w| w.lease_deadline <= now)
             .map(|w| w.registration.worker_id)
             .collect();
-        let reaped: Vec<WorkerRecord> = expired
-            .into_iter()
-            .filter_map(|id| self.workers.remove(&id))
-            .collect();
-        for record in &reaped {
-            self.refresh_snapshots(&record.registration.model);
+        lapsed.sort_unstable();
+        lapsed
+    }
+
+    /// Removes `worker_id` if its lease lapsed by `now`, returning its record.
+    pub fn remove_if_lapsed(&mut self, worker_id: WorkerId, now: Instant) -> Option<WorkerRecord> {
+        if self.workers.get(&worker_id)?.lease_deadline > now {
+            return None;
         }
-        reaped
+        let record = self.workers.remove(&worker_id)?;
+        self.refresh_snapshots(&record.registration.model);
+        Some(record)
     }
 
     pub fn set_cordoned(
@@ -304,18 +321,19 @@ impl Registry {
         self.workers.get(&worker_id)
     }
 
-    /// Checks that `(worker_id, dp_rank)` is registered, returning its record.
-    pub fn rank(
+    /// What events for `(worker_id, dp_rank)` are checked and applied
+    /// against; an error if that rank is not registered.
+    pub fn event_target(
         &self,
         worker_id: WorkerId,
         dp_rank: DpRank,
-    ) -> Result<&WorkerRecord, RegistryError> {
+    ) -> Result<EventTarget, RegistryError> {
         let record = self
             .workers
             .get(&worker_id)
             .ok_or(RegistryError::UnknownWorker { worker_id })?;
+        let r = &record.registration;
         if !record.has_rank(dp_rank) {
-            let r = &record.registration;
             return Err(RegistryError::UnknownRank {
                 worker_id,
                 dp_rank,
@@ -323,7 +341,13 @@ impl Registry {
                 end: u64::from(r.dp_start_rank) + u64::from(r.dp_size),
             });
         }
-        Ok(record)
+        Ok(EventTarget {
+            worker_id,
+            dp_rank,
+            generation: record.generation,
+            model: r.model.clone(),
+            block_size: r.block_size,
+        })
     }
 
     /// Every worker, by id.
@@ -379,163 +403,4 @@ impl Registry {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registration {
-        Registration {
-            worker_id,
-            model: model.into(),
-            role: WorkerRole::Aggregated,
-            endpoint: String::new(),
-            block_size,
-            dp_start_rank: 0,
-            dp_size: 1,
-            total_kv_blocks: 1000,
-            max_num_batched_tokens: 8192,
-            taints: vec![],
-            lease_ttl: None,
-        }
-    }
-
-    #[test]
-    fn first_worker_fixes_the_models_block_size() {
-        let mut registry = Registry::new();
-        let now = Instant::now();
-        let ttl = Duration::from_secs(10);
-        assert!(
-            registry
-                .register(registration(1, "m", 16), ttl, now)
-                .unwrap()
-                .created
-        );
-        let error = registry
-            .register(registration(2, "m", 32), ttl, now)
-            .unwrap_err();
-        assert_eq!(
-            error.to_string(),
-            "worker 2 declares block_size 32 but model \"m\" uses block_size 16"
-        );
-        // Another model may use another size; the only worker of a model may change it.
-        registry
-            .register(registration(3, "other", 32), ttl, now)
-            .unwrap();
-        let outcome = registry
-            .register(registration(1, "m", 64), ttl, now)
-            .unwrap();
-        assert!(!outcome.created);
-        assert_eq!(outcome.invalidated.map(|r| r.block_size), Some(16));
-    }
-
-    #[test]
-    fn reregistering_keeps_cordon_and_renews_the_lease() {
-        let mut registry = Registry::new();
-        let start = Instant::now();
-        let ttl = Duration::from_secs(10);
-        registry
-            .register(registration(1, "m", 16), ttl, start)
-            .unwrap();
-        registry.set_cordoned(1, true).unwrap();
-        let later = start + Duration::from_secs(8);
-        let outcome = registry
-            .register(registration(1, "m", 16), ttl, later)
-            .unwrap();
-        assert_eq!(outcome.invalidated, None);
-        let record = registry.get(1).unwrap();
-        assert!(record.cordoned);
-        assert_eq!(record.lease_remaining(later), ttl);
-    }
-
-    #[test]
-    fn heartbeat_renews_and_lapsed_leases_are_reaped() {
-        let mut registry = Registry::new();
-        let start = Instant::now();
-        let ttl = Duration::from_secs(10);
-        registry
-            .register(registration(1, "m", 16), ttl, start)
-            .unwrap();
-        registry
-            .register(registration(2, "m", 16), ttl, start)
-            .unwrap();
-        let load = RankLoad {
-            running_requests: 3,
-            waiting_requests: 1,
-            kv_blocks_used: 50,
-        };
-        registry
-            .heartbeat(1, &[(0, load)], start + Duration::from_secs(9))
-            .unwrap();
-        assert!(matches!(
-            registry.heartbeat(1, &[(5, load)], start),
-            Err(RegistryError::UnknownRank { dp_rank: 5, .. })
-        ));
-        let reaped = registry.reap_expired(start + Duration::from_secs(10));
-        assert_eq!(reaped.len(), 1);
-        assert_eq!(reaped[0].registration.worker_id, 2);
-        assert_eq!(registry.get(1).unwrap().snapshot().rank_load(0), load);
-        assert!(
-            registry
-                .reap_expired(start + Duration::from_secs(18))
-                .is_empty()
-        );
-        assert_eq!(
-            registry.reap_expired(start + Duration::from_secs(19)).len(),
-            1
-        );
-    }
-
-    #[test]
-    fn snapshots_follow_every_change() {
-        let mut registry = Registry::new();
-        let now = Instant::now();
-        let ttl = Duration::from_secs(10);
-        registry
-            .register(registration(2, "m", 16), ttl, now)
-            .unwrap();
-        registry
-            .register(registration(1, "m", 16), ttl, now)
-            .unwrap();
-        let ids = |r: &Registry| -> Vec<u64> {
-            r.model_snapshots("m").iter().map(|w| w.worker_id).collect()
-        };
-        assert_eq!(ids(&registry), vec![1, 2]);
-        registry.set_cordoned(2, true).unwrap();
-        assert!(registry.model_snapshots("m")[1].cordoned);
-        let load = RankLoad {
-            running_requests: 7,
-            ..RankLoad::default()
-        };
-        registry.heartbeat(1, &[(0, load)], now).unwrap();
-        assert_eq!(registry.model_snapshots("m")[0].rank_load(0), load);
-        // Moving a worker to another model moves its snapshot.
-        registry
-            .register(registration(1, "other", 32), ttl, now)
-            .unwrap();
-        assert_eq!(ids(&registry), vec![2]);
-        assert_eq!(registry.model_snapshots("other").len(), 1);
-        registry.deregister(2).unwrap();
-        assert!(registry.model_snapshots("m").is_empty());
-        registry.reap_expired(now + ttl);
-        assert!(registry.model_snapshots("other").is_empty());
-    }
-
-    #[test]
-    fn invalid_registrations_are_refused() {
-        let mut registry = Registry::new();
-        let now = Instant::now();
-        let ttl = Duration::from_secs(10);
-        assert!(
-            registry
-                .register(registration(1, "m", 0), ttl, now)
-                .is_err()
-        );
-        let mut many = registration(1, "m", 16);
-        many.dp_size = MAX_DP_SIZE + 1;
-        assert!(registry.register(many, ttl, now).is_err());
-        let mut overflow = registration(1, "m", 16);
-        overflow.dp_start_rank = u32::MAX;
-        overflow.dp_size = 2;
-        assert!(registry.register(overflow, ttl, now).is_err());
-        assert_eq!(registry.all().len(), 0);
-    }
-}
+mod tests;
