@@ -1,50 +1,72 @@
-//! Per-worker counters of the engine-event subscriber, ready for export.
+//! Per-worker counters of the engine-event subscriber, as Prometheus series.
 //!
 //! Why this exists: a subscriber that silently drops data makes routing
 //! quietly worse, so every decision (gap, replay, restart, skip) is counted
-//! here. Plain atomics keep this crate free of a metrics dependency; the
-//! service maps a [`MetricsSnapshot`] onto its Prometheus registry with the
-//! worker id as a label and `reason` / `kind` / `medium` labels as named.
+//! here, straight into the service's `engine_event_*` families with the
+//! worker id as a label. A [`MetricsSnapshot`] reads the same handles back
+//! for the one-line summary of `GetWorker`.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::wire::DecodeReason;
+use prometheus::{GaugeVec, IntCounter, IntGauge};
 
-/// Counters of one worker (all its dp ranks together).
-#[derive(Debug, Default)]
+use super::wire::DecodeReason;
+use crate::{metrics::EngineEventFamilies, types::WorkerId};
+
+/// Counters of one worker (all its dp ranks together): handles of the
+/// worker's series in the service's Prometheus families, bound when its
+/// subscription starts ([`WorkerEventMetrics::bound`]) and removed when it
+/// stops ([`WorkerEventMetrics::unbind`]). Counting is the handle's own
+/// atomic add; nothing is copied at scrape time except the age of the last
+/// batch, which is a function of the clock ([`WorkerEventMetrics::refresh_age`]).
+#[derive(Debug)]
 pub struct WorkerEventMetrics {
-    pub batches: AtomicU64,
-    pub events_stored: AtomicU64,
-    pub events_removed: AtomicU64,
-    pub events_cleared: AtomicU64,
+    pub batches: IntCounter,
+    pub events_stored: IntCounter,
+    pub events_removed: IntCounter,
+    pub events_cleared: IntCounter,
     /// Store/remove events on a medium not counted as cached (counted only).
-    pub events_other_medium: AtomicU64,
+    pub events_other_medium: IntCounter,
     /// Events of a KV cache group other than the configured one.
-    pub events_other_group: AtomicU64,
+    pub events_other_group: IntCounter,
     /// Events the index rejected (unknown parent, hash conflict).
-    pub index_rejected: AtomicU64,
+    pub index_rejected: IntCounter,
     /// Gaps detected on the live stream.
-    pub gaps: AtomicU64,
+    pub gaps: IntCounter,
     /// Batches lost for good (no replay endpoint, or beyond its buffer).
-    pub batches_lost: AtomicU64,
-    pub replays_requested: AtomicU64,
-    pub replay_batches: AtomicU64,
+    pub batches_lost: IntCounter,
+    pub replays_requested: IntCounter,
+    pub replay_batches: IntCounter,
     /// Replays that timed out or failed at the socket level.
-    pub replay_failures: AtomicU64,
+    pub replay_failures: IntCounter,
     /// Engine restarts (sequence went backwards); the rank was cleared.
-    pub restarts: AtomicU64,
-    pub connects: AtomicU64,
-    pub disconnects: AtomicU64,
-    pub connect_failures: AtomicU64,
+    pub restarts: IntCounter,
+    connects: IntCounter,
+    disconnects: IntCounter,
+    pub connect_failures: IntCounter,
     /// Batches whose dp rank differs from the subscription's rank.
-    pub rank_mismatch: AtomicU64,
-    decode_errors: [AtomicU64; DecodeReason::ALL.len()],
+    pub rank_mismatch: IntCounter,
+    /// Indexed by [`DecodeReason::index`].
+    decode_errors: Vec<IntCounter>,
+    connected_ranks: IntGauge,
+    /// The family and this worker's label: the series appears with the
+    /// first batch, not at zero before it.
+    last_event_age: (GaugeVec, String),
     /// Unix time (ms) of the last batch received; 0 before the first.
     last_batch_unix_ms: AtomicU64,
     /// The last sequence admitted, plus one; 0 before the first.
     last_seq_plus_one: AtomicU64,
 }
+
+/// The `kind` labels of `engine_events_total`.
+const EVENT_KINDS: [&str; 3] = ["stored", "removed", "cleared"];
+/// The `reason` labels of `engine_events_ignored_total`.
+const IGNORED_REASONS: [&str; 3] = ["other_medium", "other_group", "index_rejected"];
+/// The `outcome` labels of `engine_event_replays_total`.
+const REPLAY_OUTCOMES: [&str; 2] = ["requested", "failed"];
+/// The `event` labels of `engine_event_connections_total`.
+const CONNECTION_EVENTS: [&str; 3] = ["connected", "disconnected", "failed"];
 
 /// A point-in-time copy of [`WorkerEventMetrics`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -94,21 +116,101 @@ fn now_ms() -> u64 {
 }
 
 impl WorkerEventMetrics {
-    pub fn new() -> Self {
-        Self::default()
+    /// Binds `worker_id`'s series in `families`: from now on they exist (at
+    /// zero until counted) and count through the returned handles.
+    pub fn bound(families: &EngineEventFamilies, worker_id: WorkerId) -> Self {
+        let w = worker_id.to_string();
+        let w = w.as_str();
+        let one = |family: &prometheus::IntCounterVec| family.with_label_values(&[w]);
+        let two =
+            |family: &prometheus::IntCounterVec, label: &str| family.with_label_values(&[w, label]);
+        let f = families;
+        Self {
+            batches: one(&f.batches),
+            events_stored: two(&f.events, EVENT_KINDS[0]),
+            events_removed: two(&f.events, EVENT_KINDS[1]),
+            events_cleared: two(&f.events, EVENT_KINDS[2]),
+            events_other_medium: two(&f.ignored, IGNORED_REASONS[0]),
+            events_other_group: two(&f.ignored, IGNORED_REASONS[1]),
+            index_rejected: two(&f.ignored, IGNORED_REASONS[2]),
+            gaps: one(&f.gaps),
+            batches_lost: one(&f.batches_lost),
+            replays_requested: two(&f.replays, REPLAY_OUTCOMES[0]),
+            replay_batches: one(&f.replayed_batches),
+            replay_failures: two(&f.replays, REPLAY_OUTCOMES[1]),
+            restarts: one(&f.restarts),
+            connects: two(&f.connections, CONNECTION_EVENTS[0]),
+            disconnects: two(&f.connections, CONNECTION_EVENTS[1]),
+            connect_failures: two(&f.connections, CONNECTION_EVENTS[2]),
+            rank_mismatch: one(&f.rank_mismatch),
+            decode_errors: DecodeReason::ALL
+                .iter()
+                .map(|r| two(&f.decode_errors, r.label()))
+                .collect(),
+            connected_ranks: f.connected_ranks.with_label_values(&[w]),
+            last_event_age: (f.last_event_age.clone(), w.to_string()),
+            last_batch_unix_ms: AtomicU64::new(0),
+            last_seq_plus_one: AtomicU64::new(0),
+        }
     }
 
-    pub fn inc(counter: &AtomicU64) {
-        counter.fetch_add(1, Relaxed);
+    /// Removes every series of `worker_id` from `families` (its
+    /// subscription stopped); handles still held count into nothing.
+    pub fn unbind(families: &EngineEventFamilies, worker_id: WorkerId) {
+        let f = families;
+        let w = worker_id.to_string();
+        let w = w.as_str();
+        for family in [
+            &f.batches,
+            &f.rank_mismatch,
+            &f.gaps,
+            &f.batches_lost,
+            &f.replayed_batches,
+            &f.restarts,
+        ] {
+            let _ = family.remove_label_values(&[w]);
+        }
+        let pairs = [
+            (&f.events, &EVENT_KINDS[..]),
+            (&f.ignored, &IGNORED_REASONS[..]),
+            (&f.replays, &REPLAY_OUTCOMES[..]),
+            (&f.connections, &CONNECTION_EVENTS[..]),
+        ];
+        for (family, labels) in pairs {
+            for label in labels {
+                let _ = family.remove_label_values(&[w, label]);
+            }
+        }
+        for reason in DecodeReason::ALL {
+            let _ = f.decode_errors.remove_label_values(&[w, reason.label()]);
+        }
+        let _ = f.connected_ranks.remove_label_values(&[w]);
+        let _ = f.last_event_age.remove_label_values(&[w]);
     }
 
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Relaxed);
+    pub fn inc(counter: &IntCounter) {
+        counter.inc();
+    }
+
+    pub fn add(counter: &IntCounter, n: u64) {
+        counter.inc_by(n);
+    }
+
+    /// A rank's socket connected.
+    pub fn connected(&self) {
+        self.connects.inc();
+        self.connected_ranks.inc();
+    }
+
+    /// A rank's socket, connected before, was lost.
+    pub fn disconnected(&self) {
+        self.disconnects.inc();
+        self.connected_ranks.dec();
     }
 
     pub fn decode_error(&self, reason: DecodeReason) {
         if let Some(c) = self.decode_errors.get(reason.index()) {
-            c.fetch_add(1, Relaxed);
+            c.inc();
         }
     }
 
@@ -118,9 +220,21 @@ impl WorkerEventMetrics {
         self.last_seq_plus_one.store(seq.saturating_add(1), Relaxed);
     }
 
+    /// Sets the last-batch age gauge from the clock (before a scrape).
+    pub fn refresh_age(&self) {
+        let last = self.last_batch_unix_ms.load(Relaxed);
+        if last > 0 {
+            let age = Duration::from_millis(now_ms().saturating_sub(last));
+            let (family, worker) = &self.last_event_age;
+            family
+                .with_label_values(&[worker.as_str()])
+                .set(age.as_secs_f64());
+        }
+    }
+
     pub fn snapshot(&self) -> MetricsSnapshot {
         let last = self.last_batch_unix_ms.load(Relaxed);
-        let g = |c: &AtomicU64| c.load(Relaxed);
+        let g = |c: &IntCounter| c.get();
         MetricsSnapshot {
             batches: g(&self.batches),
             events_stored: g(&self.events_stored),
@@ -144,9 +258,7 @@ impl WorkerEventMetrics {
                 .map(|r| {
                     (
                         r.label(),
-                        self.decode_errors
-                            .get(r.index())
-                            .map_or(0, |c| c.load(Relaxed)),
+                        self.decode_errors.get(r.index()).map_or(0, IntCounter::get),
                     )
                 })
                 .collect(),

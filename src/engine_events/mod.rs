@@ -11,6 +11,7 @@
 //! Layout:
 //! * [`wire`]: frames and msgpack payloads of both dialects and encodings.
 //! * [`sequence`]: pure gap / restart / duplicate decisions and backoff.
+//! * [`source`]: where an engine publishes (endpoints, dialect): value types.
 //! * [`translate`]: engine events -> index events (hashing, media, groups).
 //! * [`subscriber`]: the tokio tasks (SUB socket, reconnect, DEALER replay).
 //! * [`metrics`]: per-worker counters.
@@ -22,6 +23,7 @@
 
 pub mod metrics;
 pub mod sequence;
+pub mod source;
 pub mod subscriber;
 pub mod translate;
 pub mod wire;
@@ -38,6 +40,7 @@ use crate::types::{DpRank, WorkerId, WorkerRank};
 
 pub use metrics::{MetricsSnapshot, WorkerEventMetrics};
 pub use sequence::{Admit, Backoff, LiveObservation, SequenceTracker};
+pub use source::{EngineSource, EngineSpec, check_endpoint, dialect_name, parse_dialect};
 pub use subscriber::{WorkerSubscription, spawn_worker};
 pub use translate::{MEDIUM_GPU, TranslateOptions, Translated, Translator, mm_identifier_hash};
 pub use wire::{DecodeError, DecodeReason, Dialect, EngineEvent};

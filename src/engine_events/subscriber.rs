@@ -78,16 +78,16 @@ struct RankSettings {
 }
 
 /// Start one subscriber task per configured dp rank of a worker on
-/// `tracker`. Must be called inside a tokio runtime. `cancel` (or
-/// [`WorkerSubscription::shutdown`]) stops them.
+/// `tracker`, counting into `metrics`. Must be called inside a tokio
+/// runtime. `cancel` (or [`WorkerSubscription::shutdown`]) stops them.
 pub fn spawn_worker<S: EventSink>(
     cfg: EngineEventsConfig,
     sink: Arc<S>,
+    metrics: Arc<WorkerEventMetrics>,
     cancel: CancellationToken,
     tracker: &TaskTracker,
 ) -> Result<WorkerSubscription, ConfigError> {
     cfg.validate()?;
-    let metrics = Arc::new(WorkerEventMetrics::new());
     let opts = Arc::new(cfg.translate_options());
     let settings = RankSettings {
         topic: cfg.topic.clone(),
@@ -141,7 +141,7 @@ async fn run_rank<S: EventSink>(
                 tracing::debug!(%target, endpoint = %eps.endpoint, %e, "engine-event connect failed");
             }
             Ok((mut sub, mut monitor)) => {
-                WorkerEventMetrics::inc(&metrics.connects);
+                metrics.connected();
                 tracing::info!(%target, endpoint = %eps.endpoint, "subscribed to engine KV events");
                 backoff.reset();
                 let why = session(&mut proc, &mut sub, &mut monitor, &eps, &s, &cancel).await;
@@ -149,7 +149,7 @@ async fn run_rank<S: EventSink>(
                 if cancel.is_cancelled() {
                     return;
                 }
-                WorkerEventMetrics::inc(&metrics.disconnects);
+                metrics.disconnected();
                 tracing::info!(%target, %why, "engine-event connection lost; reconnecting");
             }
         }

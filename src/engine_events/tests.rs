@@ -463,7 +463,10 @@ fn processor(
     Arc<WorkerEventMetrics>,
 ) {
     let idx = Arc::new(KvIndex::new(2));
-    let m = Arc::new(WorkerEventMetrics::new());
+    let families = crate::metrics::Metrics::new()
+        .map(|m| m.engine.clone())
+        .unwrap_or_else(|e| panic!("metrics: {e}"));
+    let m = Arc::new(WorkerEventMetrics::bound(&families, 1));
     let opts =
         Arc::new(EngineEventsConfig::new(1, "m", 2, "ipc:///x", dialect).translate_options());
     let p = RankProcessor::new(
