@@ -15,19 +15,17 @@ use tower::limit::GlobalConcurrencyLimitLayer;
 
 use crate::{
     config::ServeConfig,
-    core::RouterCore,
+    fleet::{Fleet, FleetError},
     grpc::{
         admin::AdminService,
         router::RouterService,
         rpc_metrics::{RpcMetricsLayer, rpc_paths},
         workers::WorkersService,
     },
-    ingest::{self, IngestHandle},
+    ingest::{self, EventWriter},
     metrics::Metrics,
     pb,
-    registry::Registration,
-    subscriptions::Subscriptions,
-    types::WorkerRole,
+    router::RouterCore,
 };
 
 /// The gRPC service names health reports on, besides the overall "".
@@ -54,8 +52,8 @@ pub enum ServeError {
     Writer(std::io::Error),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("--engine {worker_id}: {message}")]
-    Engine { worker_id: u64, message: String },
+    #[error("--engine: {0}")]
+    Engine(FleetError),
 }
 
 /// Binds the configured gRPC and metrics addresses, naming the setting on
@@ -83,12 +81,13 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new()?;
-    let core = Arc::new(RouterCore::new(config.clone(), metrics.clone()));
-    let ingest = ingest::start_writer(core.clone()).map_err(ServeError::Writer)?;
-    let subscriptions = Subscriptions::new(ingest.clone(), metrics.clone());
-    if let Err(error) = start_configured_engines(&config, &core, &subscriptions).await {
-        subscriptions.shutdown().await;
-        return Err(error);
+    let core = Arc::new(RouterCore::new(config.router_config(), metrics.clone()));
+    let writer = Arc::new(EventWriter::new(core.clone()));
+    let ingest = ingest::start_writer(writer).map_err(ServeError::Writer)?;
+    let fleet = Arc::new(Fleet::new(core.clone(), ingest));
+    if let Err(error) = fleet.start_configured(&config.engine).await {
+        fleet.shutdown().await;
+        return Err(ServeError::Engine(error));
     }
     let tasks = TaskTracker::new();
     let stop_tasks = CancellationToken::new();
@@ -106,20 +105,18 @@ pub async fn run(
         .build_v1alpha()?;
 
     let max = usize::try_from(config.max_message_bytes).unwrap_or(usize::MAX);
-    let router = pb::router_server::RouterServer::new(RouterService::new(core.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
-    let workers = pb::workers_server::WorkersServer::new(WorkersService::new(
+    let router = pb::router_server::RouterServer::new(RouterService::new(
         core.clone(),
-        ingest.clone(),
-        subscriptions.clone(),
+        config.request_timeout,
     ))
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);
-    let admin =
-        pb::admin_server::AdminServer::new(AdminService::new(core.clone(), subscriptions.clone()))
-            .max_decoding_message_size(max)
-            .max_encoding_message_size(max);
+    let workers = pb::workers_server::WorkersServer::new(WorkersService::new(fleet.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    let admin = pb::admin_server::AdminServer::new(AdminService::new(fleet.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
 
     let known_paths = rpc_paths(&[
         pb::FILE_DESCRIPTOR_SET,
@@ -154,19 +151,18 @@ pub async fn run(
     tasks.spawn(serve_metrics(
         metrics_listener,
         metrics.clone(),
-        subscriptions.clone(),
+        fleet.clone(),
         stop_tasks.clone(),
     ));
     tasks.spawn(housekeeping(
-        core.clone(),
-        ingest,
-        subscriptions.clone(),
+        fleet.clone(),
+        config.lease_ttl,
         stop_tasks.clone(),
     ));
     tasks.close();
 
     set_health(&health, tonic_health::ServingStatus::Serving).await;
-    tracing::info!(grpc = ?grpc_addr, metrics = ?metrics_addr, "kvroute serving");
+    tracing::info!(grpc = %shown(grpc_addr), metrics = %shown(metrics_addr), "kvroute serving");
 
     tokio::select! {
         () = shutdown => {}
@@ -174,7 +170,7 @@ pub async fn run(
             // The server ended on its own: an accept loop failure.
             stop_tasks.cancel();
             tasks.wait().await;
-            subscriptions.shutdown().await;
+            fleet.shutdown().await;
             return flatten(result);
         }
     }
@@ -204,7 +200,7 @@ pub async fn run(
     {
         tracing::warn!("background tasks did not stop within 5s");
     }
-    if tokio::time::timeout(Duration::from_secs(5), subscriptions.shutdown())
+    if tokio::time::timeout(Duration::from_secs(5), fleet.shutdown())
         .await
         .is_err()
     {
@@ -236,58 +232,17 @@ async fn set_health(
     }
 }
 
-/// Registers every `--engine` of the configuration as a worker and starts
-/// its subscription.
-async fn start_configured_engines(
-    config: &ServeConfig,
-    core: &Arc<RouterCore>,
-    subscriptions: &Subscriptions,
-) -> Result<(), ServeError> {
-    for spec in &config.engine {
-        let worker_id = spec.worker_id;
-        let failed = |message: String| ServeError::Engine { worker_id, message };
-        if subscriptions.is_configured(worker_id) {
-            return Err(failed("worker id configured twice".into()));
-        }
-        core.register_worker(Registration {
-            worker_id,
-            model: spec.model.clone(),
-            role: WorkerRole::Aggregated,
-            endpoint: spec.source.endpoint.clone(),
-            block_size: spec.block_size,
-            dp_start_rank: spec.dp_start_rank,
-            dp_size: spec.dp_size,
-            total_kv_blocks: 0,
-            max_num_batched_tokens: 0,
-            taints: Vec::new(),
-            lease_ttl: None,
-        })
-        .map_err(|e| failed(e.to_string()))?;
-        let record = core
-            .registry
-            .read()
-            .get(worker_id)
-            .cloned()
-            .ok_or_else(|| failed("not registered".into()))?;
-        subscriptions
-            .update(&record, Some(spec.source.clone()), true)
-            .await
-            .map_err(failed)?;
-    }
-    Ok(())
+/// An address for the log: the address, or `unknown` if the listener
+/// could not say.
+fn shown(addr: Option<SocketAddr>) -> String {
+    addr.map_or_else(|| "unknown".to_string(), |a| a.to_string())
 }
 
-/// Periodic upkeep: configured engines' leases, lapsed leases (with their
-/// blocks, subscriptions, bookings and sessions), expired bookings and
-/// sessions, index and subscription gauges.
-async fn housekeeping(
-    core: Arc<RouterCore>,
-    ingest: IngestHandle,
-    subscriptions: Arc<Subscriptions>,
-    stop: CancellationToken,
-) {
-    let period =
-        (core.config.lease_ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+/// Periodic upkeep through the fleet: configured engines' leases, lapsed
+/// leases (with their blocks, subscriptions, bookings and sessions), expired
+/// bookings and sessions, index and subscription gauges.
+async fn housekeeping(fleet: Arc<Fleet>, lease_ttl: Duration, stop: CancellationToken) {
+    let period = (lease_ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -295,33 +250,21 @@ async fn housekeeping(
             () = stop.cancelled() => break,
             _ = ticker.tick() => {}
         }
-        subscriptions.renew_configured(&core);
-        for record in core.reap_expired_leases() {
-            let worker_id = record.registration.worker_id;
-            subscriptions.stop(worker_id).await;
-            let blocks = ingest
-                .remove_worker(worker_id, record.registration.model)
-                .await;
-            core.forget_worker(worker_id);
-            tracing::warn!(worker_id, blocks, "lease lapsed: worker removed");
-        }
-        core.expire_bookings();
-        core.refresh_index_gauges();
-        subscriptions.export_metrics();
+        fleet.tick().await;
     }
 }
 
 async fn serve_metrics(
     listener: TcpListener,
     metrics: Arc<Metrics>,
-    subscriptions: Arc<Subscriptions>,
+    fleet: Arc<Fleet>,
     stop: CancellationToken,
 ) {
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
             let metrics = metrics.clone();
-            subscriptions.export_metrics();
+            fleet.refresh_subscription_ages();
             async move {
                 (
                     [(

@@ -49,10 +49,12 @@ pub struct HashArgs {
 /// `kvroute bench ...`
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// Replay an OPLOG v1 file through an index and print the JSON line of
-    /// shared/bench/OPLOG.md.
+    /// Replay an OPLOG v1 file through an index and print one JSON line of
+    /// figures (blocks/s, match latency, memory, answer sums).
     Index {
-        /// The op log (make one with shared/bench/make_oplog.py).
+        /// The op log: OPLOG v1 as `src/oplog.rs` reads it, made from a
+        /// Mooncake trace by the benchmark kit's make_oplog.py (the README's
+        /// "Benchmarks" section gives the command).
         #[arg(long)]
         oplog: std::path::PathBuf,
         /// Which index: kvroute (the service's) or naive (the test oracle).

@@ -11,20 +11,13 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, ValueEnum, parser::ValueSource};
 
+use crate::{
+    engine_events::{EngineSource, EngineSpec},
+    router::{DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig},
+};
+
 // the most blocks per event that the flag accepts is the index's own limit
 const _: () = assert!(crate::index::radix::MAX_EVENT_BLOCKS == 16_777_215);
-
-/// Default weight of prefill cost against decode cost. Dynamo's router uses
-/// 1.0 (and `--overlap-weight 1 --overlap-credit 0` reproduces its choices);
-/// trace replay showed a high weight best for time to first token on both
-/// Mooncake traces: prefill is what a request waits for, while booked decode
-/// blocks only measure KV occupancy (see docs/ARCHITECTURE.md, "Scoring").
-pub const DEFAULT_OVERLAP_WEIGHT: f64 = 64.0;
-
-/// Default credit per cached prompt block (see `overlap_credit`): a quarter
-/// of a block's prefill weight, so a worker holding a prefix keeps its
-/// conversation unless its prefill queue is clearly longer.
-pub const DEFAULT_OVERLAP_CREDIT: f64 = 16.0;
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -168,18 +161,6 @@ pub struct ServeConfig {
     pub engine: Vec<EngineSpec>,
 }
 
-/// One `--engine` setting: a worker kvroute registers itself and whose
-/// engine-native KV events it subscribes to.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EngineSpec {
-    pub worker_id: u64,
-    pub model: String,
-    pub block_size: u32,
-    pub dp_start_rank: u32,
-    pub dp_size: u32,
-    pub source: crate::subscriptions::EngineSource,
-}
-
 /// Parses `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`.
 /// The endpoints contain colons themselves, so REPLAY starts at the second
 /// `tcp://` or `ipc://` (the model name must not contain a colon).
@@ -220,7 +201,7 @@ pub fn parse_engine_spec(text: &str) -> Result<EngineSpec, String> {
             .replace("events_endpoint", "ENDPOINT")
             .replace("replay_endpoint", "REPLAY")
     };
-    let source = crate::subscriptions::EngineSource::from_fields(endpoint, dialect, replay)
+    let source = EngineSource::from_fields(endpoint, dialect, replay)
         .map_err(rename)?
         .ok_or_else(|| format!("ENDPOINT is empty (expected {FORMAT})"))?;
     // Checks that every rank's endpoint can be derived.
@@ -282,6 +263,27 @@ impl ServeConfig {
             max_blocks_per_event: 16384,
             seed: 0,
             engine: Vec::new(),
+        }
+    }
+
+    /// The router core's part of the settings.
+    pub fn router_config(&self) -> RouterConfig {
+        RouterConfig {
+            default_block_size: self.block_size,
+            lease_ttl: self.lease_ttl,
+            booking_ttl: self.booking_ttl,
+            overlap_weight: self.overlap_weight,
+            overlap_credit: self.overlap_credit,
+            temperature: self.temperature,
+            busy_threshold: self.busy_threshold,
+            kv_busy_fraction: self.kv_busy_fraction,
+            queue_capacity: self.queue_capacity,
+            session_ttl: self.session_ttl,
+            seed: self.seed,
+            limits: InputLimits {
+                max_events_per_batch: self.max_events_per_batch,
+                max_blocks_per_event: self.max_blocks_per_event,
+            },
         }
     }
 

@@ -19,7 +19,8 @@ use crate::{
 /// Arguments of `kvroute bench ingest`.
 #[derive(Debug, Args)]
 pub struct IngestBenchArgs {
-    /// The op log (shared/bench/make_oplog.py).
+    /// The op log (OPLOG v1; the README's "Benchmarks" section says how to
+    /// make one from a trace).
     #[arg(long)]
     pub oplog: std::path::PathBuf,
     /// Target an already running server instead of starting one.

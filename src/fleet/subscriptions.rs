@@ -21,10 +21,9 @@ use parking_lot::Mutex;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    core::RouterCore,
     engine_events::{
-        Dialect, EngineEventsConfig, EventSink, MetricsSnapshot, SinkOutcome, WorkerSubscription,
-        spawn_worker,
+        EngineSource, EventSink, MetricsSnapshot, SinkOutcome, WorkerEventMetrics,
+        WorkerSubscription, dialect_name, spawn_worker,
     },
     index::KvEvent,
     ingest::{EngineBatch, IngestError, IngestHandle},
@@ -32,120 +31,6 @@ use crate::{
     registry::WorkerRecord,
     types::{WorkerId, WorkerRank},
 };
-
-/// Where and how a worker's engine publishes its KV events.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EngineSource {
-    pub dialect: Dialect,
-    /// PUB endpoint as configured in the engine (rank 0's; rank `r` listens
-    /// on the port plus `r`).
-    pub endpoint: String,
-    /// The engine's replay (ROUTER) endpoint, offset the same way.
-    pub replay_endpoint: Option<String>,
-}
-
-impl EngineSource {
-    /// Reads the three `RegisterWorkerRequest` fields: `None` when no events
-    /// endpoint is given, an error message naming the field otherwise.
-    pub fn from_fields(
-        endpoint: &str,
-        dialect: &str,
-        replay: &str,
-    ) -> Result<Option<Self>, String> {
-        if endpoint.is_empty() {
-            if !dialect.is_empty() || !replay.is_empty() {
-                return Err(
-                    "events_dialect and replay_endpoint need an events_endpoint".to_string()
-                );
-            }
-            return Ok(None);
-        }
-        check_endpoint("events_endpoint", endpoint)?;
-        let dialect = parse_dialect(dialect)?;
-        let replay_endpoint = if replay.is_empty() {
-            None
-        } else {
-            check_endpoint("replay_endpoint", replay)?;
-            Some(replay.to_string())
-        };
-        Ok(Some(Self {
-            dialect,
-            endpoint: endpoint.to_string(),
-            replay_endpoint,
-        }))
-    }
-
-    /// The subscriber's configuration for a worker with these ranks; an
-    /// error when a rank's endpoint cannot be derived (e.g. `ipc://` with
-    /// several ranks) or the layout is unusable.
-    pub fn events_config(
-        &self,
-        worker_id: WorkerId,
-        model: &str,
-        block_size: u32,
-        dp_start_rank: u32,
-        dp_size: u32,
-    ) -> Result<EngineEventsConfig, String> {
-        let mut cfg = EngineEventsConfig::new(
-            worker_id,
-            model,
-            block_size,
-            self.endpoint.clone(),
-            self.dialect,
-        );
-        cfg.replay_endpoint = self.replay_endpoint.clone();
-        let end = dp_start_rank
-            .checked_add(dp_size.max(1))
-            .ok_or_else(|| "dp_start_rank + dp_size overflows".to_string())?;
-        cfg.dp_ranks = (dp_start_rank..end).collect();
-        cfg.validate().map_err(|e| e.to_string())?;
-        Ok(cfg)
-    }
-}
-
-/// `vllm` or `sglang` (any case).
-pub fn parse_dialect(text: &str) -> Result<Dialect, String> {
-    match text.to_ascii_lowercase().as_str() {
-        "vllm" => Ok(Dialect::Vllm),
-        "sglang" => Ok(Dialect::Sglang),
-        "" => Err("events_dialect is required with an events_endpoint: vllm or sglang".into()),
-        other => Err(format!(
-            "events_dialect {other:?} is not supported: use vllm or sglang"
-        )),
-    }
-}
-
-fn dialect_name(dialect: Dialect) -> &'static str {
-    match dialect {
-        Dialect::Vllm => "vllm",
-        Dialect::Sglang => "sglang",
-    }
-}
-
-/// A ZeroMQ endpoint kvroute can connect to: `tcp://HOST:PORT` or
-/// `ipc://PATH`.
-pub fn check_endpoint(field: &str, endpoint: &str) -> Result<(), String> {
-    if let Some(rest) = endpoint.strip_prefix("tcp://") {
-        let ok = rest.rsplit_once(':').is_some_and(|(host, port)| {
-            !host.is_empty() && host != "*" && port.parse::<u16>().is_ok_and(|p| p > 0)
-        });
-        if ok {
-            return Ok(());
-        }
-        return Err(format!(
-            "{field} {endpoint:?}: expected tcp://HOST:PORT with a connectable host and a port 1-65535"
-        ));
-    }
-    if let Some(path) = endpoint.strip_prefix("ipc://") {
-        if !path.is_empty() {
-            return Ok(());
-        }
-        return Err(format!("{field} {endpoint:?}: ipc:// needs a socket path"));
-    }
-    Err(format!(
-        "{field} {endpoint:?}: only tcp://HOST:PORT and ipc://PATH endpoints are supported"
-    ))
-}
 
 /// The [`EventSink`] of one registration: the ingest writer, with the
 /// generation the subscription was started for.
@@ -207,8 +92,6 @@ struct Running {
     configured: bool,
     ranks: u32,
     subscription: WorkerSubscription,
-    /// What the Prometheus counters last got (they take deltas).
-    exported: MetricsSnapshot,
 }
 
 /// Every running subscription of the service.
@@ -227,14 +110,14 @@ impl std::fmt::Debug for Subscriptions {
 }
 
 impl Subscriptions {
-    pub fn new(ingest: IngestHandle, metrics: Arc<Metrics>) -> Arc<Self> {
-        Arc::new(Self {
+    pub fn new(ingest: IngestHandle, metrics: Arc<Metrics>) -> Self {
+        Self {
             ingest,
             metrics,
             tracker: TaskTracker::new(),
             stop_all: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
-        })
+        }
     }
 
     /// Whether `worker_id` was configured by `kvroute serve --engine` (and
@@ -247,7 +130,8 @@ impl Subscriptions {
     }
 
     /// Makes the worker's subscription match its registration `record` and
-    /// `source`: keeps one that already matches, otherwise stops the old one
+    /// `source` (the caller holds the worker's lifecycle turn, so nothing
+    /// else starts or stops this worker's subscription meanwhile): keeps one that already matches, otherwise stops the old one
     /// (its blocks came from a publisher kvroute no longer follows, so they
     /// are dropped) and starts the new one. `None` only stops.
     pub async fn update(
@@ -288,8 +172,18 @@ impl Subscriptions {
             generation: record.generation,
             model: r.model.clone(),
         });
-        let subscription = spawn_worker(cfg, sink, self.stop_all.child_token(), &self.tracker)
-            .map_err(|e| e.to_string())?;
+        let metrics = Arc::new(WorkerEventMetrics::bound(&self.metrics.engine, worker_id));
+        let subscription = spawn_worker(
+            cfg,
+            sink,
+            metrics,
+            self.stop_all.child_token(),
+            &self.tracker,
+        )
+        .map_err(|e| {
+            WorkerEventMetrics::unbind(&self.metrics.engine, worker_id);
+            e.to_string()
+        })?;
         tracing::info!(
             worker_id,
             dialect = dialect_name(source.dialect),
@@ -306,7 +200,6 @@ impl Subscriptions {
                 configured,
                 ranks: r.dp_size.max(1),
                 subscription,
-                exported: MetricsSnapshot::default(),
             },
         );
         Ok(())
@@ -318,27 +211,21 @@ impl Subscriptions {
         let Some(running) = self.running.lock().remove(&worker_id) else {
             return false;
         };
-        remove_series(&self.metrics, worker_id);
         running.subscription.shutdown().await;
+        WorkerEventMetrics::unbind(&self.metrics.engine, worker_id);
         tracing::info!(worker_id, "engine event subscription stopped");
         true
     }
 
-    /// Renews the leases of configured engines: they have no one to
-    /// heartbeat for them, and stay registered while their subscription runs.
-    pub fn renew_configured(&self, core: &RouterCore) {
-        let ids: Vec<WorkerId> = self
-            .running
+    /// The workers started from `kvroute serve --engine`: they have no one
+    /// to heartbeat for them, so the fleet renews their leases.
+    pub fn configured_ids(&self) -> Vec<WorkerId> {
+        self.running
             .lock()
             .iter()
             .filter(|(_, r)| r.configured)
             .map(|(id, _)| *id)
-            .collect();
-        for id in ids {
-            if let Err(error) = core.heartbeat(id, &[]) {
-                tracing::warn!(worker_id = id, %error, "configured engine lease not renewed");
-            }
-        }
+            .collect()
     }
 
     /// A one-line summary of a worker's subscription, empty when it has none,
@@ -352,15 +239,18 @@ impl Subscriptions {
         summarize(r, &r.subscription.metrics().snapshot())
     }
 
-    /// Brings the Prometheus families up to date with every subscription's
-    /// counters (called before each scrape and by housekeeping).
-    pub fn export_metrics(&self) {
-        let mut running = self.running.lock();
-        for (worker_id, r) in running.iter_mut() {
-            let now = r.subscription.metrics().snapshot();
-            export(&self.metrics, *worker_id, r.ranks, &r.exported, &now);
-            r.exported = now;
+    /// Sets each subscription's last-batch age gauge from the clock (the
+    /// counters need nothing: they count into Prometheus directly).
+    pub fn refresh_ages(&self) {
+        for r in self.running.lock().values() {
+            r.subscription.metrics().refresh_age();
         }
+    }
+
+    /// Subscription tasks still running (tests).
+    #[cfg(test)]
+    pub(super) fn tracker_len(&self) -> usize {
+        self.tracker.len()
     }
 
     /// Stops every subscription and waits for all their tasks.
@@ -417,118 +307,4 @@ fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
         parts.push(format!("last event {:.1}s ago", age.as_secs_f64()));
     }
     parts.join(", ")
-}
-
-const EVENT_KINDS: [&str; 3] = ["stored", "removed", "cleared"];
-const IGNORED_REASONS: [&str; 3] = ["other_medium", "other_group", "index_rejected"];
-const REPLAY_OUTCOMES: [&str; 2] = ["requested", "failed"];
-const CONNECTION_EVENTS: [&str; 3] = ["connected", "disconnected", "failed"];
-
-fn export(
-    metrics: &Metrics,
-    worker_id: WorkerId,
-    ranks: u32,
-    old: &MetricsSnapshot,
-    now: &MetricsSnapshot,
-) {
-    let e = &metrics.engine;
-    let w = worker_id.to_string();
-    let add = |family: &prometheus::IntCounterVec, labels: &[&str], old: u64, now: u64| {
-        // Always touch the series so it exists from the start (at 0).
-        family
-            .with_label_values(labels)
-            .inc_by(now.saturating_sub(old));
-    };
-    add(&e.batches, &[&w], old.batches, now.batches);
-    let kinds = |s: &MetricsSnapshot| [s.events_stored, s.events_removed, s.events_cleared];
-    for ((kind, o), n) in EVENT_KINDS.iter().zip(kinds(old)).zip(kinds(now)) {
-        add(&e.events, &[&w, kind], o, n);
-    }
-    let ignored = |s: &MetricsSnapshot| {
-        [
-            s.events_other_medium,
-            s.events_other_group,
-            s.index_rejected,
-        ]
-    };
-    for ((reason, o), n) in IGNORED_REASONS.iter().zip(ignored(old)).zip(ignored(now)) {
-        add(&e.ignored, &[&w, reason], o, n);
-    }
-    add(
-        &e.rank_mismatch,
-        &[&w],
-        old.rank_mismatch,
-        now.rank_mismatch,
-    );
-    add(&e.gaps, &[&w], old.gaps, now.gaps);
-    add(&e.batches_lost, &[&w], old.batches_lost, now.batches_lost);
-    let replays = |s: &MetricsSnapshot| [s.replays_requested, s.replay_failures];
-    for ((outcome, o), n) in REPLAY_OUTCOMES.iter().zip(replays(old)).zip(replays(now)) {
-        add(&e.replays, &[&w, outcome], o, n);
-    }
-    add(
-        &e.replayed_batches,
-        &[&w],
-        old.replay_batches,
-        now.replay_batches,
-    );
-    add(&e.restarts, &[&w], old.restarts, now.restarts);
-    for (reason, n) in &now.decode_errors {
-        let o = old
-            .decode_errors
-            .iter()
-            .find(|(r, _)| r == reason)
-            .map_or(0, |(_, o)| *o);
-        add(&e.decode_errors, &[&w, reason], o, *n);
-    }
-    let conns = |s: &MetricsSnapshot| [s.connects, s.disconnects, s.connect_failures];
-    for ((event, o), n) in CONNECTION_EVENTS.iter().zip(conns(old)).zip(conns(now)) {
-        add(&e.connections, &[&w, event], o, n);
-    }
-    let connected = now
-        .connects
-        .saturating_sub(now.disconnects)
-        .min(u64::from(ranks));
-    e.connected_ranks
-        .with_label_values(&[&w])
-        .set(i64::try_from(connected).unwrap_or(i64::MAX));
-    if let Some(age) = now.last_event_age {
-        e.last_event_age
-            .with_label_values(&[&w])
-            .set(age.as_secs_f64());
-    }
-}
-
-/// Drops every series of a worker (its subscription stopped).
-fn remove_series(metrics: &Metrics, worker_id: WorkerId) {
-    let e = &metrics.engine;
-    let w = worker_id.to_string();
-    let w = w.as_str();
-    for family in [
-        &e.batches,
-        &e.rank_mismatch,
-        &e.gaps,
-        &e.batches_lost,
-        &e.replayed_batches,
-        &e.restarts,
-    ] {
-        let _ = family.remove_label_values(&[w]);
-    }
-    for kind in EVENT_KINDS {
-        let _ = e.events.remove_label_values(&[w, kind]);
-    }
-    for reason in IGNORED_REASONS {
-        let _ = e.ignored.remove_label_values(&[w, reason]);
-    }
-    for outcome in REPLAY_OUTCOMES {
-        let _ = e.replays.remove_label_values(&[w, outcome]);
-    }
-    for reason in crate::engine_events::DecodeReason::ALL {
-        let _ = e.decode_errors.remove_label_values(&[w, reason.label()]);
-    }
-    for event in CONNECTION_EVENTS {
-        let _ = e.connections.remove_label_values(&[w, event]);
-    }
-    let _ = e.connected_ranks.remove_label_values(&[w]);
-    let _ = e.last_event_age.remove_label_values(&[w]);
 }

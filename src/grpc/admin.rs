@@ -5,103 +5,34 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use crate::{
-    core::{RouterCore, now},
+    fleet::Fleet,
     grpc::{convert, router::prepare, status::reason_label},
     pb,
-    registry::WorkerRecord,
+    router::Admitted,
     select::eligibility::Ineligible,
-    subscriptions::Subscriptions,
-    types::WorkerRank,
 };
 
 /// Handlers of `kvroute.v1.Admin`.
 #[derive(Clone)]
 pub struct AdminService {
-    core: Arc<RouterCore>,
-    subscriptions: Arc<Subscriptions>,
+    fleet: Arc<Fleet>,
 }
 
 type Res<T> = Result<Response<T>, Status>;
 
 impl AdminService {
-    pub fn new(core: Arc<RouterCore>, subscriptions: Arc<Subscriptions>) -> Self {
-        Self {
-            core,
-            subscriptions,
-        }
+    pub fn new(fleet: Arc<Fleet>) -> Self {
+        Self { fleet }
     }
 
     fn fail(&self, status: Status) -> Status {
-        self.core
-            .metrics
+        self.fleet
+            .router()
+            .metrics()
             .input_rejected
             .with_label_values(&["admin", reason_label(&status)])
             .inc();
         status
-    }
-
-    fn worker_info(&self, record: &WorkerRecord) -> pb::WorkerInfo {
-        let r = &record.registration;
-        let booked: Vec<_> = {
-            let state = self.core.routing.read();
-            (0..r.dp_size)
-                .map(|i| {
-                    state
-                        .ledger
-                        .load(WorkerRank::new(r.worker_id, r.dp_start_rank + i))
-                })
-                .collect()
-        };
-        let ranks = (0..r.dp_size)
-            .zip(booked)
-            .map(|(i, booked)| {
-                let dp_rank = r.dp_start_rank + i;
-                let target = WorkerRank::new(r.worker_id, dp_rank);
-                let cursor = self.core.cursor(target).unwrap_or_default();
-                pb::RankInfo {
-                    dp_rank,
-                    reported_load: Some(convert::rank_load_to_pb(
-                        dp_rank,
-                        record.load.get(&dp_rank).copied().unwrap_or_default(),
-                    )),
-                    booked_load: Some(convert::booked_load_to_pb(booked)),
-                    cached_blocks: self.core.cached_blocks(&r.model, target),
-                    last_event_id: cursor.last_applied().unwrap_or(0),
-                    events_skipped: cursor.skipped,
-                    events_rejected: cursor.rejected,
-                }
-            })
-            .collect();
-        pb::WorkerInfo {
-            worker_id: r.worker_id,
-            model: r.model.clone(),
-            role: convert::role_to_pb(r.role).into(),
-            endpoint: r.endpoint.clone(),
-            block_size: r.block_size,
-            dp_start_rank: r.dp_start_rank,
-            dp_size: r.dp_size,
-            total_kv_blocks: r.total_kv_blocks,
-            max_num_batched_tokens: r.max_num_batched_tokens,
-            taints: r.taints.clone(),
-            lease_remaining_ms: u64::try_from(record.lease_remaining(now()).as_millis())
-                .unwrap_or(u64::MAX),
-            cordoned: record.cordoned,
-            ranks,
-            subscription: self.subscriptions.summary(r.worker_id),
-        }
-    }
-
-    fn lookup(&self, worker_id: u64) -> Result<WorkerRecord, Status> {
-        self.core
-            .registry
-            .read()
-            .get(worker_id)
-            .cloned()
-            .ok_or_else(|| {
-                self.fail(Status::not_found(format!(
-                    "worker {worker_id} is not registered"
-                )))
-            })
     }
 }
 
@@ -127,33 +58,30 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::ListWorkersRequest>,
     ) -> Res<pb::ListWorkersResponse> {
         let model = request.into_inner().model;
-        let records: Vec<WorkerRecord> = self
-            .core
-            .registry
-            .read()
-            .all()
-            .into_iter()
-            .filter(|w| model.as_ref().is_none_or(|m| &w.registration.model == m))
-            .cloned()
+        let workers = self
+            .fleet
+            .worker_views(model.as_deref())
+            .iter()
+            .map(convert::worker_view_to_pb)
             .collect();
-        let workers = records.iter().map(|r| self.worker_info(r)).collect();
         Ok(Response::new(pb::ListWorkersResponse { workers }))
     }
 
     async fn get_worker(&self, request: Request<pb::GetWorkerRequest>) -> Res<pb::WorkerInfo> {
-        let record = self.lookup(request.into_inner().worker_id)?;
-        Ok(Response::new(self.worker_info(&record)))
+        let view = self
+            .fleet
+            .worker_view(request.into_inner().worker_id)
+            .map_err(|e| self.fail(e.into()))?;
+        Ok(Response::new(convert::worker_view_to_pb(&view)))
     }
 
     async fn explain_selection(
         &self,
         request: Request<pb::SelectWorkerRequest>,
     ) -> Res<pb::ExplainSelectionResponse> {
-        let prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
-        let selection = self
-            .core
-            .explain(&prepared)
-            .map_err(|e| self.fail(e.into()))?;
+        let router = self.fleet.router();
+        let prepared = prepare(router, request.into_inner()).map_err(|s| self.fail(s))?;
+        let selection = router.explain(&prepared).map_err(|e| self.fail(e.into()))?;
         let candidates = selection
             .candidates
             .iter()
@@ -179,8 +107,7 @@ impl pb::admin_server::Admin for AdminService {
                 }
             })
             .collect();
-        let winner =
-            convert::selection_to_pb(&selection, crate::routing::Admitted::Untracked, false);
+        let winner = convert::selection_to_pb(&selection, Admitted::Untracked, false);
         Ok(Response::new(pb::ExplainSelectionResponse {
             candidates,
             winner: Some(winner),
@@ -192,29 +119,8 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::GetIndexStatsRequest>,
     ) -> Res<pb::IndexStats> {
         let model = request.into_inner().model;
-        let stats = match model {
-            Some(model) => self
-                .core
-                .index_of(&model)
-                .map(|index| index.stats())
-                .unwrap_or_default(),
-            None => self.core.index_totals(),
-        };
-        let (skipped, rejected) = {
-            let cursors = self.core.cursors.lock();
-            cursors
-                .values()
-                .fold((0, 0), |(s, r), c| (s + c.skipped, r + c.rejected))
-        };
-        Ok(Response::new(pb::IndexStats {
-            blocks: stats.blocks,
-            nodes: stats.nodes,
-            workers: stats.workers,
-            events_applied: stats.events_applied,
-            events_skipped: skipped,
-            events_rejected: rejected,
-            memory_bytes: stats.bytes_used,
-        }))
+        let view = self.fleet.index_view(model.as_deref());
+        Ok(Response::new(convert::index_view_to_pb(&view)))
     }
 
     async fn cordon_worker(
@@ -222,12 +128,11 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::CordonWorkerRequest>,
     ) -> Res<pb::WorkerInfo> {
         let worker_id = request.into_inner().worker_id;
-        let record = self
-            .core
+        let view = self
+            .fleet
             .set_cordoned(worker_id, true)
             .map_err(|e| self.fail(e.into()))?;
-        tracing::info!(worker_id, "worker cordoned");
-        Ok(Response::new(self.worker_info(&record)))
+        Ok(Response::new(convert::worker_view_to_pb(&view)))
     }
 
     async fn uncordon_worker(
@@ -235,12 +140,10 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::UncordonWorkerRequest>,
     ) -> Res<pb::WorkerInfo> {
         let worker_id = request.into_inner().worker_id;
-        let record = self
-            .core
+        let view = self
+            .fleet
             .set_cordoned(worker_id, false)
             .map_err(|e| self.fail(e.into()))?;
-        self.core.drain_queue();
-        tracing::info!(worker_id, "worker uncordoned");
-        Ok(Response::new(self.worker_info(&record)))
+        Ok(Response::new(convert::worker_view_to_pb(&view)))
     }
 }

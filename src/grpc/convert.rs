@@ -3,12 +3,15 @@
 //! field semantics.
 
 use crate::{
+    engine_events::EngineSource,
+    fleet::{IndexView, WorkerView},
     grpc::status::InvalidInput,
     hashing::{HashOptions, compute_block_hashes},
     index::KvEvent,
     ingest::{IngestEvent, ValidatedBatch},
     pb,
-    registry::{Registration, WorkerRecord},
+    registry::{EventTarget, Registration},
+    router::{Admitted, PreparedRequest, now},
     types::{RankLoad, WorkerRole},
 };
 
@@ -46,9 +49,19 @@ pub fn role_to_pb(role: WorkerRole) -> pb::WorkerRole {
     }
 }
 
+/// Converts a RegisterWorker request: the registration, and where the
+/// worker's engine publishes its KV events if it named an endpoint.
 pub fn registration_from_pb(
     request: pb::RegisterWorkerRequest,
-) -> Result<Registration, InvalidInput> {
+) -> Result<(Registration, Option<EngineSource>), InvalidInput> {
+    let worker_id = request.worker_id;
+    let source = EngineSource::from_fields(
+        &request.events_endpoint,
+        &request.events_dialect,
+        &request.replay_endpoint,
+    )
+    // the message names the field itself
+    .map_err(|message| InvalidInput::new(format!("worker {worker_id}"), message))?;
     name("model", &request.model)?;
     name("endpoint", &request.endpoint)?;
     for taint in &request.taints {
@@ -60,7 +73,7 @@ pub fn registration_from_pb(
             format!("worker {} declares block_size 0", request.worker_id),
         ));
     }
-    Ok(Registration {
+    let registration = Registration {
         worker_id: request.worker_id,
         model: request.model,
         role: role_from_pb(request.role)?,
@@ -73,7 +86,8 @@ pub fn registration_from_pb(
         taints: request.taints,
         lease_ttl: (request.lease_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
-    })
+    };
+    Ok((registration, source))
 }
 
 pub fn rank_load_from_pb(load: &pb::RankLoad) -> (u32, RankLoad) {
@@ -103,16 +117,16 @@ pub struct BatchLimits {
     pub max_blocks_per_event: usize,
 }
 
-/// Checks a batch's shape against its worker's registration and computes
-/// the local hashes of blocks sent as token ids. Nothing is applied when any
-/// event is malformed.
+/// Checks a batch's shape against its (worker, rank)'s registration and
+/// computes the local hashes of blocks sent as token ids. Nothing is
+/// applied when any event is malformed. Called with no lock held: hashing a
+/// large batch must not hold up routing.
 pub fn batch_from_pb(
     batch: pb::KvEventBatch,
-    worker: &WorkerRecord,
+    target: &EventTarget,
     limits: BatchLimits,
 ) -> Result<ValidatedBatch, InvalidInput> {
-    let worker_id = batch.worker_id;
-    let dp_rank = batch.dp_rank;
+    let (worker_id, dp_rank) = (batch.worker_id, batch.dp_rank);
     if batch.events.len() > limits.max_events {
         return Err(InvalidInput::new(
             "events",
@@ -123,102 +137,141 @@ pub fn batch_from_pb(
             ),
         ));
     }
-    let block_size = worker.registration.block_size;
-    let mut events = Vec::with_capacity(batch.events.len());
-    for (position, event) in batch.events.into_iter().enumerate() {
-        let field = |f: &str| format!("events[{position}].{f}");
-        let at = format!(
-            "worker {worker_id} dp_rank {dp_rank} event_id {}",
-            event.event_id
-        );
-        let kind = event
-            .kind
-            .ok_or_else(|| InvalidInput::new(field("kind"), format!("{at}: no event kind set")))?;
-        let converted = match kind {
-            pb::kv_event::Kind::Stored(stored) => {
-                if stored.blocks.is_empty() {
-                    return Err(InvalidInput::new(
-                        field("stored.blocks"),
-                        format!("{at}: stored event with no blocks"),
-                    ));
-                }
-                if stored.blocks.len() > limits.max_blocks_per_event {
-                    return Err(InvalidInput::new(
-                        field("stored.blocks"),
-                        format!(
-                            "{at}: {} blocks is over the limit of {}",
-                            stored.blocks.len(),
-                            limits.max_blocks_per_event
-                        ),
-                    ));
-                }
-                name(&field("stored.lora_name"), &stored.lora_name)?;
-                let options = HashOptions {
-                    lora_name: Some(stored.lora_name.as_str()),
-                    cache_namespace: None,
-                };
-                let mut blocks = Vec::with_capacity(stored.blocks.len());
-                for (i, block) in stored.blocks.into_iter().enumerate() {
-                    let local = match block.content {
-                        Some(pb::stored_block::Content::LocalHash(hash)) => hash,
-                        Some(pb::stored_block::Content::TokenIds(tokens)) => {
-                            if tokens.ids.len() != block_size as usize {
-                                return Err(InvalidInput::new(
-                                    field(&format!("stored.blocks[{i}].token_ids")),
-                                    format!(
-                                        "{at}: block has {} tokens, the worker's block_size is {block_size}",
-                                        tokens.ids.len()
-                                    ),
-                                ));
-                            }
-                            let mm = block.mm_info.map(|info| vec![info.mm_hashes]);
-                            compute_block_hashes(&tokens.ids, block_size, &options, mm.as_deref())
-                                .first()
-                                .copied()
-                                .unwrap_or_default()
-                        }
-                        None => {
-                            return Err(InvalidInput::new(
-                                field(&format!("stored.blocks[{i}]")),
-                                format!("{at}: block has neither token_ids nor local_hash"),
-                            ));
-                        }
-                    };
-                    blocks.push((block.engine_hash, local));
-                }
-                KvEvent::Stored {
-                    parent: stored.parent_engine_hash,
-                    blocks,
-                }
-            }
-            pb::kv_event::Kind::Removed(removed) => {
-                if removed.engine_hashes.len() > limits.max_blocks_per_event {
-                    return Err(InvalidInput::new(
-                        field("removed.engine_hashes"),
-                        format!(
-                            "{at}: {} blocks is over the limit of {}",
-                            removed.engine_hashes.len(),
-                            limits.max_blocks_per_event
-                        ),
-                    ));
-                }
-                KvEvent::Removed {
-                    blocks: removed.engine_hashes,
-                }
-            }
-            pb::kv_event::Kind::Cleared(_) => KvEvent::Cleared,
-        };
-        events.push(IngestEvent {
-            event_id: event.event_id,
-            event: converted,
-        });
-    }
+    let events = batch
+        .events
+        .into_iter()
+        .enumerate()
+        .map(|(position, event)| {
+            let place = EventPlace {
+                position,
+                worker_id,
+                dp_rank,
+                event_id: event.event_id,
+            };
+            let converted = event_from_pb(event.kind, &place, target.block_size, limits)?;
+            Ok(IngestEvent {
+                event_id: event.event_id,
+                event: converted,
+            })
+        })
+        .collect::<Result<Vec<_>, InvalidInput>>()?;
     Ok(ValidatedBatch {
         worker_id,
-        generation: worker.generation,
-        model: worker.registration.model.clone(),
+        generation: target.generation,
+        model: target.model.clone(),
         dp_rank,
         events,
+    })
+}
+
+/// Where an event sits, for error messages (formatted only on error).
+struct EventPlace {
+    position: usize,
+    worker_id: u64,
+    dp_rank: u32,
+    event_id: u64,
+}
+
+impl EventPlace {
+    /// An error on field `f` of this event.
+    fn error(&self, f: &str, message: impl std::fmt::Display) -> InvalidInput {
+        InvalidInput::new(
+            format!("events[{}].{f}", self.position),
+            format!(
+                "worker {} dp_rank {} event_id {}: {message}",
+                self.worker_id, self.dp_rank, self.event_id
+            ),
+        )
+    }
+}
+
+fn event_from_pb(
+    kind: Option<pb::kv_event::Kind>,
+    place: &EventPlace,
+    block_size: u32,
+    limits: BatchLimits,
+) -> Result<KvEvent, InvalidInput> {
+    let too_many = |field: &str, n: usize| {
+        place.error(
+            field,
+            format_args!(
+                "{n} blocks is over the limit of {}",
+                limits.max_blocks_per_event
+            ),
+        )
+    };
+    match kind.ok_or_else(|| place.error("kind", "no event kind set"))? {
+        pb::kv_event::Kind::Stored(stored) => {
+            if stored.blocks.is_empty() {
+                return Err(place.error("stored.blocks", "stored event with no blocks"));
+            }
+            if stored.blocks.len() > limits.max_blocks_per_event {
+                return Err(too_many("stored.blocks", stored.blocks.len()));
+            }
+            stored_from_pb(stored, place, block_size)
+        }
+        pb::kv_event::Kind::Removed(removed) => {
+            if removed.engine_hashes.len() > limits.max_blocks_per_event {
+                return Err(too_many(
+                    "removed.engine_hashes",
+                    removed.engine_hashes.len(),
+                ));
+            }
+            Ok(KvEvent::Removed {
+                blocks: removed.engine_hashes,
+            })
+        }
+        pb::kv_event::Kind::Cleared(_) => Ok(KvEvent::Cleared),
+    }
+}
+
+/// A stored event's blocks, each given by its local hash or hashed from its
+/// token ids at the worker's block size.
+fn stored_from_pb(
+    stored: pb::BlocksStored,
+    place: &EventPlace,
+    block_size: u32,
+) -> Result<KvEvent, InvalidInput> {
+    name(
+        &format!("events[{}].stored.lora_name", place.position),
+        &stored.lora_name,
+    )?;
+    let options = HashOptions {
+        lora_name: Some(stored.lora_name.as_str()),
+        cache_namespace: None,
+    };
+    let mut blocks = Vec::with_capacity(stored.blocks.len());
+    for (i, block) in stored.blocks.into_iter().enumerate() {
+        let local = match block.content {
+            Some(pb::stored_block::Content::LocalHash(hash)) => hash,
+            Some(pb::stored_block::Content::TokenIds(tokens)) => {
+                if tokens.ids.len() != block_size as usize {
+                    return Err(place.error(
+                        &format!("stored.blocks[{i}].token_ids"),
+                        format_args!(
+                            "block has {} tokens, the worker's block_size is {block_size}",
+                            tokens.ids.len()
+                        ),
+                    ));
+                }
+                let mm = block.mm_info.map(|info| vec![info.mm_hashes]);
+                compute_block_hashes(&tokens.ids, block_size, &options, mm.as_deref())
+                    .first()
+                    .copied()
+                    .unwrap_or_default()
+            }
+            None => {
+                return Err(place.error(
+                    &format!("stored.blocks[{i}]"),
+                    "block has neither token_ids nor local_hash",
+                ));
+            }
+        };
+        blocks.push((block.engine_hash, local));
+    }
+    Ok(KvEvent::Stored {
+        parent: stored.parent_engine_hash,
+        blocks,
     })
 }
 
@@ -228,7 +281,7 @@ pub fn select_request_from_pb(
     request: pb::SelectWorkerRequest,
     block_size: u32,
     max_blocks: usize,
-) -> Result<crate::routing::PreparedRequest, InvalidInput> {
+) -> Result<PreparedRequest, InvalidInput> {
     use std::collections::HashSet;
 
     use crate::{
@@ -403,14 +456,14 @@ pub fn select_request_from_pb(
             temperature: overrides.temperature,
         },
     };
-    Ok(crate::routing::PreparedRequest {
+    Ok(PreparedRequest {
         request: select_request,
         hashes,
         admission,
     })
 }
 
-pub fn booked_load_to_pb(load: crate::admission::bookings::BookedLoad) -> pb::BookedLoad {
+pub fn booked_load_to_pb(load: crate::types::BookedLoad) -> pb::BookedLoad {
     pb::BookedLoad {
         prefill_tokens: load.prefill_tokens,
         prefill_blocks: load.prefill_blocks,
@@ -422,10 +475,9 @@ pub fn booked_load_to_pb(load: crate::admission::bookings::BookedLoad) -> pb::Bo
 /// The response fields of a selection.
 pub fn selection_to_pb(
     selection: &crate::select::Selection,
-    admitted: crate::routing::Admitted,
+    admitted: Admitted,
     advisory: bool,
 ) -> pb::SelectWorkerResponse {
-    use crate::routing::Admitted;
     let (admission, queued_ms) = match admitted {
         Admitted::Now => (pb::AdmissionResult::Admitted, 0),
         Admitted::AfterQueue(waited) => (
@@ -446,5 +498,53 @@ pub fn selection_to_pb(
         admission: admission.into(),
         queued_ms,
         advisory_load: advisory.then(|| booked_load_to_pb(selection.booked)),
+    }
+}
+
+/// What the Admin API reports of one worker.
+pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
+    let (record, r) = (&view.record, &view.record.registration);
+    let ranks = view
+        .ranks
+        .iter()
+        .map(|rank| pb::RankInfo {
+            dp_rank: rank.dp_rank,
+            reported_load: Some(rank_load_to_pb(rank.dp_rank, rank.reported)),
+            booked_load: Some(booked_load_to_pb(rank.booked)),
+            cached_blocks: rank.cached_blocks,
+            last_event_id: rank.cursor.last_applied().unwrap_or(0),
+            events_skipped: rank.cursor.skipped,
+            events_rejected: rank.cursor.rejected,
+        })
+        .collect();
+    pb::WorkerInfo {
+        worker_id: r.worker_id,
+        model: r.model.clone(),
+        role: role_to_pb(r.role).into(),
+        endpoint: r.endpoint.clone(),
+        block_size: r.block_size,
+        dp_start_rank: r.dp_start_rank,
+        dp_size: r.dp_size,
+        total_kv_blocks: r.total_kv_blocks,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+        taints: r.taints.clone(),
+        lease_remaining_ms: u64::try_from(record.lease_remaining(now()).as_millis())
+            .unwrap_or(u64::MAX),
+        cordoned: record.cordoned,
+        ranks,
+        subscription: view.subscription.clone(),
+    }
+}
+
+/// What the Admin API reports of the index.
+pub fn index_view_to_pb(view: &IndexView) -> pb::IndexStats {
+    pb::IndexStats {
+        blocks: view.stats.blocks,
+        nodes: view.stats.nodes,
+        workers: view.stats.workers,
+        events_applied: view.stats.events_applied,
+        events_skipped: view.events_skipped,
+        events_rejected: view.events_rejected,
+        memory_bytes: view.stats.bytes_used,
     }
 }

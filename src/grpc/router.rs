@@ -5,26 +5,31 @@ use std::{sync::Arc, time::Duration};
 use tonic::{Request, Response, Status};
 
 use crate::{
-    core::RouterCore,
+    admission::AdmissionMode,
     grpc::{convert, status::reason_label},
     pb,
-    routing::Admitted,
+    router::{Admitted, PreparedRequest, RouterCore},
 };
 
 /// Handlers of `kvroute.v1.Router`.
 #[derive(Clone)]
 pub struct RouterService {
     core: Arc<RouterCore>,
+    /// The server's limit of a unary call (a client's shorter one wins).
+    request_timeout: Duration,
 }
 
 impl RouterService {
-    pub fn new(core: Arc<RouterCore>) -> Self {
-        Self { core }
+    pub fn new(core: Arc<RouterCore>, request_timeout: Duration) -> Self {
+        Self {
+            core,
+            request_timeout,
+        }
     }
 
     fn fail(&self, status: Status) -> Status {
         self.core
-            .metrics
+            .metrics()
             .input_rejected
             .with_label_values(&["router", reason_label(&status)])
             .inc();
@@ -36,12 +41,12 @@ impl RouterService {
 pub fn prepare(
     core: &RouterCore,
     request: pb::SelectWorkerRequest,
-) -> Result<crate::routing::PreparedRequest, Status> {
+) -> Result<PreparedRequest, Status> {
     let block_size = core.model_block_size(&request.model);
     convert::select_request_from_pb(
         request,
         block_size,
-        core.config.max_blocks_per_event as usize,
+        core.config().limits.max_blocks_per_event as usize,
     )
     .map_err(Status::from)
 }
@@ -84,9 +89,9 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<pb::SelectWorkerRequest>,
     ) -> Result<Response<pb::SelectWorkerResponse>, Status> {
-        let deadline = deadline(&request, self.core.config.request_timeout);
+        let deadline = deadline(&request, self.request_timeout);
         let prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
-        let advisory = prepared.admission == crate::admission::AdmissionMode::Advisory;
+        let advisory = prepared.admission == AdmissionMode::Advisory;
         let request_id = prepared.request.request_id.clone();
         let outcome = self
             .core

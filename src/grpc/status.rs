@@ -6,7 +6,10 @@
 
 use tonic::{Code, Status};
 
-use crate::{ingest::IngestError, registry::RegistryError};
+use crate::{
+    fleet::FleetError, ingest::IngestError, registry::RegistryError, router::RouteError,
+    select::error::ErrorCode,
+};
 
 /// A request field that failed validation.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -54,13 +57,26 @@ impl From<IngestError> for Status {
     }
 }
 
+impl From<FleetError> for Status {
+    fn from(error: FleetError) -> Self {
+        match error {
+            FleetError::Registry(e) => e.into(),
+            FleetError::Ingest(e) => e.into(),
+            FleetError::InvalidSource { .. } => Status::invalid_argument(error.to_string()),
+            FleetError::ConfiguredEngine { .. } | FleetError::DuplicateEngine { .. } => {
+                Status::failed_precondition(error.to_string())
+            }
+        }
+    }
+}
+
 /// A short, fixed label for a status code, for the rejection counter.
 pub fn reason_label(status: &Status) -> &'static str {
     super::rpc_metrics::code_name(status.code())
 }
 
-fn code_of(code: crate::select::error::ErrorCode) -> Code {
-    use crate::select::error::ErrorCode as E;
+fn code_of(code: ErrorCode) -> Code {
+    use ErrorCode as E;
     match code {
         E::InvalidArgument => Code::InvalidArgument,
         E::NotFound => Code::NotFound,
@@ -72,9 +88,8 @@ fn code_of(code: crate::select::error::ErrorCode) -> Code {
     }
 }
 
-impl From<crate::routing::RouteError> for Status {
-    fn from(error: crate::routing::RouteError) -> Self {
-        use crate::routing::RouteError;
+impl From<RouteError> for Status {
+    fn from(error: RouteError) -> Self {
         let code = match &error {
             RouteError::Select(e) => code_of(e.code()),
             RouteError::Admission(e) => code_of(e.code()),

@@ -1,8 +1,7 @@
 //! The `kvroute.v1.Workers` service: registration, leases, load and the
-//! `PublishEvents` stream. Handlers translate and call the core; batches go
-//! to the single index writer (`ingest`). A registration with an
-//! `events_endpoint` starts (or restarts) the worker's engine-native ZeroMQ
-//! subscription (`subscriptions`); deregistration stops it.
+//! `PublishEvents` stream. Handlers translate (`convert`) and call the fleet
+//! (`crate::fleet`), which owns the worker lifecycle; event batches are
+//! validated here, with no lock held, and applied by the index's one writer.
 
 use std::{pin::Pin, sync::Arc};
 
@@ -11,40 +10,29 @@ use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::{
-    core::RouterCore,
+    fleet::Fleet,
     grpc::{
         convert::{self, BatchLimits},
         status::reason_label,
     },
-    ingest::IngestHandle,
     pb,
-    subscriptions::{EngineSource, Subscriptions},
 };
 
 /// Handlers of `kvroute.v1.Workers`.
 #[derive(Clone)]
 pub struct WorkersService {
-    core: Arc<RouterCore>,
-    ingest: IngestHandle,
-    subscriptions: Arc<Subscriptions>,
+    fleet: Arc<Fleet>,
 }
 
 impl WorkersService {
-    pub fn new(
-        core: Arc<RouterCore>,
-        ingest: IngestHandle,
-        subscriptions: Arc<Subscriptions>,
-    ) -> Self {
-        Self {
-            core,
-            ingest,
-            subscriptions,
-        }
+    pub fn new(fleet: Arc<Fleet>) -> Self {
+        Self { fleet }
     }
 
     fn rejected(&self, reason: &'static str, status: Status) -> Status {
-        self.core
-            .metrics
+        self.fleet
+            .router()
+            .metrics()
             .input_rejected
             .with_label_values(&["workers", reason])
             .inc();
@@ -65,63 +53,13 @@ impl pb::workers_server::Workers for WorkersService {
         &self,
         request: Request<pb::RegisterWorkerRequest>,
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
-        let request = request.into_inner();
-        let worker_id = request.worker_id;
-        let invalid = |message: String| {
-            self.rejected(
-                "invalid_argument",
-                Status::invalid_argument(format!("worker {worker_id}: {message}")),
-            )
-        };
-        let source = EngineSource::from_fields(
-            &request.events_endpoint,
-            &request.events_dialect,
-            &request.replay_endpoint,
-        )
-        .map_err(invalid)?;
-        if let Some(source) = &source {
-            source
-                .events_config(
-                    worker_id,
-                    &request.model,
-                    request.block_size.max(1),
-                    request.dp_start_rank,
-                    request.dp_size,
-                )
-                .map_err(invalid)?;
-        }
-        if self.subscriptions.is_configured(worker_id) {
-            return Err(self.rejected(
-                "failed_precondition",
-                Status::failed_precondition(format!(
-                    "worker {worker_id} is configured by `kvroute serve --engine`; it cannot be registered over gRPC"
-                )),
-            ));
-        }
-        let registration =
-            convert::registration_from_pb(request).map_err(|e| self.fail(e.into()))?;
+        let (registration, source) =
+            convert::registration_from_pb(request.into_inner()).map_err(|e| self.fail(e.into()))?;
         let outcome = self
-            .core
-            .register_worker(registration)
+            .fleet
+            .register(registration, source)
+            .await
             .map_err(|e| self.fail(e.into()))?;
-        if let Some(previous) = outcome.invalidated {
-            let removed = self.ingest.remove_worker(worker_id, previous.model).await;
-            tracing::info!(
-                worker_id,
-                removed,
-                "re-registration changed layout: blocks dropped"
-            );
-        }
-        let record = self.core.registry.read().get(worker_id).cloned();
-        if let Some(record) = record {
-            self.ingest.reserve(&record.snapshot()).await;
-            self.subscriptions
-                .update(&record, source, false)
-                .await
-                .map_err(invalid)?;
-        }
-        tracing::info!(worker_id, created = outcome.created, "worker registered");
-        self.core.drain_queue();
         Ok(Response::new(pb::RegisterWorkerResponse {
             created: outcome.created,
             lease_ttl_secs: u32::try_from(outcome.lease_ttl.as_secs()).unwrap_or(u32::MAX),
@@ -139,10 +77,9 @@ impl pb::workers_server::Workers for WorkersService {
             .map(convert::rank_load_from_pb)
             .collect();
         let ttl = self
-            .core
+            .fleet
             .heartbeat(request.worker_id, &loads)
             .map_err(|e| self.fail(e.into()))?;
-        self.core.drain_queue();
         Ok(Response::new(pb::HeartbeatResponse {
             lease_ttl_secs: u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX),
         }))
@@ -153,17 +90,11 @@ impl pb::workers_server::Workers for WorkersService {
         request: Request<pb::DeregisterWorkerRequest>,
     ) -> Result<Response<pb::DeregisterWorkerResponse>, Status> {
         let worker_id = request.into_inner().worker_id;
-        let record = self
-            .core
-            .deregister_worker(worker_id)
-            .map_err(|e| self.fail(e.into()))?;
-        self.subscriptions.stop(worker_id).await;
         let blocks_removed = self
-            .ingest
-            .remove_worker(worker_id, record.registration.model)
-            .await;
-        self.core.forget_worker(worker_id);
-        tracing::info!(worker_id, blocks_removed, "worker deregistered");
+            .fleet
+            .deregister(worker_id)
+            .await
+            .map_err(|e| self.fail(e.into()))?;
         Ok(Response::new(pb::DeregisterWorkerResponse {
             blocks_removed,
         }))
@@ -178,7 +109,8 @@ impl pb::workers_server::Workers for WorkersService {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<pb::PublishEventsReply, Status>>(4);
         let service = self.clone();
-        self.core.metrics.event_streams.inc();
+        let streams = self.fleet.router().metrics().event_streams.clone();
+        streams.inc();
         tokio::spawn(async move {
             while let Some(next) = inbound.next().await {
                 let batch = match next {
@@ -196,7 +128,7 @@ impl pb::workers_server::Workers for WorkersService {
                     break;
                 }
             }
-            service.core.metrics.event_streams.dec();
+            streams.dec();
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -206,18 +138,19 @@ impl WorkersService {
     /// Validates one batch against its worker, applies it through the
     /// writer and builds the reply. An error ends the stream it came on.
     async fn apply_batch(&self, batch: pb::KvEventBatch) -> Result<pb::PublishEventsReply, Status> {
+        let limits = self.fleet.router().config().limits;
         let limits = BatchLimits {
-            max_events: self.core.config.max_events_per_batch as usize,
-            max_blocks_per_event: self.core.config.max_blocks_per_event as usize,
+            max_events: limits.max_events_per_batch as usize,
+            max_blocks_per_event: limits.max_blocks_per_event as usize,
         };
         let count = batch.events.len() as u64;
-        let validated = {
-            let registry = self.core.registry.read();
-            let worker = registry
-                .rank(batch.worker_id, batch.dp_rank)
-                .map_err(Status::from);
-            worker.and_then(|w| convert::batch_from_pb(batch, w, limits).map_err(Status::from))
-        };
+        let validated = self
+            .fleet
+            .event_target(batch.worker_id, batch.dp_rank)
+            .map_err(Status::from)
+            .and_then(|target| {
+                convert::batch_from_pb(batch, &target, limits).map_err(Status::from)
+            });
         let validated = match validated {
             Ok(v) => v,
             Err(status) => {
@@ -225,14 +158,21 @@ impl WorkersService {
                     tonic::Code::NotFound => "unknown_worker",
                     _ => "malformed",
                 };
-                self.core.count_events("rejected", reason, count);
+                if count > 0 {
+                    self.fleet
+                        .router()
+                        .metrics()
+                        .events
+                        .with_label_values(&["rejected", reason])
+                        .inc_by(count);
+                }
                 return Err(self.rejected(reason, status));
             }
         };
         let worker_id = validated.worker_id;
         let outcome = self
-            .ingest
-            .apply(validated)
+            .fleet
+            .apply_events(validated)
             .await
             .map_err(|e| self.fail(e.into()))?;
         if let Some(rejection) = &outcome.first_rejection {

@@ -12,10 +12,13 @@
 //! HTTP/2 flow control fills up), and with N streams the writer serves them
 //! round-robin through the channel's FIFO.
 //!
-//! Each (worker, dp_rank) has an [`cursor::EventCursor`]; the writer is its
-//! only writer, the Admin API reads it.
+//! Each (worker, dp_rank) has an [`cursor::EventCursor`]. The cursors belong
+//! to this module's [`EventWriter`]: the writer thread is their only writer,
+//! the Admin API reads them through [`IngestHandle::cursor`]. Lock order:
+//! the cursor table, then an index's own lock (an event is applied while its
+//! rank's cursor is held); the registry is read and released before either.
 //!
-//! Engine-native subscriptions (`engine_events`, `subscriptions`) write
+//! Engine-native subscriptions (`engine_events`, `fleet::subscriptions`) write
 //! through here too, as [`EngineBatch`] jobs: their events carry no event
 //! ids (the subscriber keeps each publisher's own sequence), so they bypass
 //! the cursor but keep the registration-generation check.
@@ -24,14 +27,15 @@ pub mod cursor;
 
 use std::{collections::HashMap, sync::Arc};
 
+use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    core::RouterCore,
-    index::{IndexError, KvEvent},
+    index::{IndexError, KvEvent, KvIndex},
+    router::RouterCore,
     types::{DpRank, WorkerId, WorkerRank, WorkerSnapshot},
 };
-use cursor::Verdict;
+use cursor::{EventCursor, Verdict};
 
 /// Jobs the writer can hold before senders wait.
 pub const WRITE_QUEUE_CAPACITY: usize = 1024;
@@ -121,13 +125,25 @@ enum Job {
     },
 }
 
-/// The sending side of the writer; cheap to clone.
+/// The sending side of the writer, and read access to its cursors; cheap
+/// to clone.
 #[derive(Clone, Debug)]
 pub struct IngestHandle {
     tx: mpsc::Sender<Job>,
+    writer: Arc<EventWriter>,
 }
 
 impl IngestHandle {
+    /// The cursor of one (worker, rank), if it has seen events.
+    pub fn cursor(&self, target: WorkerRank) -> Option<EventCursor> {
+        self.writer.cursor(target)
+    }
+
+    /// Events skipped and rejected by every cursor: `(skipped, rejected)`.
+    pub fn cursor_totals(&self) -> (u64, u64) {
+        self.writer.cursor_totals()
+    }
+
     /// Queues a batch and waits for the writer's verdict.
     pub async fn apply(&self, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
         let (reply, answer) = oneshot::channel();
@@ -150,7 +166,7 @@ impl IngestHandle {
     }
 
     /// Sizes the index tables of a registered worker's dp ranks for its KV
-    /// capacity (see [`crate::index::KvIndex::reserve`]), in order with the
+    /// capacity (see [`KvIndex::reserve`]), in order with the
     /// jobs queued before. Nothing to do for a worker that declares none.
     pub async fn reserve(&self, worker: &WorkerSnapshot) {
         if worker.total_kv_blocks == 0 {
@@ -183,152 +199,184 @@ impl IngestHandle {
 }
 
 /// Starts the writer thread; it stops when every handle is dropped.
-pub fn start_writer(core: Arc<RouterCore>) -> std::io::Result<IngestHandle> {
+pub fn start_writer(writer: Arc<EventWriter>) -> std::io::Result<IngestHandle> {
     let (tx, mut rx) = mpsc::channel::<Job>(WRITE_QUEUE_CAPACITY);
+    let thread_writer = writer.clone();
     std::thread::Builder::new()
         .name("kvroute-index-writer".into())
         .spawn(move || {
+            let writer = thread_writer;
             while let Some(job) = rx.blocking_recv() {
                 match job {
                     Job::Batch { batch, reply } => {
-                        let _ = reply.send(apply_batch(&core, batch));
+                        let _ = reply.send(writer.apply_batch(batch));
                     }
                     Job::Engine { batch, reply } => {
-                        let _ = reply.send(apply_engine_batch(&core, batch));
+                        let _ = reply.send(writer.apply_engine_batch(batch));
                     }
                     Job::RemoveWorker {
                         worker_id,
                         model,
                         reply,
                     } => {
-                        let _ = reply.send(remove_worker(&core, worker_id, &model));
+                        let _ = reply.send(writer.remove_worker(worker_id, &model));
                     }
-                    Job::Reserve { worker } => reserve(&core, &worker),
+                    Job::Reserve { worker } => writer.reserve(&worker),
                 }
             }
         })?;
-    Ok(IngestHandle { tx })
+    Ok(IngestHandle { tx, writer })
 }
 
-/// Sizes the index tables of `worker`'s dp ranks for its KV capacity: the
-/// writer's work for [`IngestHandle::reserve`], also called directly by the
-/// replay simulator.
-pub fn reserve(core: &RouterCore, worker: &WorkerSnapshot) {
-    if worker.total_kv_blocks == 0 {
-        return;
-    }
-    if let Some(index) = core.index_of(&worker.model) {
-        for rank in worker.ranks() {
-            index.reserve(
-                WorkerRank::new(worker.worker_id, rank),
-                worker.total_kv_blocks,
-            );
+/// The index's one writer and the owner of every event cursor. The service
+/// runs it on its own thread ([`start_writer`]); the replay simulator calls
+/// it directly, without the channel.
+#[derive(Debug)]
+pub struct EventWriter {
+    router: Arc<RouterCore>,
+    cursors: Mutex<HashMap<WorkerRank, EventCursor>>,
+}
+
+impl EventWriter {
+    pub fn new(router: Arc<RouterCore>) -> Self {
+        Self {
+            router,
+            cursors: Mutex::new(HashMap::new()),
         }
     }
-}
 
-fn remove_worker(core: &RouterCore, worker_id: WorkerId, model: &str) -> u64 {
-    core.cursors
-        .lock()
-        .retain(|rank, _| rank.worker_id != worker_id);
-    core.index_of(model)
-        .map(|index| index.remove_worker(worker_id))
-        .unwrap_or(0)
-}
-
-/// The index a batch validated against registration `generation` of
-/// `worker_id` may write. The registration may have changed since
-/// validation (deregistered, re-registered): then the batch is dropped
-/// rather than write blocks for a worker the registry no longer has.
-fn current_index(
-    core: &RouterCore,
-    worker_id: WorkerId,
-    generation: u64,
-    model: &str,
-    events: usize,
-) -> Result<Arc<crate::index::KvIndex>, IngestError> {
-    let current = core
-        .registry
-        .read()
-        .get(worker_id)
-        .map(|w| (w.generation, w.registration.model == model));
-    if current != Some((generation, true)) {
-        core.count_events("rejected", "worker_gone", events as u64);
-        return Err(IngestError::WorkerGone { worker_id });
+    /// The cursor of one (worker, rank), if it has seen events.
+    pub fn cursor(&self, target: WorkerRank) -> Option<EventCursor> {
+        self.cursors.lock().get(&target).cloned()
     }
-    core.index_of(model)
-        .ok_or(IngestError::WorkerGone { worker_id })
-}
 
-/// Applies one validated batch: the writer thread's work, also called
-/// directly by the replay simulator (which has no channel to go through).
-pub fn apply_batch(core: &RouterCore, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
-    let worker_id = batch.worker_id;
-    let index = current_index(
-        core,
-        worker_id,
-        batch.generation,
-        &batch.model,
-        batch.events.len(),
-    )?;
-    let target = WorkerRank::new(worker_id, batch.dp_rank);
-    let mut outcome = BatchOutcome {
-        dp_rank: batch.dp_rank,
-        ..BatchOutcome::default()
-    };
-    let mut tally = Tally::default();
-    let mut cursors = core.cursors.lock();
-    let cursor = cursors.entry(target).or_default();
-    for IngestEvent { event_id, event } in batch.events {
-        let verdict = cursor.admit(event_id, matches!(event, KvEvent::Cleared));
-        match verdict {
-            Verdict::Skip => {
-                outcome.skipped += 1;
-                *tally.reasons.entry("duplicate").or_default() += 1;
-                continue;
+    /// Events skipped and rejected by every cursor: `(skipped, rejected)`.
+    pub fn cursor_totals(&self) -> (u64, u64) {
+        self.cursors
+            .lock()
+            .values()
+            .fold((0, 0), |(s, r), c| (s + c.skipped, r + c.rejected))
+    }
+
+    /// Sizes the index tables of `worker`'s dp ranks for its KV capacity.
+    pub fn reserve(&self, worker: &WorkerSnapshot) {
+        if worker.total_kv_blocks == 0 {
+            return;
+        }
+        if let Some(index) = self.router.index_of(&worker.model) {
+            for rank in worker.ranks() {
+                index.reserve(
+                    WorkerRank::new(worker.worker_id, rank),
+                    worker.total_kv_blocks,
+                );
             }
-            Verdict::ApplyAfterGap { resend_from } => {
-                outcome.resend_from = Some(resend_from);
-            }
-            Verdict::Apply => {}
-        }
-        if !tally.apply(&index, target, event) {
-            cursor.record_rejected(event_id);
         }
     }
-    outcome.last_applied = cursor.last_applied();
-    if outcome.resend_from.is_none() {
-        // Still missing events from an earlier gap: keep asking.
-        outcome.resend_from = cursor.first_missing();
-    }
-    drop(cursors);
-    let counts = tally.finish(core);
-    outcome.applied = counts.applied;
-    outcome.rejected = counts.rejected;
-    outcome.first_rejection = counts.first_rejection;
-    Ok(outcome)
-}
 
-/// Applies one engine-native batch (see [`EngineBatch`]): the generation
-/// check of [`apply_batch`], then every event in order, no cursor.
-pub fn apply_engine_batch(
-    core: &RouterCore,
-    batch: EngineBatch,
-) -> Result<EngineOutcome, IngestError> {
-    let worker_id = batch.worker_id;
-    let index = current_index(
-        core,
-        worker_id,
-        batch.generation,
-        &batch.model,
-        batch.events.len(),
-    )?;
-    let target = WorkerRank::new(worker_id, batch.dp_rank);
-    let mut tally = Tally::default();
-    for event in batch.events {
-        tally.apply(&index, target, event);
+    /// Drops every block and cursor of a worker; returns the blocks dropped.
+    pub fn remove_worker(&self, worker_id: WorkerId, model: &str) -> u64 {
+        self.cursors
+            .lock()
+            .retain(|rank, _| rank.worker_id != worker_id);
+        self.router
+            .index_of(model)
+            .map(|index| index.remove_worker(worker_id))
+            .unwrap_or(0)
     }
-    Ok(tally.finish(core))
+
+    /// The index a batch validated against registration `generation` of
+    /// `worker_id` may write. The registration may have changed since
+    /// validation (deregistered, re-registered): then the batch is dropped
+    /// rather than write blocks for a worker the registry no longer has.
+    fn current_index(
+        &self,
+        worker_id: WorkerId,
+        generation: u64,
+        model: &str,
+        events: usize,
+    ) -> Result<Arc<KvIndex>, IngestError> {
+        self.router
+            .current_index(worker_id, generation, model)
+            .ok_or_else(|| {
+                self.count_events("rejected", "worker_gone", events as u64);
+                IngestError::WorkerGone { worker_id }
+            })
+    }
+
+    /// Applies one validated batch through its rank's cursor.
+    pub fn apply_batch(&self, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
+        let worker_id = batch.worker_id;
+        let index = self.current_index(
+            worker_id,
+            batch.generation,
+            &batch.model,
+            batch.events.len(),
+        )?;
+        let target = WorkerRank::new(worker_id, batch.dp_rank);
+        let mut outcome = BatchOutcome {
+            dp_rank: batch.dp_rank,
+            ..BatchOutcome::default()
+        };
+        let mut tally = Tally::default();
+        let mut cursors = self.cursors.lock();
+        let cursor = cursors.entry(target).or_default();
+        for IngestEvent { event_id, event } in batch.events {
+            let verdict = cursor.admit(event_id, matches!(event, KvEvent::Cleared));
+            match verdict {
+                Verdict::Skip => {
+                    outcome.skipped += 1;
+                    *tally.reasons.entry("duplicate").or_default() += 1;
+                    continue;
+                }
+                Verdict::ApplyAfterGap { resend_from } => {
+                    outcome.resend_from = Some(resend_from);
+                }
+                Verdict::Apply => {}
+            }
+            if !tally.apply(&index, target, event) {
+                cursor.record_rejected(event_id);
+            }
+        }
+        outcome.last_applied = cursor.last_applied();
+        if outcome.resend_from.is_none() {
+            // Still missing events from an earlier gap: keep asking.
+            outcome.resend_from = cursor.first_missing();
+        }
+        drop(cursors);
+        let counts = tally.finish(self);
+        outcome.applied = counts.applied;
+        outcome.rejected = counts.rejected;
+        outcome.first_rejection = counts.first_rejection;
+        Ok(outcome)
+    }
+
+    /// Applies one engine-native batch (see [`EngineBatch`]): the generation
+    /// check of [`Self::apply_batch`], then every event in order, no cursor.
+    pub fn apply_engine_batch(&self, batch: EngineBatch) -> Result<EngineOutcome, IngestError> {
+        let worker_id = batch.worker_id;
+        let index = self.current_index(
+            worker_id,
+            batch.generation,
+            &batch.model,
+            batch.events.len(),
+        )?;
+        let target = WorkerRank::new(worker_id, batch.dp_rank);
+        let mut tally = Tally::default();
+        for event in batch.events {
+            tally.apply(&index, target, event);
+        }
+        Ok(tally.finish(self))
+    }
+
+    fn count_events(&self, outcome: &str, reason: &str, count: u64) {
+        if count > 0 {
+            self.router
+                .metrics()
+                .events
+                .with_label_values(&[outcome, reason])
+                .inc_by(count);
+        }
+    }
 }
 
 /// Applies a batch's events one by one and counts what happened, for the
@@ -344,7 +392,7 @@ struct Tally {
 impl Tally {
     /// Applies `event` (handed over: a store keeps its block array); false
     /// if the index rejected it.
-    fn apply(&mut self, index: &crate::index::KvIndex, target: WorkerRank, event: KvEvent) -> bool {
+    fn apply(&mut self, index: &KvIndex, target: WorkerRank, event: KvEvent) -> bool {
         match index.apply_owned(target, event) {
             Ok(_) => {
                 self.outcome.applied += 1;
@@ -360,15 +408,15 @@ impl Tally {
     }
 
     /// Counts everything in the events metrics.
-    fn finish(self, core: &RouterCore) -> EngineOutcome {
-        core.count_events("applied", "ok", u64::from(self.outcome.applied));
+    fn finish(self, writer: &EventWriter) -> EngineOutcome {
+        writer.count_events("applied", "ok", u64::from(self.outcome.applied));
         for (reason, count) in self.reasons {
             let kind = if reason == "duplicate" {
                 "skipped"
             } else {
                 "rejected"
             };
-            core.count_events(kind, reason, count);
+            writer.count_events(kind, reason, count);
         }
         self.outcome
     }

@@ -1,16 +1,27 @@
-//! The router's shared state and the domain operations the gRPC handlers
-//! call. One `RouterCore` exists per server; handlers hold an `Arc` of it.
+//! The router core: the state every routing decision reads, behind locks
+//! that nothing outside this module can take. One `RouterCore` exists per
+//! server (and per replay); the fleet, the ingest writer and the gRPC
+//! handlers hold an `Arc` of it and call the methods below, each of which
+//! says what it reads or changes.
 //!
-//! Who writes what:
-//! * `registry`: the Workers and Admin handlers and the lease reaper, under
-//!   its write lock (held for map updates only, never across an await);
-//! * each model's `KvIndex`: only the ingest writer thread (`ingest`);
-//! * `cursors`: only the ingest writer;
-//! * `bookings` and `sessions`: the Router handlers and the expiry task.
+//! What it owns, and who writes it:
+//! * `members`: the worker registry and the map of each model's index,
+//!   changed together under one write lock (so a model's index always has
+//!   the block size of its workers' registration). Written by registration,
+//!   heartbeat, cordon, deregistration and lease lapse, which the fleet
+//!   (`crate::fleet`) serialises per worker.
+//! * each model's `KvIndex` contents: only the ingest writer
+//!   (`crate::ingest`), through the `Arc<KvIndex>` it gets from
+//!   [`RouterCore::index_of`]; routing reads it.
+//! * `routing`: bookings, sessions and the WAIT queue (`routing.rs`).
 //!
-//! Lock order where two meet: routing (bookings, sessions, queue) →
-//! registry → cursors; no path takes the routing lock while holding another.
-//! Index locks are internal to `KvIndex` and never held with another lock.
+//! Lock order where two meet: `routing` → `members` → an index's own lock.
+//! `routing` is taken first (a RESERVE decides and books under its write
+//! lock, reading members and indexes inside); no path takes `routing` while
+//! holding `members`, and none takes `members` while holding an index lock.
+
+pub mod config;
+mod routing;
 
 use std::{
     collections::HashMap,
@@ -18,29 +29,35 @@ use std::{
     time::{Duration, Instant},
 };
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 
 use crate::{
-    config::ServeConfig,
-    index::KvIndex,
-    ingest::cursor::EventCursor,
+    index::{IndexStats, KvIndex},
     metrics::Metrics,
-    registry::{RegisterOutcome, Registration, Registry, RegistryError, WorkerRecord},
-    types::{DpRank, RankLoad, WorkerId, WorkerRank},
+    registry::{EventTarget, RegisterOutcome, Registration, Registry, RegistryError, WorkerRecord},
+    types::{BookedLoad, DpRank, RankLoad, WorkerId, WorkerRank},
 };
 
-/// Everything the services share.
-pub struct RouterCore {
-    pub config: ServeConfig,
-    pub metrics: Arc<Metrics>,
-    pub registry: RwLock<Registry>,
+pub use config::{DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig};
+pub use routing::{Admitted, PreparedRequest, RouteError, RouteOutcome};
+
+/// The registry and each model's index: changed together (see the module
+/// docs).
+struct Members {
+    registry: Registry,
     /// One exact index per model (block sizes differ between models).
-    indexes: RwLock<HashMap<String, Arc<KvIndex>>>,
-    pub cursors: Mutex<HashMap<WorkerRank, EventCursor>>,
-    /// Bookings, sessions and the WAIT queue (`routing`).
-    pub routing: RwLock<crate::routing::RoutingState>,
+    indexes: HashMap<String, Arc<KvIndex>>,
+}
+
+/// The router's shared state (see the module docs).
+pub struct RouterCore {
+    config: RouterConfig,
+    metrics: Arc<Metrics>,
+    members: RwLock<Members>,
+    /// Bookings, sessions and the WAIT queue (`routing.rs`).
+    routing: RwLock<routing::RoutingState>,
     /// When this core started: zero of the routing clock.
-    pub started: Instant,
+    started: Instant,
 }
 
 impl std::fmt::Debug for RouterCore {
@@ -49,18 +66,20 @@ impl std::fmt::Debug for RouterCore {
     }
 }
 
-/// The clock every lease and booking uses: tokio's, so tests can pause it.
+/// The clock every lease, booking and queue wait uses: tokio's, so tests
+/// can pause it.
 pub fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
 impl RouterCore {
-    pub fn new(config: ServeConfig, metrics: Arc<Metrics>) -> Self {
+    pub fn new(config: RouterConfig, metrics: Arc<Metrics>) -> Self {
         Self {
-            registry: RwLock::new(Registry::new()),
-            indexes: RwLock::new(HashMap::new()),
-            cursors: Mutex::new(HashMap::new()),
-            routing: RwLock::new(crate::routing::RoutingState::new(
+            members: RwLock::new(Members {
+                registry: Registry::new(),
+                indexes: HashMap::new(),
+            }),
+            routing: RwLock::new(routing::RoutingState::new(
                 config.queue_capacity,
                 config.session_ttl,
                 config.seed,
@@ -71,70 +90,103 @@ impl RouterCore {
         }
     }
 
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     /// The index of a model, if any worker of it ever registered.
     pub fn index_of(&self, model: &str) -> Option<Arc<KvIndex>> {
-        self.indexes.read().get(model).cloned()
+        self.members.read().indexes.get(model).cloned()
     }
 
     /// The block size requests of `model` are hashed at: its workers', or
     /// the configured default when it has none.
     pub fn model_block_size(&self, model: &str) -> u32 {
-        self.registry
+        self.members
             .read()
+            .registry
             .model_block_size(model)
-            .unwrap_or(self.config.block_size)
+            .unwrap_or(self.config.default_block_size)
     }
 
-    /// Registers or updates a worker. The caller drops the blocks of an
-    /// invalidated previous registration through the ingest writer.
+    /// Registers or updates a worker and gives its model an index of the
+    /// registered block size, both under the members lock. Returns what the
+    /// registration did and the worker's record as it now stands. The caller
+    /// (the fleet) drops the blocks of an invalidated previous registration
+    /// through the ingest writer.
     pub fn register_worker(
         &self,
         registration: Registration,
-    ) -> Result<RegisterOutcome, RegistryError> {
-        let model = registration.model.clone();
-        let block_size = registration.block_size;
-        let outcome = self
-            .registry
-            .write()
-            .register(registration, self.config.lease_ttl, now())?;
-        let mut indexes = self.indexes.write();
-        let stale = indexes
-            .get(&model)
-            .is_some_and(|index| index.block_size() != block_size);
-        if stale || !indexes.contains_key(&model) {
-            // A model's block size only changes when its only worker
-            // re-registers, whose blocks are dropped anyway.
-            indexes.insert(model, Arc::new(KvIndex::new(block_size)));
-        }
-        drop(indexes);
+    ) -> Result<(RegisterOutcome, WorkerRecord), RegistryError> {
+        let worker_id = registration.worker_id;
+        let (model, block_size) = (registration.model.clone(), registration.block_size);
+        let (outcome, record) = {
+            let mut members = self.members.write();
+            let outcome = members
+                .registry
+                .register(registration, self.config.lease_ttl, now())?;
+            let record = members
+                .registry
+                .get(worker_id)
+                .cloned()
+                .ok_or(RegistryError::UnknownWorker { worker_id })?;
+            let stale = members
+                .indexes
+                .get(&model)
+                .is_none_or(|index| index.block_size() != block_size);
+            if stale {
+                // A model's block size only changes when its only worker
+                // re-registers, whose blocks are dropped anyway.
+                members
+                    .indexes
+                    .insert(model, Arc::new(KvIndex::new(block_size)));
+            }
+            (outcome, record)
+        };
         self.refresh_worker_gauges();
-        Ok(outcome)
+        Ok((outcome, record))
     }
 
+    /// Renews a worker's lease and records the load it reports per rank.
     pub fn heartbeat(
         &self,
         worker_id: WorkerId,
         loads: &[(DpRank, RankLoad)],
     ) -> Result<Duration, RegistryError> {
-        self.registry.write().heartbeat(worker_id, loads, now())
+        self.members
+            .write()
+            .registry
+            .heartbeat(worker_id, loads, now())
     }
 
-    /// Forgets a worker in the registry (its blocks are dropped by the caller
-    /// through the ingest writer).
+    /// Forgets a worker in the registry (the fleet drops its blocks,
+    /// subscription and bookings).
     pub fn deregister_worker(&self, worker_id: WorkerId) -> Result<WorkerRecord, RegistryError> {
-        let record = self.registry.write().deregister(worker_id)?;
+        let record = self.members.write().registry.deregister(worker_id)?;
         self.refresh_worker_gauges();
         Ok(record)
     }
 
-    /// Removes every worker whose lease lapsed.
-    pub fn reap_expired_leases(&self) -> Vec<WorkerRecord> {
-        let reaped = self.registry.write().reap_expired(now());
-        if !reaped.is_empty() {
-            self.metrics.leases_expired.inc_by(reaped.len() as u64);
-            self.refresh_worker_gauges();
-        }
-        reaped
+    /// Workers whose lease has lapsed by now.
+    pub fn lapsed_workers(&self) -> Vec<WorkerId> {
+        self.members.read().registry.lapsed(now())
+    }
+
+    /// Forgets `worker_id` if its lease has lapsed by now (it may have been
+    /// renewed or re-registered since [`Self::lapsed_workers`] named it).
+    pub fn remove_if_lapsed(&self, worker_id: WorkerId) -> Option<WorkerRecord> {
+        let record = self
+            .members
+            .write()
+            .registry
+            .remove_if_lapsed(worker_id, now())?;
+        self.metrics.leases_expired.inc();
+        self.refresh_worker_gauges();
+        Some(record)
     }
 
     pub fn set_cordoned(
@@ -143,17 +195,60 @@ impl RouterCore {
         cordoned: bool,
     ) -> Result<WorkerRecord, RegistryError> {
         let record = self
-            .registry
+            .members
             .write()
+            .registry
             .set_cordoned(worker_id, cordoned)
             .cloned()?;
         self.refresh_worker_gauges();
         Ok(record)
     }
 
-    /// The cursor of one (worker, rank), if it has seen events.
-    pub fn cursor(&self, target: WorkerRank) -> Option<EventCursor> {
-        self.cursors.lock().get(&target).cloned()
+    /// A copy of one worker's record.
+    pub fn worker(&self, worker_id: WorkerId) -> Option<WorkerRecord> {
+        self.members.read().registry.get(worker_id).cloned()
+    }
+
+    /// Copies of the records of every worker (of `model`, if given), by id.
+    pub fn workers(&self, model: Option<&str>) -> Vec<WorkerRecord> {
+        self.members
+            .read()
+            .registry
+            .all()
+            .into_iter()
+            .filter(|w| model.is_none_or(|m| w.registration.model == m))
+            .cloned()
+            .collect()
+    }
+
+    /// What a batch of events for `(worker_id, dp_rank)` is validated and
+    /// applied against; an error if that rank is not registered.
+    pub fn event_target(
+        &self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+    ) -> Result<EventTarget, RegistryError> {
+        self.members
+            .read()
+            .registry
+            .event_target(worker_id, dp_rank)
+    }
+
+    /// The index a batch validated against registration `generation` of
+    /// `worker_id` may write: `None` when the worker has since been
+    /// deregistered or re-registered (or moved to another model).
+    pub fn current_index(
+        &self,
+        worker_id: WorkerId,
+        generation: u64,
+        model: &str,
+    ) -> Option<Arc<KvIndex>> {
+        let members = self.members.read();
+        let current = members.registry.get(worker_id)?;
+        if current.generation != generation || current.registration.model != model {
+            return None;
+        }
+        members.indexes.get(model).cloned()
     }
 
     /// Blocks the index holds for one (worker, rank).
@@ -163,19 +258,15 @@ impl RouterCore {
             .unwrap_or(0)
     }
 
-    pub fn count_events(&self, outcome: &str, reason: &str, count: u64) {
-        if count > 0 {
-            self.metrics
-                .events
-                .with_label_values(&[outcome, reason])
-                .inc_by(count);
-        }
+    /// Load booked on one (worker, rank) and not yet released.
+    pub fn booked_load(&self, target: WorkerRank) -> BookedLoad {
+        self.routing.read().ledger.load(target)
     }
 
     /// Every model's index statistics, summed.
-    pub fn index_totals(&self) -> crate::index::IndexStats {
-        let indexes: Vec<Arc<KvIndex>> = self.indexes.read().values().cloned().collect();
-        let mut total = crate::index::IndexStats::default();
+    pub fn index_totals(&self) -> IndexStats {
+        let indexes: Vec<Arc<KvIndex>> = self.members.read().indexes.values().cloned().collect();
+        let mut total = IndexStats::default();
         for index in indexes {
             let stats = index.stats();
             total.blocks += stats.blocks;
@@ -200,7 +291,7 @@ impl RouterCore {
     }
 
     fn refresh_worker_gauges(&self) {
-        let (active, cordoned) = self.registry.read().counts();
+        let (active, cordoned) = self.members.read().registry.counts();
         let gauge = |state: &str, n: usize| {
             self.metrics
                 .workers

@@ -10,16 +10,16 @@
 //! away drops its ticket, which takes it out of the queue and releases a
 //! booking made for it in the meantime, so nothing is left behind.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rand::{RngCore, SeedableRng, rngs::StdRng};
 use tokio::sync::oneshot;
 
+use super::{RouterCore, now};
 use crate::{
     admission::{
         self, Admission, AdmissionError, AdmissionMode, bookings::BookingLedger, queue::WaitQueue,
     },
-    core::RouterCore,
     select::{
         self, SelectConfig, SelectContext, SelectMode, SelectRequest, Selection,
         affinity::SessionTable, error::SelectError, scoring::cost::CostScorer,
@@ -67,17 +67,17 @@ pub struct RouteOutcome {
 /// Mutable routing state, behind one read-write lock (see the module docs):
 /// QUERY_ONLY, ADVISORY and explain calls read it in parallel; RESERVE
 /// calls and the queue write it.
-pub struct RoutingState {
-    pub ledger: BookingLedger,
-    pub sessions: SessionTable,
-    pub queue: WaitQueue<Waiter>,
+pub(super) struct RoutingState {
+    pub(super) ledger: BookingLedger,
+    sessions: SessionTable,
+    queue: WaitQueue<Waiter>,
     /// Seed of every call's tie-break and sampling draws.
     seed: u64,
 }
 
 impl RoutingState {
     /// `seed` 0 draws a seed for this process from the OS.
-    pub fn new(queue_capacity: usize, session_ttl: Duration, seed: u64) -> Self {
+    pub(super) fn new(queue_capacity: usize, session_ttl: Duration, seed: u64) -> Self {
         Self {
             ledger: BookingLedger::new(),
             sessions: SessionTable::new(millis(session_ttl)),
@@ -100,7 +100,7 @@ impl RoutingState {
 }
 
 /// A queued call's request and the channel its answer goes to.
-pub struct Waiter {
+pub(super) struct Waiter {
     prepared: PreparedRequest,
     reply: oneshot::Sender<Result<Selection, RouteError>>,
 }
@@ -119,7 +119,7 @@ struct Inputs {
 impl RouterCore {
     /// Milliseconds on the routing clock (tokio's, so tests can pause it).
     pub fn now_ms(&self) -> u64 {
-        millis(crate::core::now().saturating_duration_since(self.started))
+        millis(now().saturating_duration_since(self.started))
     }
 
     pub fn select_config(&self) -> SelectConfig {
@@ -136,7 +136,7 @@ impl RouterCore {
     }
 
     fn gather(&self, request: &SelectRequest, hashes: &[LocalHash]) -> Inputs {
-        let workers = self.registry.read().model_snapshots(&request.model);
+        let workers = self.members.read().registry.model_snapshots(&request.model);
         let targets: Vec<WorkerRank> = workers
             .iter()
             .flat_map(|w| w.ranks().map(|r| WorkerRank::new(w.worker_id, r)))
@@ -259,7 +259,8 @@ impl RouterCore {
                 }
             }
         };
-        let queued_at = Instant::now();
+        // Timed on the routing clock, as the deadline is.
+        let queued_at = now();
         let mut ticket = QueueTicket {
             core: self,
             request_id: request_id.clone(),
@@ -269,7 +270,7 @@ impl RouterCore {
             Some(receiver) => tokio::time::timeout_at(deadline, receiver).await,
             None => return Err(RouteError::ShuttingDown { request_id }),
         };
-        let waited = queued_at.elapsed();
+        let waited = now().saturating_duration_since(queued_at);
         match answer {
             Ok(Ok(result)) => {
                 ticket.receiver = None;

@@ -40,10 +40,10 @@ pub struct ReplayArgs {
     #[arg(long = "policy", value_delimiter = ',', default_value = "all")]
     pub policies: Vec<String>,
     /// kvroute policy: weight of prefill cost against decode cost.
-    #[arg(long, default_value_t = crate::config::DEFAULT_OVERLAP_WEIGHT)]
+    #[arg(long, default_value_t = crate::router::DEFAULT_OVERLAP_WEIGHT)]
     pub overlap_weight: f64,
     /// kvroute policy: cost taken off per cached prompt block.
-    #[arg(long, default_value_t = crate::config::DEFAULT_OVERLAP_CREDIT)]
+    #[arg(long, default_value_t = crate::router::DEFAULT_OVERLAP_CREDIT)]
     pub overlap_credit: f64,
     /// kvroute policy: softmax temperature (0: lowest cost).
     #[arg(long, default_value_t = 0.0)]

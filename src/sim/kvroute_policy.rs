@@ -12,11 +12,11 @@
 use std::sync::Arc;
 
 use crate::{
-    config::ServeConfig,
-    core::RouterCore,
     grpc::convert::{self, BatchLimits},
-    ingest, pb,
+    ingest::EventWriter,
+    pb,
     registry::Registration,
+    router::{DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, RouterConfig, RouterCore},
     types::{RankLoad, WorkerRole},
 };
 
@@ -40,8 +40,8 @@ pub struct KvRouteKnobs {
 impl Default for KvRouteKnobs {
     fn default() -> Self {
         Self {
-            overlap_weight: crate::config::DEFAULT_OVERLAP_WEIGHT,
-            overlap_credit: crate::config::DEFAULT_OVERLAP_CREDIT,
+            overlap_weight: DEFAULT_OVERLAP_WEIGHT,
+            overlap_credit: DEFAULT_OVERLAP_CREDIT,
             temperature: 0.0,
             seed: 42,
         }
@@ -51,6 +51,8 @@ impl Default for KvRouteKnobs {
 /// kvroute's router core behind the simulator's [`Router`] seam.
 pub struct KvRoutePolicy {
     core: Arc<RouterCore>,
+    /// The index's writer, called directly (no thread, no channel).
+    writer: EventWriter,
     knobs: KvRouteKnobs,
     registered: bool,
     next_event_id: Vec<u64>,
@@ -60,16 +62,18 @@ pub struct KvRoutePolicy {
 
 impl KvRoutePolicy {
     pub fn new(knobs: KvRouteKnobs) -> Result<Self, prometheus::Error> {
-        let config = ServeConfig {
+        let config = RouterConfig {
             overlap_weight: knobs.overlap_weight,
             overlap_credit: knobs.overlap_credit,
             temperature: knobs.temperature,
             seed: knobs.seed.max(1),
-            ..ServeConfig::default()
+            ..RouterConfig::default()
         };
         let metrics = crate::metrics::Metrics::new()?;
+        let core = Arc::new(RouterCore::new(config, metrics));
         Ok(Self {
-            core: Arc::new(RouterCore::new(config, metrics)),
+            writer: EventWriter::new(core.clone()),
+            core,
             knobs,
             registered: false,
             next_event_id: Vec::new(),
@@ -92,16 +96,11 @@ impl KvRoutePolicy {
                 taints: Vec::new(),
                 lease_ttl: Some(std::time::Duration::from_secs(365 * 24 * 3600)),
             };
-            let worker_id = registration.worker_id;
-            if self.core.register_worker(registration).is_err() {
-                self.errors += 1;
-                continue;
-            }
-            // as the service does at registration: size the index tables
-            // for the engine's KV capacity
-            let record = self.core.registry.read().get(worker_id).cloned();
-            if let Some(record) = record {
-                ingest::reserve(&self.core, &record.snapshot());
+            match self.core.register_worker(registration) {
+                // as the service does at registration: size the index
+                // tables for the engine's KV capacity
+                Ok((_, record)) => self.writer.reserve(&record.snapshot()),
+                Err(_) => self.errors += 1,
             }
         }
         self.next_event_id = vec![0; fleet.len()];
@@ -138,7 +137,7 @@ impl KvRoutePolicy {
             }),
             ..Default::default()
         };
-        let max_blocks = self.core.config.max_blocks_per_event as usize;
+        let max_blocks = self.core.config().limits.max_blocks_per_event as usize;
         let prepared = convert::select_request_from_pb(request, block_size, max_blocks)
             .map_err(|e| e.to_string())?;
         let outcome = self
@@ -235,14 +234,12 @@ impl Router for KvRoutePolicy {
             max_events: usize::MAX,
             max_blocks_per_event: usize::MAX,
         };
-        let validated = {
-            let registry = self.core.registry.read();
-            match registry.rank(batch.worker_id, 0) {
-                Ok(worker) => convert::batch_from_pb(batch, worker, limits).ok(),
-                Err(_) => None,
-            }
-        };
-        match validated.map(|batch| ingest::apply_batch(&self.core, batch)) {
+        let validated = self
+            .core
+            .event_target(batch.worker_id, 0)
+            .ok()
+            .and_then(|target| convert::batch_from_pb(batch, &target, limits).ok());
+        match validated.map(|batch| self.writer.apply_batch(batch)) {
             Some(Ok(outcome)) => self.errors += u64::from(outcome.rejected),
             _ => self.errors += 1,
         }

@@ -1,0 +1,399 @@
+//! The fleet: the one owner of the worker lifecycle. Registration,
+//! re-registration, deregistration, lease lapse and the start and stop of
+//! engine event subscriptions are this module's operations; the Workers and
+//! Admin handlers and the housekeeping task only translate and call them.
+//!
+//! Why it exists: one worker's lifecycle touches four pieces of state owned
+//! elsewhere (the registry and indexes in the router core, the blocks and
+//! cursors behind the ingest writer, the ZeroMQ subscription, the bookings
+//! and sessions), and its steps await between them. Two operations on the
+//! same worker must not interleave, or a subscription could be left running
+//! that nobody stops. So each operation on a worker takes that worker's
+//! *turn* first: a per-worker async mutex in a `DashMap`, which serialises
+//! one worker's lifecycle while other workers proceed. An entry exists only
+//! while some operation on the worker holds or waits for its turn, so the
+//! map stays as small as the operations in flight.
+//!
+//! There is one removal sequence ([`Fleet::remove`]): stop the subscription,
+//! drop the blocks and cursors through the writer (in order with the batches
+//! queued before), forget bookings and sessions. Deregistration and lease
+//! lapse both end in it.
+
+pub mod subscriptions;
+
+use std::{sync::Arc, time::Duration};
+
+use dashmap::DashMap;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use crate::{
+    engine_events::{EngineSource, EngineSpec},
+    index::IndexStats,
+    ingest::{BatchOutcome, IngestError, IngestHandle, ValidatedBatch, cursor::EventCursor},
+    registry::{EventTarget, RegisterOutcome, Registration, RegistryError, WorkerRecord},
+    router::RouterCore,
+    types::{BookedLoad, DpRank, RankLoad, WorkerId, WorkerRank, WorkerRole},
+};
+use subscriptions::Subscriptions;
+
+/// Why a lifecycle operation failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum FleetError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error("worker {worker_id}: {message}")]
+    InvalidSource {
+        worker_id: WorkerId,
+        message: String,
+    },
+    #[error(
+        "worker {worker_id} is configured by `kvroute serve --engine`; it cannot be registered over gRPC"
+    )]
+    ConfiguredEngine { worker_id: WorkerId },
+    #[error("worker {worker_id}: configured twice with --engine")]
+    DuplicateEngine { worker_id: WorkerId },
+    #[error(transparent)]
+    Ingest(#[from] IngestError),
+}
+
+/// What kvroute knows of one registered worker, for the Admin API.
+#[derive(Clone, Debug)]
+pub struct WorkerView {
+    pub record: WorkerRecord,
+    pub ranks: Vec<RankView>,
+    /// One line on its engine subscription; empty when it has none.
+    pub subscription: String,
+}
+
+/// One dp rank of a [`WorkerView`].
+#[derive(Clone, Debug)]
+pub struct RankView {
+    pub dp_rank: DpRank,
+    pub reported: RankLoad,
+    pub booked: BookedLoad,
+    pub cached_blocks: u64,
+    pub cursor: EventCursor,
+}
+
+/// Index statistics with the event cursors' counts.
+#[derive(Clone, Debug, Default)]
+pub struct IndexView {
+    pub stats: IndexStats,
+    pub events_skipped: u64,
+    pub events_rejected: u64,
+}
+
+/// The worker lifecycle's owner (see the module docs).
+pub struct Fleet {
+    router: Arc<RouterCore>,
+    ingest: IngestHandle,
+    subscriptions: Subscriptions,
+    turns: DashMap<WorkerId, Arc<Mutex<()>>>,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet").finish_non_exhaustive()
+    }
+}
+
+/// A worker's turn: held for the whole of one lifecycle operation. Dropping
+/// it lets the next operation on the worker go, and removes the worker's
+/// entry when no other operation holds or waits for it.
+struct Turn<'a> {
+    turns: &'a DashMap<WorkerId, Arc<Mutex<()>>>,
+    worker_id: WorkerId,
+    guard: Option<OwnedMutexGuard<()>>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        // The guard holds a reference to the mutex: release it first, so a
+        // count of one means the map's own reference is the last.
+        drop(self.guard.take());
+        self.turns
+            .remove_if(&self.worker_id, |_, lock| Arc::strong_count(lock) == 1);
+    }
+}
+
+impl Fleet {
+    pub fn new(router: Arc<RouterCore>, ingest: IngestHandle) -> Self {
+        let subscriptions = Subscriptions::new(ingest.clone(), router.metrics().clone());
+        Self {
+            router,
+            ingest,
+            subscriptions,
+            turns: DashMap::new(),
+        }
+    }
+
+    pub fn router(&self) -> &Arc<RouterCore> {
+        &self.router
+    }
+
+    /// Waits for `worker_id`'s turn (see the module docs).
+    async fn turn(&self, worker_id: WorkerId) -> Turn<'_> {
+        let lock = self.turns.entry(worker_id).or_default().clone();
+        Turn {
+            turns: &self.turns,
+            worker_id,
+            guard: Some(lock.lock_owned().await),
+        }
+    }
+
+    /// Registers or updates a worker, and starts, restarts or stops its
+    /// engine subscription to match `source`.
+    pub async fn register(
+        &self,
+        registration: Registration,
+        source: Option<EngineSource>,
+    ) -> Result<RegisterOutcome, FleetError> {
+        let worker_id = registration.worker_id;
+        if let Some(source) = &source {
+            check_source(source, &registration)?;
+        }
+        let _turn = self.turn(worker_id).await;
+        if self.subscriptions.is_configured(worker_id) {
+            return Err(FleetError::ConfiguredEngine { worker_id });
+        }
+        self.register_in_turn(registration, source, false).await
+    }
+
+    /// Registers every `kvroute serve --engine` as a worker and starts its
+    /// subscription; their leases are renewed while kvroute runs.
+    pub async fn start_configured(&self, specs: &[EngineSpec]) -> Result<(), FleetError> {
+        for spec in specs {
+            let worker_id = spec.worker_id;
+            let registration = Registration {
+                worker_id,
+                model: spec.model.clone(),
+                role: WorkerRole::Aggregated,
+                endpoint: spec.source.endpoint.clone(),
+                block_size: spec.block_size,
+                dp_start_rank: spec.dp_start_rank,
+                dp_size: spec.dp_size,
+                total_kv_blocks: 0,
+                max_num_batched_tokens: 0,
+                taints: Vec::new(),
+                lease_ttl: None,
+            };
+            check_source(&spec.source, &registration)?;
+            let _turn = self.turn(worker_id).await;
+            if self.subscriptions.is_configured(worker_id) {
+                return Err(FleetError::DuplicateEngine { worker_id });
+            }
+            self.register_in_turn(registration, Some(spec.source.clone()), true)
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn register_in_turn(
+        &self,
+        registration: Registration,
+        source: Option<EngineSource>,
+        configured: bool,
+    ) -> Result<RegisterOutcome, FleetError> {
+        let worker_id = registration.worker_id;
+        let (outcome, record) = self.router.register_worker(registration)?;
+        if let Some(previous) = &outcome.invalidated {
+            let removed = self
+                .ingest
+                .remove_worker(worker_id, previous.model.clone())
+                .await;
+            tracing::info!(
+                worker_id,
+                removed,
+                "re-registration changed layout: blocks dropped"
+            );
+        }
+        self.ingest.reserve(&record.snapshot()).await;
+        self.subscriptions
+            .update(&record, source, configured)
+            .await
+            .map_err(|message| FleetError::InvalidSource { worker_id, message })?;
+        tracing::info!(worker_id, created = outcome.created, "worker registered");
+        self.router.drain_queue();
+        Ok(outcome)
+    }
+
+    /// Renews a worker's lease and records its reported load.
+    pub fn heartbeat(
+        &self,
+        worker_id: WorkerId,
+        loads: &[(DpRank, RankLoad)],
+    ) -> Result<Duration, FleetError> {
+        let ttl = self.router.heartbeat(worker_id, loads)?;
+        self.router.drain_queue();
+        Ok(ttl)
+    }
+
+    /// Removes a worker with all its blocks; returns the blocks removed.
+    pub async fn deregister(&self, worker_id: WorkerId) -> Result<u64, FleetError> {
+        let _turn = self.turn(worker_id).await;
+        let record = self.router.deregister_worker(worker_id)?;
+        let blocks = self.remove(record).await;
+        tracing::info!(worker_id, blocks, "worker deregistered");
+        Ok(blocks)
+    }
+
+    /// Removes every worker whose lease lapsed; returns how many.
+    pub async fn reap_lapsed(&self) -> usize {
+        let mut reaped = 0;
+        for worker_id in self.router.lapsed_workers() {
+            let _turn = self.turn(worker_id).await;
+            // Renewed or re-registered while waiting for the turn: keep it.
+            let Some(record) = self.router.remove_if_lapsed(worker_id) else {
+                continue;
+            };
+            let blocks = self.remove(record).await;
+            tracing::warn!(worker_id, blocks, "lease lapsed: worker removed");
+            reaped += 1;
+        }
+        reaped
+    }
+
+    /// The one removal sequence, for a worker the registry has just
+    /// forgotten; the caller holds the worker's turn.
+    async fn remove(&self, record: WorkerRecord) -> u64 {
+        let worker_id = record.registration.worker_id;
+        self.subscriptions.stop(worker_id).await;
+        let blocks = self
+            .ingest
+            .remove_worker(worker_id, record.registration.model)
+            .await;
+        self.router.forget_worker(worker_id);
+        blocks
+    }
+
+    /// Cordons or uncordons a worker; uncordoning lets queued calls go.
+    pub fn set_cordoned(
+        &self,
+        worker_id: WorkerId,
+        cordoned: bool,
+    ) -> Result<WorkerView, FleetError> {
+        let record = self.router.set_cordoned(worker_id, cordoned)?;
+        if !cordoned {
+            self.router.drain_queue();
+        }
+        tracing::info!(worker_id, cordoned, "worker cordon changed");
+        Ok(self.view(record))
+    }
+
+    /// Periodic upkeep: configured engines' leases, lapsed leases, expired
+    /// bookings and sessions, index gauges.
+    pub async fn tick(&self) {
+        for worker_id in self.subscriptions.configured_ids() {
+            if let Err(error) = self.router.heartbeat(worker_id, &[]) {
+                tracing::warn!(worker_id, %error, "configured engine lease not renewed");
+            }
+        }
+        self.reap_lapsed().await;
+        self.router.expire_bookings();
+        self.router.refresh_index_gauges();
+    }
+
+    /// Sets the subscriptions' last-batch age gauges (before a scrape).
+    pub fn refresh_subscription_ages(&self) {
+        self.subscriptions.refresh_ages();
+    }
+
+    /// Stops every subscription and waits for their tasks.
+    pub async fn shutdown(&self) {
+        self.subscriptions.shutdown().await;
+    }
+
+    /// What events for `(worker_id, dp_rank)` are checked against.
+    pub fn event_target(
+        &self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+    ) -> Result<EventTarget, FleetError> {
+        Ok(self.router.event_target(worker_id, dp_rank)?)
+    }
+
+    /// Applies a validated batch through the index's one writer.
+    pub async fn apply_events(&self, batch: ValidatedBatch) -> Result<BatchOutcome, FleetError> {
+        Ok(self.ingest.apply(batch).await?)
+    }
+
+    /// One worker's view; an error if it is not registered.
+    pub fn worker_view(&self, worker_id: WorkerId) -> Result<WorkerView, FleetError> {
+        let record = self
+            .router
+            .worker(worker_id)
+            .ok_or(RegistryError::UnknownWorker { worker_id })?;
+        Ok(self.view(record))
+    }
+
+    /// Views of every worker (of `model`, if given), by id.
+    pub fn worker_views(&self, model: Option<&str>) -> Vec<WorkerView> {
+        self.router
+            .workers(model)
+            .into_iter()
+            .map(|record| self.view(record))
+            .collect()
+    }
+
+    fn view(&self, record: WorkerRecord) -> WorkerView {
+        let r = &record.registration;
+        let ranks = (0..r.dp_size)
+            .map(|i| {
+                let dp_rank = r.dp_start_rank + i;
+                let target = WorkerRank::new(r.worker_id, dp_rank);
+                RankView {
+                    dp_rank,
+                    reported: record.load.get(&dp_rank).copied().unwrap_or_default(),
+                    booked: self.router.booked_load(target),
+                    cached_blocks: self.router.cached_blocks(&r.model, target),
+                    cursor: self.ingest.cursor(target).unwrap_or_default(),
+                }
+            })
+            .collect();
+        let subscription = self.subscriptions.summary(r.worker_id);
+        WorkerView {
+            record,
+            ranks,
+            subscription,
+        }
+    }
+
+    /// Index statistics of one model, or of all summed.
+    pub fn index_view(&self, model: Option<&str>) -> IndexView {
+        let stats = match model {
+            Some(model) => self
+                .router
+                .index_of(model)
+                .map(|index| index.stats())
+                .unwrap_or_default(),
+            None => self.router.index_totals(),
+        };
+        let (events_skipped, events_rejected) = self.ingest.cursor_totals();
+        IndexView {
+            stats,
+            events_skipped,
+            events_rejected,
+        }
+    }
+}
+
+/// Checks that a worker's ranks can follow `source` (every rank's endpoint
+/// derivable, the layout usable).
+fn check_source(source: &EngineSource, r: &Registration) -> Result<(), FleetError> {
+    source
+        .events_config(
+            r.worker_id,
+            &r.model,
+            r.block_size.max(1),
+            r.dp_start_rank,
+            r.dp_size,
+        )
+        .map(|_| ())
+        .map_err(|message| FleetError::InvalidSource {
+            worker_id: r.worker_id,
+            message,
+        })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,79 @@
+//! The router core's own settings, apart from the command line's
+//! `ServeConfig`: the core is built by the service, the replay simulator and
+//! the benchmarks alike, and only needs what routing, leases and bookings
+//! use. `config::ServeConfig::router_config` maps the flags onto it.
+
+use std::time::Duration;
+
+/// Default weight of prefill cost against decode cost. Dynamo's router uses
+/// 1.0 (and `--overlap-weight 1 --overlap-credit 0` reproduces its choices);
+/// trace replay showed a high weight best for time to first token on both
+/// Mooncake traces: prefill is what a request waits for, while booked decode
+/// blocks only measure KV occupancy (see docs/ARCHITECTURE.md, "Scoring").
+pub const DEFAULT_OVERLAP_WEIGHT: f64 = 64.0;
+
+/// Default credit per cached prompt block (see `overlap_credit`): a quarter
+/// of a block's prefill weight, so a worker holding a prefix keeps its
+/// conversation unless its prefill queue is clearly longer.
+pub const DEFAULT_OVERLAP_CREDIT: f64 = 16.0;
+
+/// Limits of what one request or event batch may carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InputLimits {
+    /// Most events in one `KvEventBatch`.
+    pub max_events_per_batch: u32,
+    /// Most blocks in one stored event, and prompt blocks per request.
+    pub max_blocks_per_event: u32,
+}
+
+impl Default for InputLimits {
+    fn default() -> Self {
+        Self {
+            max_events_per_batch: 4096,
+            max_blocks_per_event: 16384,
+        }
+    }
+}
+
+/// What the router core is configured with (see `kvroute serve --help` for
+/// each setting's meaning; the defaults here are the flags' defaults).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterConfig {
+    /// Block size of a model until its first worker registers.
+    pub default_block_size: u32,
+    /// Lease of a worker that does not ask for one.
+    pub lease_ttl: Duration,
+    /// Bookings never released expire after this.
+    pub booking_ttl: Duration,
+    pub overlap_weight: f64,
+    pub overlap_credit: f64,
+    pub temperature: f64,
+    pub busy_threshold: f64,
+    pub kv_busy_fraction: f64,
+    /// SelectWorker calls that may wait at once.
+    pub queue_capacity: usize,
+    /// Session affinity entries expire after this long unused.
+    pub session_ttl: Duration,
+    /// Seed of tie-breaks and sampling; 0 draws one per process.
+    pub seed: u64,
+    pub limits: InputLimits,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            default_block_size: 16,
+            lease_ttl: Duration::from_secs(10),
+            booking_ttl: Duration::from_secs(300),
+            overlap_weight: DEFAULT_OVERLAP_WEIGHT,
+            overlap_credit: DEFAULT_OVERLAP_CREDIT,
+            temperature: 0.0,
+            busy_threshold: 4.0,
+            kv_busy_fraction: 0.98,
+            queue_capacity: 1024,
+            session_ttl: Duration::from_secs(600),
+            seed: 0,
+            limits: InputLimits::default(),
+        }
+    }
+}
