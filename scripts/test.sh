@@ -13,4 +13,8 @@ source scripts/venv.sh
 cargo test --all-targets
 bash scripts/publisher-test.sh
 cargo build --bin kvroute
-"$venv/bin/python" -m pytest -q tests/python
+# The binary cargo just built, wherever its target directory is
+# (CARGO_TARGET_DIR, a config file, or ./target).
+target_dir=$(cargo metadata --format-version 1 --no-deps |
+  "$venv/bin/python" -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+KVROUTE_BIN="$target_dir/debug/kvroute" "$venv/bin/python" -m pytest -q tests/python

@@ -1,6 +1,7 @@
 """Fixtures: a real kvroute server process on free loopback ports.
 
-The binary is the one `cargo test` just built (target/debug/kvroute), or the
+The binary is the one `cargo test` just built (debug/kvroute in its target
+directory: CARGO_TARGET_DIR or ./target), or the
 one named by KVROUTE_BIN.
 """
 import os
@@ -23,7 +24,8 @@ def free_port() -> int:
 
 
 def kvroute_bin() -> str:
-    return os.environ.get("KVROUTE_BIN", str(REPO / "target" / "debug" / "kvroute"))
+    target = os.environ.get("CARGO_TARGET_DIR") or str(REPO / "target")
+    return os.environ.get("KVROUTE_BIN", str(Path(target) / "debug" / "kvroute"))
 
 
 @pytest.fixture(scope="session")
