@@ -18,6 +18,7 @@
 //!   why it was not eligible or its score.
 
 pub mod affinity;
+mod constraints;
 pub mod eligibility;
 pub mod error;
 pub mod pins;
@@ -34,6 +35,7 @@ use crate::types::{
 };
 
 pub use affinity::{AffinityMode, SessionRef, SessionTable};
+use constraints::Constraints;
 pub use eligibility::{Busy, BusyThresholds, Eligibility, Ineligible};
 pub use error::{ErrorCode, SelectError};
 pub use pins::PinTarget;
@@ -308,7 +310,27 @@ pub fn select(
     rng: &mut dyn RngCore,
 ) -> Result<Selection, SelectError> {
     let total_blocks = validate(req)?;
-    let params = ScoreParams {
+    let workers = model_workers(req, ctx)?;
+    let no_exclusions = HashSet::new();
+    let constraints = Constraints::resolve(req, ctx, &workers, &no_exclusions)?;
+    let mut prepared = candidates(req, ctx, config, &workers, &constraints, total_blocks);
+    let (scored, all_busy) = to_score(req, &constraints, &prepared)?;
+    let params = score_params(req, config);
+    let chosen = score_and_choose(req, scorer, &params, rng, &mut prepared, &scored)?;
+    Ok(selection(
+        req,
+        scorer,
+        constraints.pinned,
+        total_blocks,
+        all_busy,
+        prepared,
+        chosen,
+    ))
+}
+
+/// The request's scoring parameters: its overrides, else the router's.
+fn score_params(req: &SelectRequest, config: &SelectConfig) -> ScoreParams {
+    ScoreParams {
         overlap_weight: req
             .overrides
             .overlap_weight
@@ -316,12 +338,18 @@ pub fn select(
         temperature: req.overrides.temperature.unwrap_or(config.temperature),
         soft_affinity_discount: config.soft_affinity_discount.clamp(0.0, 0.999),
         overlap_credit: config.overlap_credit,
-    };
+    }
+}
 
+/// The registry's workers by id, once each; an error if one of the
+/// request's model hashes at another block size than the request did.
+fn model_workers<'a>(
+    req: &SelectRequest,
+    ctx: &SelectContext<'a>,
+) -> Result<Vec<&'a WorkerSnapshot>, SelectError> {
     let mut workers: Vec<&WorkerSnapshot> = ctx.workers.iter().collect();
     workers.sort_by_key(|w| w.worker_id);
     workers.dedup_by_key(|w| w.worker_id);
-
     if let Some(w) = workers
         .iter()
         .find(|w| w.model == req.model && w.block_size != 0 && w.block_size != req.block_size)
@@ -333,128 +361,26 @@ pub fn select(
             request_block_size: req.block_size,
         });
     }
+    Ok(workers)
+}
 
-    // Pins from the phase's hints.
-    let explicit_pin = pins::pinned_worker_hint(req.phase, &req.hints);
-
-    // Migration exclusions apply only without an explicit pin.
-    let no_exclusions = HashSet::new();
-    let excluded = if explicit_pin.is_none() {
-        &req.excluded_worker_ids
-    } else {
-        &no_exclusions
-    };
-    let base = Eligibility {
-        model: &req.model,
-        phase: req.phase,
-        allowed: req.hints.allowed_worker_ids.as_ref(),
-        excluded,
-        tolerated_taints: &req.hints.tolerated_taints,
-    };
-    let exhausted = || {
-        let mut ids: Vec<WorkerId> = req.excluded_worker_ids.iter().copied().collect();
-        ids.sort_unstable();
-        SelectError::MigrationExhausted {
-            request_id: req.request_id.clone(),
-            excluded: ids,
-        }
-    };
-    if !excluded.is_empty() && !workers.iter().any(|w| base.check_worker(w).is_ok()) {
-        return Err(exhausted());
-    }
-
-    // Session affinity.
-    let session_target = req.session.as_ref().and_then(|s| {
-        ctx.sessions
-            .lookup(&s.session_id, ctx.now_ms)
-            .map(|t| (t, s.mode))
-    });
-    let hard = session_target.and_then(|(t, m)| (m == AffinityMode::Hard).then_some(t));
-    let soft = session_target.and_then(|(t, m)| (m == AffinityMode::Soft).then_some(t));
-
-    // A worker-only HARD affinity narrows the allowed set to its worker.
-    let worker_only = hard.filter(|t| t.dp_rank.is_none());
-    let mut narrowed = req.hints.allowed_worker_ids.clone();
-    if let Some(t) = worker_only {
-        match &mut narrowed {
-            Some(set) => set.retain(|id| *id == t.worker_id),
-            None => narrowed = Some(HashSet::from([t.worker_id])),
-        }
-    }
-    let elig = Eligibility {
-        allowed: narrowed.as_ref(),
-        ..base
-    };
-    // An explicit pin of that worker without a rank then adds nothing.
-    let explicit_pin = match (explicit_pin, worker_only) {
-        (Some(p), Some(t)) if p.dp_rank.is_none() && p.worker_id == t.worker_id => None,
-        (p, _) => p,
-    };
-    let affinity_pin = hard.filter(|t| t.dp_rank.is_some());
-    let requested = pins::merge_affinity_pin(explicit_pin, affinity_pin);
-    let requested_source = if explicit_pin.is_some() {
-        PinSource::Hint
-    } else {
-        PinSource::Affinity
-    };
-
-    let find = |id: WorkerId| workers.iter().copied().find(|w| w.worker_id == id);
-    let not_found = |id: WorkerId| SelectError::PinnedWorkerNotFound {
-        request_id: req.request_id.clone(),
-        worker_id: id,
-        model: req.model.clone(),
-    };
-    // A HARD session's worker that left the registry is a missing pin.
-    if let Some(t) = worker_only
-        && find(t.worker_id).is_none()
-    {
-        return Err(not_found(t.worker_id));
-    }
-    let pinned: Option<(WorkerRank, PinSource)> = match (req.planned_worker, requested) {
-        (Some(planned), Some(pin))
-            if pin.worker_id != planned.worker_id
-                || pin.dp_rank.is_some_and(|r| r != planned.dp_rank) =>
-        {
-            return Err(SelectError::PlannedWorkerConflict {
-                request_id: req.request_id.clone(),
-                planned,
-                requested_worker: pin.worker_id,
-                requested_dp_rank: pin.dp_rank,
-            });
-        }
-        (Some(planned), _) => Some((planned, PinSource::Planned)),
-        (None, Some(pin)) => {
-            let w = find(pin.worker_id).ok_or_else(|| not_found(pin.worker_id))?;
-            let rank = pins::resolve_pinned_worker_rank(
-                &req.request_id,
-                pin.worker_id,
-                pin.dp_rank,
-                w.unique_dp_rank(),
-                w.dp_size,
-            )?;
-            Some((rank, requested_source))
-        }
-        (None, None) => None,
-    };
-    if let Some((target, _)) = pinned {
-        let w = find(target.worker_id).ok_or_else(|| not_found(target.worker_id))?;
-        // Busy never counts here: only static eligibility.
-        elig.check_rank(w, target.dp_rank).map_err(|reason| {
-            SelectError::PinnedWorkerIneligible {
-                request_id: req.request_id.clone(),
-                target,
-                reason,
-            }
-        })?;
-    }
-
-    // Every candidate of the model, in (worker, rank) order.
-    let mut prepared: Vec<Prepared<'_>> = Vec::new();
-    for w in &workers {
+/// Every candidate of the model, in (worker, rank) order, with why it is
+/// not eligible or what it would cost.
+fn candidates<'a>(
+    req: &SelectRequest,
+    ctx: &SelectContext<'_>,
+    config: &SelectConfig,
+    workers: &[&'a WorkerSnapshot],
+    constraints: &Constraints<'_>,
+    total_blocks: u32,
+) -> Vec<Prepared<'a>> {
+    let elig = constraints.eligibility();
+    let mut prepared = Vec::new();
+    for w in workers {
         let worker_ok = elig.check_worker(w);
         for dp_rank in w.ranks() {
             let target = WorkerRank::new(w.worker_id, dp_rank);
-            let eligible = match (&worker_ok, pinned) {
+            let eligible = match (&worker_ok, constraints.pinned) {
                 (Err(e), _) => Err(e.clone()),
                 (Ok(()), Some((p, _))) if p != target => Err(Ineligible::NotPinned),
                 (Ok(()), _) => Ok(()),
@@ -467,20 +393,30 @@ pub fn select(
                 target,
                 eligible,
                 total_blocks,
-                soft,
+                constraints.soft,
             ));
         }
     }
+    prepared
+}
 
+/// The indexes of the candidates to score (the eligible ones that are not
+/// busy, or every eligible one when all are busy) and whether all are
+/// busy; an error when none is eligible.
+fn to_score(
+    req: &SelectRequest,
+    constraints: &Constraints<'_>,
+    prepared: &[Prepared<'_>],
+) -> Result<(Vec<usize>, bool), SelectError> {
     let eligible: Vec<usize> = (0..prepared.len())
         .filter(|&i| prepared[i].report.eligible.is_ok())
         .collect();
     if eligible.is_empty() {
-        if !excluded.is_empty() {
-            return Err(exhausted());
+        if constraints.exclusions_in_force() {
+            return Err(constraints::exhausted(req));
         }
         let mut rejected: Vec<(WorkerId, Ineligible)> = Vec::new();
-        for p in &prepared {
+        for p in prepared {
             if let Err(why) = &p.report.eligible
                 && rejected
                     .last()
@@ -502,8 +438,19 @@ pub fn select(
         .filter(|&i| prepared[i].report.busy.is_none())
         .collect();
     let all_busy = idle.is_empty();
-    let scored = if all_busy { eligible } else { idle };
+    Ok((if all_busy { eligible } else { idle }, all_busy))
+}
 
+/// Scores the candidates at `scored`, records each score in its report
+/// and returns the index of the chosen one.
+fn score_and_choose(
+    req: &SelectRequest,
+    scorer: &dyn Scorer,
+    params: &ScoreParams,
+    rng: &mut dyn RngCore,
+    prepared: &mut [Prepared<'_>],
+    scored: &[usize],
+) -> Result<usize, SelectError> {
     let inputs: Vec<ScoreInput> = scored.iter().map(|&i| prepared[i].input).collect();
     let scorer_failed = |reason: &str| SelectError::ScorerFailed {
         request_id: req.request_id.clone(),
@@ -511,7 +458,7 @@ pub fn select(
         reason: reason.to_owned(),
     };
     let outcome = scorer
-        .score(&inputs, &params, rng)
+        .score(&inputs, params, rng)
         .ok_or_else(|| scorer_failed("no choice among a non-empty candidate list"))?;
     if outcome.scores.len() != inputs.len() {
         return Err(scorer_failed(
@@ -521,23 +468,34 @@ pub fn select(
     for (&i, score) in scored.iter().zip(&outcome.scores) {
         prepared[i].report.score = Some(*score);
     }
-    let chosen_idx = scored
+    let chosen = scored
         .get(outcome.chosen)
         .copied()
         .ok_or_else(|| scorer_failed("chose a candidate that does not exist"))?;
-    prepared[chosen_idx].report.chosen = true;
+    prepared[chosen].report.chosen = true;
+    Ok(chosen)
+}
 
-    let chosen = &prepared[chosen_idx];
-    let target = chosen.report.target;
-    let overlap = chosen.report.overlap_blocks;
+/// The decision, from the chosen candidate and every candidate's report.
+fn selection(
+    req: &SelectRequest,
+    scorer: &dyn Scorer,
+    pinned: Option<(WorkerRank, PinSource)>,
+    total_blocks: u32,
+    all_busy: bool,
+    prepared: Vec<Prepared<'_>>,
+    chosen: usize,
+) -> Selection {
+    let report = &prepared[chosen].report;
+    let target = report.target;
+    let overlap = report.overlap_blocks;
     let cached_tokens = cached_tokens(req, overlap);
-    let reported = chosen.worker.rank_load(target.dp_rank);
-    let busy = chosen.report.busy;
-    let booked = chosen.report.booked;
-    let potential_prefill_tokens = chosen.report.potential_prefill_tokens;
-    let potential_prefill_blocks = chosen.report.potential_prefill_blocks;
-    let potential_decode_blocks = chosen.report.potential_decode_blocks;
-    Ok(Selection {
+    let reported = prepared[chosen].worker.rank_load(target.dp_rank);
+    let (busy, booked) = (report.busy, report.booked);
+    let potential_prefill_tokens = report.potential_prefill_tokens;
+    let potential_prefill_blocks = report.potential_prefill_blocks;
+    let potential_decode_blocks = report.potential_decode_blocks;
+    Selection {
         target,
         route: pinned.map_or(Route::Scored, |(_, s)| Route::Pinned(s)),
         overlap_blocks: overlap,
@@ -555,7 +513,7 @@ pub fn select(
         all_busy,
         policy: scorer.name(),
         candidates: prepared.into_iter().map(|p| p.report).collect(),
-    })
+    }
 }
 
 fn cached_tokens(req: &SelectRequest, overlap: u32) -> u64 {
