@@ -81,6 +81,10 @@ use rustc_hash::FxHashMap;
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 
+mod segment;
+
+use segment::Seg;
+
 const NIL: u32 = u32::MAX;
 /// `parent` of a free segment.
 const FREE: u32 = u32::MAX - 1;
@@ -121,238 +125,6 @@ fn pos_seg(p: Pos) -> u32 {
 #[inline(always)]
 fn pos_abs(p: Pos) -> u32 {
     p as u32
-}
-
-#[derive(Clone, Debug)]
-struct Seg {
-    /// `(creation engine hash, local hash)` per position: the layout of a
-    /// stored event's blocks, so a new segment can adopt an event's array.
-    pairs: Vec<Block>,
-    /// Absolute index of `pairs[0]`.
-    start: u32,
-    /// Parent segment (NIL for the root, FREE for a free segment; then
-    /// `first` links the free list).
-    parent: u32,
-    /// Head of the children list (NIL if none); for a free segment, the
-    /// next free segment.
-    first: u32,
-    /// Sibling links in the parent's children list.
-    prev: u32,
-    next: u32,
-    /// Live children.
-    kids: u32,
-    /// Positions `[0, held)` are held by the holder set (except `holes`),
-    /// the rest by no one (0 exactly when the holder set is empty).
-    held: u32,
-    /// Holder bits of slots 0..64.
-    mask: u64,
-    /// Holder bits of slots 64.., word i covering 64 + 64 * i...
-    wide: Vec<u64>,
-    /// Runs `[a, b)` of absolute indices inside `[start, start + held)`
-    /// that the holder dropped (sorted, apart, the last ending before
-    /// `start + held`); only a segment with one holder (slot < 64) has any.
-    holes: Vec<[u32; 2]>,
-}
-
-impl Seg {
-    fn empty(parent: u32) -> Self {
-        Self {
-            pairs: Vec::new(),
-            start: 0,
-            parent,
-            first: NIL,
-            prev: NIL,
-            next: NIL,
-            kids: 0,
-            held: 0,
-            mask: 0,
-            wide: Vec::new(),
-            holes: Vec::new(),
-        }
-    }
-
-    /// Positions from the start held by the whole holder set: up to the
-    /// first hole, else `held`.
-    #[inline(always)]
-    fn held_run(&self) -> u32 {
-        self.holes.first().map_or(self.held, |r| r[0] - self.start)
-    }
-
-    /// How many leading positions `rest` of a query matches and the whole
-    /// holder set holds (a walk's step through this segment).
-    #[inline(always)]
-    fn matched(&self, rest: &[LocalHash]) -> usize {
-        let n = self.pairs.len().min(rest.len());
-        match_len(&self.pairs[..n], &rest[..n]).min(self.held_run() as usize)
-    }
-
-    fn is_hole(&self, abs: u32) -> bool {
-        let i = self.holes.partition_point(|r| r[1] <= abs);
-        self.holes.get(i).is_some_and(|r| r[0] <= abs)
-    }
-
-    /// The holder dropped positions `[a, b)`, held and before the last
-    /// held one.
-    fn add_holes(&mut self, a: u32, b: u32) {
-        // runs touching `[a, b)` (at most one on each side) merge with it
-        let i = self.holes.partition_point(|r| r[1] < a);
-        let (mut lo, mut hi, mut j) = (a, b, i);
-        while let Some(r) = self.holes.get(j)
-            && r[0] <= hi
-        {
-            lo = lo.min(r[0]);
-            hi = hi.max(r[1]);
-            j += 1;
-        }
-        self.holes.splice(i..j, [[lo, hi]]);
-    }
-
-    /// The holder holds hole position `abs` again.
-    fn fill_hole(&mut self, abs: u32) {
-        let i = self.holes.partition_point(|r| r[1] <= abs);
-        let Some(r) = self.holes.get_mut(i) else {
-            return;
-        };
-        let [a, b] = *r;
-        if abs < a {
-            return;
-        }
-        match (a == abs, b == abs + 1) {
-            (true, true) => {
-                self.holes.remove(i);
-            }
-            (true, false) => r[0] = abs + 1,
-            (false, true) => r[1] = abs,
-            (false, false) => {
-                r[1] = abs;
-                self.holes.insert(i + 1, [abs + 1, b]);
-            }
-        }
-    }
-
-    /// Restore the holes invariant after `held` went down: a run that now
-    /// ends the held part becomes unheld tail; nothing held, no holders.
-    fn normalize(&mut self) {
-        while let Some(&[a, b]) = self.holes.last()
-            && b >= self.start + self.held
-        {
-            self.held = self.held.min(a - self.start);
-            self.holes.pop();
-        }
-        if self.held == 0 {
-            self.mask = 0;
-            self.wide = Vec::new();
-            self.holes = Vec::new();
-        }
-    }
-
-    /// Split the holes at absolute index `at`: those from `at` on are
-    /// returned, the rest stay.
-    fn split_holes(&mut self, at: u32) -> Vec<[u32; 2]> {
-        if self.holes.is_empty() {
-            return Vec::new();
-        }
-        let i = self.holes.partition_point(|r| r[1] <= at);
-        let mut tail = self.holes.split_off(i);
-        if let Some(r) = tail.first_mut()
-            && r[0] < at
-        {
-            self.holes.push([r[0], at]);
-            r[0] = at;
-        }
-        tail
-    }
-
-    fn has(&self, s: u32) -> bool {
-        if s < INLINE_SLOTS {
-            self.mask & (1 << s) != 0
-        } else {
-            let i = ((s - INLINE_SLOTS) / 64) as usize;
-            self.wide
-                .get(i)
-                .is_some_and(|w| w & (1 << ((s - INLINE_SLOTS) % 64)) != 0)
-        }
-    }
-
-    /// Add holder `s` (to every position, if the segment was unheld).
-    fn set(&mut self, s: u32) {
-        if self.held == 0 {
-            self.held = self.pairs.len() as u32;
-        }
-        if s < INLINE_SLOTS {
-            self.mask |= 1 << s;
-        } else {
-            let i = ((s - INLINE_SLOTS) / 64) as usize;
-            if self.wide.len() <= i {
-                self.wide.resize(i + 1, 0);
-            }
-            if let Some(w) = self.wide.get_mut(i) {
-                *w |= 1 << ((s - INLINE_SLOTS) % 64);
-            }
-        }
-    }
-
-    fn clear(&mut self, s: u32) {
-        if s < INLINE_SLOTS {
-            self.mask &= !(1 << s);
-        } else {
-            let i = ((s - INLINE_SLOTS) / 64) as usize;
-            if let Some(w) = self.wide.get_mut(i) {
-                *w &= !(1 << ((s - INLINE_SLOTS) % 64));
-            }
-            while self.wide.last() == Some(&0) {
-                self.wide.pop();
-            }
-            if self.wide.is_empty() {
-                self.wide = Vec::new();
-            }
-        }
-        if self.mask == 0 && self.wide.is_empty() {
-            self.held = 0;
-            self.holes = Vec::new();
-        }
-    }
-
-    /// Holder bits for a part of this segment holding `held` positions.
-    fn part(&self, held: u32) -> (u32, u64, Vec<u64>) {
-        if held == 0 {
-            (0, 0, Vec::new())
-        } else {
-            (held, self.mask, self.wide.clone())
-        }
-    }
-
-    /// Held by slot `s` alone.
-    fn only(&self, s: u32) -> bool {
-        s < INLINE_SLOTS && self.mask == 1 << s && self.wide.is_empty() && self.held > 0
-    }
-
-    /// The lowest holder slot >= `from`.
-    fn next_holder(&self, from: u32) -> Option<u32> {
-        if from < INLINE_SLOTS {
-            let m = self.mask & (u64::MAX << from);
-            if m != 0 {
-                return Some(m.trailing_zeros());
-            }
-        }
-        let from = from.max(INLINE_SLOTS) - INLINE_SLOTS;
-        let first = (from / 64) as usize;
-        for (i, &w) in self.wide.iter().enumerate().skip(first) {
-            let w = if i == first {
-                w & (u64::MAX << (from % 64))
-            } else {
-                w
-            };
-            if w != 0 {
-                return Some(INLINE_SLOTS + 64 * i as u32 + w.trailing_zeros());
-            }
-        }
-        None
-    }
-
-    fn end(&self) -> u32 {
-        self.start + self.pairs.len() as u32
-    }
 }
 
 struct Slot {
@@ -1920,6 +1692,16 @@ impl IndexCore {
         b += (self.undo.capacity() * 8 + self.pending.capacity() * 8) as u64;
         b += (self.shifted.capacity() * 16 + self.pool.bytes()) as u64;
         b
+    }
+}
+
+impl Seg {
+    /// How many leading positions `rest` of a query matches and the whole
+    /// holder set holds (a walk's step through this segment).
+    #[inline(always)]
+    fn matched(&self, rest: &[LocalHash]) -> usize {
+        let n = self.pairs.len().min(rest.len());
+        match_len(&self.pairs[..n], &rest[..n]).min(self.held_run() as usize)
     }
 }
 
