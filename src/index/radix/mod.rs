@@ -80,9 +80,9 @@ use super::{ApplyOutcome, IndexError, IndexStats, KvEvent, OverlapScores, Worker
 use crate::types::{EngineHash, LocalHash, WorkerRank};
 use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
-use std::borrow::Cow;
 use std::collections::BTreeSet;
 
+mod events;
 mod remove;
 mod segment;
 mod slots;
@@ -226,63 +226,6 @@ impl IndexCore {
 
     pub fn block_size(&self) -> u32 {
         self.block_size
-    }
-
-    // ---- events ------------------------------------------------------------
-
-    pub fn apply(
-        &mut self,
-        worker: WorkerRank,
-        event: &KvEvent,
-    ) -> Result<ApplyOutcome, IndexError> {
-        let res = match event {
-            KvEvent::Stored { parent, blocks } => {
-                self.store(worker, *parent, Cow::Borrowed(blocks))
-            }
-            KvEvent::Removed { blocks } => Ok(self.remove(worker, blocks)),
-            KvEvent::Cleared => Ok(ApplyOutcome {
-                applied: self
-                    .slot_of
-                    .get(&worker)
-                    .copied()
-                    .map_or(0, |s| self.clear_slot(s)),
-                skipped: 0,
-            }),
-        };
-        self.count_outcome(res)
-    }
-
-    /// [`Self::apply`] of an event the caller gives up: a store that hangs
-    /// its blocks under a new segment keeps the event's array as that
-    /// segment's (no allocation or copy, and the memory is warm from the
-    /// caller's use).
-    pub fn apply_owned(
-        &mut self,
-        worker: WorkerRank,
-        event: KvEvent,
-    ) -> Result<ApplyOutcome, IndexError> {
-        match event {
-            KvEvent::Stored { parent, blocks } => {
-                let res = self.store(worker, parent, Cow::Owned(blocks));
-                self.count_outcome(res)
-            }
-            other => self.apply(worker, &other),
-        }
-    }
-
-    /// Count an applied or rejected event in the stats.
-    fn count_outcome(
-        &mut self,
-        res: Result<ApplyOutcome, IndexError>,
-    ) -> Result<ApplyOutcome, IndexError> {
-        match &res {
-            Ok(o) => {
-                self.events_applied += 1;
-                self.blocks_skipped += o.skipped;
-            }
-            Err(_) => self.events_rejected += 1,
-        }
-        res
     }
 
     // ---- queries -----------------------------------------------------------
