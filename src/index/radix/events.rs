@@ -7,7 +7,8 @@
 //! `blocks_skipped`) apart from the store and remove machinery, which
 //! never count events themselves.
 
-use super::{ApplyOutcome, IndexCore, IndexError, KvEvent};
+use super::IndexCore;
+use crate::index::{ApplyOutcome, IndexError, KvEvent};
 use crate::types::WorkerRank;
 use std::borrow::Cow;
 

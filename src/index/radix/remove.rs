@@ -14,7 +14,8 @@
 
 use super::slots::drop_extra_ref;
 use super::tree::engine_in;
-use super::{ApplyOutcome, FREE, IndexCore, Pos, engine_hash, pos, pos_abs, pos_seg};
+use super::{FREE, IndexCore, Pos, engine_hash, pos, pos_abs, pos_seg};
+use crate::index::ApplyOutcome;
 use crate::types::{EngineHash, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
 

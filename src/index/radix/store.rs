@@ -16,9 +16,8 @@
 
 use super::segment::Seg;
 use super::tree::engine_in;
-use super::{
-    ApplyOutcome, Block, IndexCore, IndexError, Pos, ROOT, engine_hash, pos, pos_abs, pos_seg,
-};
+use super::{Block, IndexCore, Pos, ROOT, engine_hash, pos, pos_abs, pos_seg};
+use crate::index::{ApplyOutcome, IndexError};
 use crate::types::{EngineHash, LocalHash, WorkerRank};
 use std::borrow::Cow;
 

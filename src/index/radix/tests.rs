@@ -5,6 +5,7 @@
 
 use super::super::test_events::{rm, store, w};
 use super::*;
+use crate::index::{ApplyOutcome, IndexError, KvEvent, OverlapScores};
 
 /// `c.apply`, with the error as text for a test's `?`.
 fn try_apply(c: &mut IndexCore, who: WorkerRank, ev: &KvEvent) -> Result<ApplyOutcome, String> {
