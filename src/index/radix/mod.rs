@@ -231,4 +231,6 @@ impl IndexCore {
 }
 
 #[cfg(test)]
+mod invariants;
+#[cfg(test)]
 mod tests;
