@@ -122,30 +122,14 @@ impl IndexCore {
             let glen = g.pairs.len() as u32;
             if rel < g.held && g.has(s) && !g.holes.is_empty() && g.is_hole(pos_abs(p)) {
                 // `s` stores again a block it dropped from the middle
-                if self.lookup(s, e).is_some() {
-                    return Err(e);
-                }
-                if let Some(g) = self.seg_mut(id) {
-                    g.fill_hole(pos_abs(p));
-                }
-                self.map_insert(s, p, e);
-                self.undo.push(e);
+                self.refill_hole(s, p, e)?;
                 out.applied += 1;
                 c = next;
                 i += 1;
                 continue;
             }
             if rel < g.held && g.has(s) {
-                match self.lookup(s, e) {
-                    Some(x) if x == p => out.skipped += 1,
-                    Some(_) => return Err(e),
-                    None => {
-                        self.map_insert(s, p, e);
-                        self.undo.push(e);
-                        *self.extra_refs.entry((p, s)).or_insert(0) += 1;
-                        out.applied += 1;
-                    }
-                }
+                self.store_held(s, p, e, &mut out)?;
                 c = next;
                 i += 1;
                 continue;
@@ -153,64 +137,131 @@ impl IndexCore {
             if g.held > 0 && g.held < glen {
                 // make the segment uniform first: its unheld tail moves out
                 let k = g.held;
-                let t = self.split_tail(id, k);
-                if c.seg == id && c.used > k {
-                    c = Cursor {
-                        seg: t,
-                        used: c.used - k,
-                    };
-                }
+                c = self.split_off_unheld_tail(id, k, c);
                 continue;
             }
             if !g.holes.is_empty() {
                 // another slot's holes become unheld segments first
-                let at = (c.seg != ROOT && c.used > 0).then(|| {
-                    let start = self.seg(c.seg).map_or(0, |g| g.start);
-                    pos(c.seg, start + c.used - 1)
-                });
-                if let Some(at) = self.flatten(id, at) {
-                    let start = self.seg(pos_seg(at)).map_or(0, |g| g.start);
-                    c = Cursor {
-                        seg: pos_seg(at),
-                        used: pos_abs(at) - start + 1,
-                    };
-                }
+                c = self.flatten_before(id, c);
                 continue;
             }
             // `s` holds no position of this segment: add it to the run of
             // positions the event covers, splitting off the rest
-            let mut run = 1u32;
-            while rel + run < glen
-                && let (Some(x), Some(b)) = (
-                    g.pairs.get((rel + run) as usize),
-                    blocks.get(i + run as usize),
-                )
-                && x.1 == b.1
-            {
-                run += 1;
-            }
+            let run = run_len(g, rel, glen, &blocks, i);
             let run_blocks = blocks.get(i..i + run as usize).unwrap_or(&[]);
-            self.check_new(s, run_blocks)?;
-            let mut r = id;
-            if rel > 0 {
-                r = self.split(r, rel).1;
-            }
-            if run < glen - rel {
-                r = self.split(r, run).0;
-            }
-            if let Some(g) = self.seg_mut(r) {
-                g.set(s);
-            }
-            let start = self.seg(r).map_or(0, |g| g.start);
-            for (k, &(e, _)) in run_blocks.iter().enumerate() {
-                self.map_insert(s, pos(r, start + k as u32), e);
-                self.undo.push(e);
-            }
+            let r = self.hold_run(s, id, rel, run, glen, run_blocks)?;
             out.applied += u64::from(run);
             i += run as usize;
             c = Cursor { seg: r, used: run };
         }
         Ok(out)
+    }
+
+    /// Slot `s` stores again, under `e`, position `p` of a segment it
+    /// holds, where it had dropped it (a hole): the hole is filled.
+    #[inline(always)]
+    fn refill_hole(&mut self, s: u32, p: Pos, e: EngineHash) -> Result<(), EngineHash> {
+        if self.lookup(s, e).is_some() {
+            return Err(e);
+        }
+        if let Some(g) = self.seg_mut(pos_seg(p)) {
+            g.fill_hole(pos_abs(p));
+        }
+        self.map_insert(s, p, e);
+        self.undo.push(e);
+        Ok(())
+    }
+
+    /// Slot `s` stores `e` at position `p`, which it holds already: a
+    /// counted no-op if under `e`, one more reference if under another
+    /// engine hash, a conflict if `e` is held elsewhere.
+    #[inline(always)]
+    fn store_held(
+        &mut self,
+        s: u32,
+        p: Pos,
+        e: EngineHash,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), EngineHash> {
+        match self.lookup(s, e) {
+            Some(x) if x == p => out.skipped += 1,
+            Some(_) => return Err(e),
+            None => {
+                self.map_insert(s, p, e);
+                self.undo.push(e);
+                *self.extra_refs.entry((p, s)).or_insert(0) += 1;
+                out.applied += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Split the unheld tail `[k, len)` of segment `id` off, so that the
+    /// store meets a uniform segment; returns the cursor `c`, moved along
+    /// if it stood in the tail.
+    #[inline(always)]
+    fn split_off_unheld_tail(&mut self, id: u32, k: u32, c: Cursor) -> Cursor {
+        let t = self.split_tail(id, k);
+        if c.seg == id && c.used > k {
+            return Cursor {
+                seg: t,
+                used: c.used - k,
+            };
+        }
+        c
+    }
+
+    /// Turn another slot's holes in segment `id` into unheld segments
+    /// before the store joins it; returns the cursor `c`, renamed if a
+    /// split moved the position it stands after.
+    #[inline(always)]
+    fn flatten_before(&mut self, id: u32, c: Cursor) -> Cursor {
+        let at = (c.seg != ROOT && c.used > 0).then(|| {
+            let start = self.seg(c.seg).map_or(0, |g| g.start);
+            pos(c.seg, start + c.used - 1)
+        });
+        if let Some(at) = self.flatten(id, at) {
+            let start = self.seg(pos_seg(at)).map_or(0, |g| g.start);
+            return Cursor {
+                seg: pos_seg(at),
+                used: pos_abs(at) - start + 1,
+            };
+        }
+        c
+    }
+
+    /// Make slot `s` a holder of the `run` positions of segment `id` from
+    /// relative index `rel` (of its `glen`), which the event's `run_blocks`
+    /// cover: after checking that none of their engine hashes is held or
+    /// repeated, the run is split off the rest of the segment, gets the
+    /// holder bit, and its blocks are mapped. Returns the run's segment.
+    #[inline(always)]
+    fn hold_run(
+        &mut self,
+        s: u32,
+        id: u32,
+        rel: u32,
+        run: u32,
+        glen: u32,
+        run_blocks: &[Block],
+    ) -> Result<u32, EngineHash> {
+        self.check_new(s, run_blocks)?;
+        let mut r = id;
+        if rel > 0 {
+            r = self.split(r, rel).1;
+        }
+        if run < glen - rel {
+            r = self.split(r, run).0;
+        }
+        if let Some(g) = self.seg_mut(r) {
+            g.set(s);
+        }
+        let start = self.seg(r).map_or(0, |g| g.start);
+        for (k, &(e, _)) in run_blocks.iter().enumerate() {
+            self.map_insert(s, pos(r, start + k as u32), e);
+            self.undo.push(e);
+        }
+        Ok(r)
     }
 
     /// Err(e) for the first of `blocks` whose engine hash slot `s`
@@ -390,4 +441,22 @@ impl IndexCore {
             }
         }
     }
+}
+
+/// How many of the event's blocks from `blocks[i]` on follow segment
+/// `g`'s positions from relative index `rel` (of its `glen`) by local
+/// hash; at least 1 (the caller matched `blocks[i]` already).
+#[inline(always)]
+fn run_len(g: &Seg, rel: u32, glen: u32, blocks: &[Block], i: usize) -> u32 {
+    let mut run = 1u32;
+    while rel + run < glen
+        && let (Some(x), Some(b)) = (
+            g.pairs.get((rel + run) as usize),
+            blocks.get(i + run as usize),
+        )
+        && x.1 == b.1
+    {
+        run += 1;
+    }
+    run
 }
