@@ -310,14 +310,7 @@ impl IndexCore {
         let Some(&(e0, _)) = blocks.get(from) else {
             return Ok(());
         };
-        let room = self.abs_limit as usize;
-        let appendable = at != ROOT
-            && self.seg(at).is_some_and(|g| {
-                g.kids == 0
-                    && g.only(s)
-                    && g.held as usize == g.pairs.len()
-                    && g.end() as usize + (blocks.len() - from) <= room
-            });
+        let appendable = self.appendable(s, at, blocks.len() - from);
         let (id, first_abs) = if appendable {
             let Some(g) = self.segs.get_mut(at as usize) else {
                 return Ok(());
@@ -326,36 +319,84 @@ impl IndexCore {
             g.pairs.extend_from_slice(blocks.get(from..).unwrap_or(&[]));
             (at, first_abs)
         } else {
-            // probe the first block before a segment exists for it
-            if self.lookup(s, e0).is_some() {
-                return Err(e0);
-            }
-            let pairs = match blocks {
-                Cow::Owned(mut v) => {
-                    v.drain(..from);
-                    if v.capacity() > 2 * v.len() {
-                        v.shrink_to_fit();
-                    }
-                    v
-                }
-                Cow::Borrowed(b) => {
-                    let b = b.get(from..).unwrap_or(&[]);
-                    let mut v = self.pool.take(b.len());
-                    v.extend_from_slice(b);
-                    v
-                }
-            };
-            let mut g = Seg {
-                pairs,
-                ..Seg::empty(at)
-            };
-            g.set(s);
-            let id = self.new_child(at, g);
-            let abs = self.seg(id).map_or(0, |g| g.start);
-            self.map_insert(s, pos(id, abs), e0);
-            self.undo.push(e0);
-            (id, abs + 1)
+            self.new_segment(s, at, blocks, from, e0)?
         };
+        self.map_written(s, id, first_abs, appendable)
+    }
+
+    /// Whether `n` new blocks of slot `s` extend segment `at` itself: not
+    /// the root, childless, held wholly by `s` alone, with room below
+    /// `abs_limit`.
+    #[inline(always)]
+    fn appendable(&self, s: u32, at: u32, n: usize) -> bool {
+        let room = self.abs_limit as usize;
+        at != ROOT
+            && self.seg(at).is_some_and(|g| {
+                g.kids == 0
+                    && g.only(s)
+                    && g.held as usize == g.pairs.len()
+                    && g.end() as usize + n <= room
+            })
+    }
+
+    /// A new child segment of `at` for `blocks[from..]` (an owned array is
+    /// adopted, a borrowed one copied into a pooled one), held by slot `s`,
+    /// with its first block `e0` mapped (after a probe: no segment is made
+    /// for a conflict). Returns the segment and the absolute index of its
+    /// second position, the first still to map.
+    #[inline(always)]
+    fn new_segment(
+        &mut self,
+        s: u32,
+        at: u32,
+        blocks: Cow<'_, [Block]>,
+        from: usize,
+        e0: EngineHash,
+    ) -> Result<(u32, u32), EngineHash> {
+        // probe the first block before a segment exists for it
+        if self.lookup(s, e0).is_some() {
+            return Err(e0);
+        }
+        let pairs = match blocks {
+            Cow::Owned(mut v) => {
+                v.drain(..from);
+                if v.capacity() > 2 * v.len() {
+                    v.shrink_to_fit();
+                }
+                v
+            }
+            Cow::Borrowed(b) => {
+                let b = b.get(from..).unwrap_or(&[]);
+                let mut v = self.pool.take(b.len());
+                v.extend_from_slice(b);
+                v
+            }
+        };
+        let mut g = Seg {
+            pairs,
+            ..Seg::empty(at)
+        };
+        g.set(s);
+        let id = self.new_child(at, g);
+        let abs = self.seg(id).map_or(0, |g| g.start);
+        self.map_insert(s, pos(id, abs), e0);
+        self.undo.push(e0);
+        Ok((id, abs + 1))
+    }
+
+    /// Map slot `s`'s blocks written to segment `id` from absolute index
+    /// `first_abs` to its end, one table probe each, and count the new
+    /// positions (the first one too, for a new segment: not
+    /// `appendable`); on a conflict, the positions from it on are dropped
+    /// again and the engine hashes mapped so far are recorded in `undo`.
+    #[inline(always)]
+    fn map_written(
+        &mut self,
+        s: u32,
+        id: u32,
+        first_abs: u32,
+        appendable: bool,
+    ) -> Result<(), EngineHash> {
         // insert each written block's table entry; the first block already
         // held (or repeated within the event) shows up as an occupied
         // entry, and the positions from it on are dropped again
