@@ -7,7 +7,8 @@
 //! hashes against a segment's contiguous array (no lookup per block) and
 //! does one child lookup per segment.
 //!
-//! Layout (invariants, checked by `check_invariants` in the tests):
+//! Layout (invariants, checked by `check_invariants`, in `invariants.rs`,
+//! after every event of the tests):
 //! * A segment is a non-empty run of tree positions (blocks) in path order,
 //!   each stored as `(creation engine hash, local hash)`. Positions
 //!   `[0, held)` share the segment's holder set, except its `holes`;
@@ -71,6 +72,24 @@
 //! * A query walks segment by segment, ANDing the still-matching slots with
 //!   each segment's holders and comparing hashes linearly up to the first
 //!   hole or `held`.
+//!
+//! Files, one concept each. The first seven form a chain: each calls only
+//! into files listed after it (and into this root: the struct, its
+//! constants, position names and hashes), never back.
+//! * `events.rs`: the entry point; each event kind to its mechanism, and
+//!   the event counts.
+//! * `store.rs`: a store's walk, joining existing runs, appending or
+//!   starting segments, and the rollback of a conflict.
+//! * `remove.rs`: a remove's two passes, unholding (holes, lowered
+//!   `held`, shifts, isolating splits), flattening holes, clearing.
+//! * `split.rs`: splits and shifts, and renaming the moved positions.
+//! * `slots.rs`: targets as slots, reservations, each slot's engine-hash
+//!   maps.
+//! * `tree.rs`: the segment slab, parent/child links and edges, pruning.
+//! * `segment.rs`: one segment, its holder set and its holes.
+//! * `query.rs` (the prefix walk) and `stats.rs` (counts, bytes) only read.
+//! * `invariants.rs` and `tests.rs`, for tests only: the layout checked
+//!   from scratch, and the unit tests.
 //!
 //! [`GroupTable`]: super::group_table::GroupTable
 
