@@ -1,0 +1,70 @@
+//! The core's entry point for events: each kind goes to its own
+//! mechanism, and every outcome is counted.
+//!
+//! Why this exists: [`IndexCore::apply`] is the one door through which
+//! the event rules of the parent module are applied; it keeps the
+//! dispatch and the event stats (`events_applied`, `events_rejected`,
+//! `blocks_skipped`) apart from the store and remove machinery, which
+//! never count events themselves.
+
+use super::IndexCore;
+use crate::index::{ApplyOutcome, IndexError, KvEvent};
+use crate::types::WorkerRank;
+use std::borrow::Cow;
+
+impl IndexCore {
+    pub fn apply(
+        &mut self,
+        worker: WorkerRank,
+        event: &KvEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        let res = match event {
+            KvEvent::Stored { parent, blocks } => {
+                self.store(worker, *parent, Cow::Borrowed(blocks))
+            }
+            KvEvent::Removed { blocks } => Ok(self.remove(worker, blocks)),
+            KvEvent::Cleared => Ok(ApplyOutcome {
+                applied: self
+                    .slot_of
+                    .get(&worker)
+                    .copied()
+                    .map_or(0, |s| self.clear_slot(s)),
+                skipped: 0,
+            }),
+        };
+        self.count_outcome(res)
+    }
+
+    /// [`Self::apply`] of an event the caller gives up: a store that hangs
+    /// its blocks under a new segment keeps the event's array as that
+    /// segment's (no allocation or copy, and the memory is warm from the
+    /// caller's use).
+    pub fn apply_owned(
+        &mut self,
+        worker: WorkerRank,
+        event: KvEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        match event {
+            KvEvent::Stored { parent, blocks } => {
+                let res = self.store(worker, parent, Cow::Owned(blocks));
+                self.count_outcome(res)
+            }
+            other => self.apply(worker, &other),
+        }
+    }
+
+    /// Count an applied or rejected event in the stats.
+    fn count_outcome(
+        &mut self,
+        res: Result<ApplyOutcome, IndexError>,
+    ) -> Result<ApplyOutcome, IndexError> {
+        match &res {
+            Ok(o) => {
+                self.events_applied += 1;
+                self.blocks_skipped += o.skipped;
+            }
+            Err(_) => self.events_rejected += 1,
+        }
+        res
+    }
+}
