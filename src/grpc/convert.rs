@@ -2,7 +2,10 @@
 //! comes from the network. Handlers call these and nothing else touches pb
 //! field semantics.
 
+use std::collections::HashSet;
+
 use crate::{
+    admission::AdmissionMode,
     engine_events::EngineSource,
     fleet::{IndexView, WorkerView},
     grpc::status::InvalidInput,
@@ -12,7 +15,11 @@ use crate::{
     pb,
     registry::{EventTarget, Registration},
     router::{Admitted, PreparedRequest, now},
-    types::{RankLoad, WorkerRole},
+    select::{
+        RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
+        affinity::{AffinityMode, SessionRef},
+    },
+    types::{RankLoad, RequestPhase, WorkerRank, WorkerRole},
 };
 
 /// Longest model, endpoint, taint, LoRA or id string accepted.
@@ -282,21 +289,6 @@ pub fn select_request_from_pb(
     block_size: u32,
     max_blocks: usize,
 ) -> Result<PreparedRequest, InvalidInput> {
-    use std::collections::HashSet;
-
-    use crate::{
-        admission::AdmissionMode,
-        select::{
-            RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
-            affinity::{AffinityMode, SessionRef},
-        },
-        types::{RequestPhase, WorkerRank},
-    };
-
-    let id = request.request_id.clone();
-    let at = |field: &str, message: String| {
-        InvalidInput::new(field, format!("request {id:?}: {message}"))
-    };
     if request.request_id.is_empty() {
         return Err(InvalidInput::new("request_id", "must not be empty"));
     }
@@ -304,50 +296,116 @@ pub fn select_request_from_pb(
     name("model", &request.model)?;
     name("lora_name", &request.lora_name)?;
     name("cache_namespace", &request.cache_namespace)?;
+    let at = RequestAt(request.request_id.clone());
+    let (phase, mode, admission) = modes_from_pb(&request, &at)?;
+    let prompt = PromptParts {
+        content: request.prompt.and_then(|p| p.content),
+        block_mm_infos: request.block_mm_infos,
+        options: HashOptions {
+            lora_name: Some(request.lora_name.as_str()),
+            cache_namespace: Some(request.cache_namespace.as_str()),
+        },
+    };
+    let (hashes, prompt_tokens) = prompt_hashes(prompt, block_size, max_blocks, &at)?;
+    let hints = hints_from_pb(request.hints.unwrap_or_default(), max_blocks, &at)?;
+    let session = session_from_pb(request.session, &at)?;
+    if request.excluded_worker_ids.len() > max_blocks {
+        return Err(at.error("excluded_worker_ids", "too many entries"));
+    }
+    let overrides = overrides_from_pb(request.overrides.unwrap_or_default(), &at)?;
+    let select_request = SelectRequest {
+        request_id: request.request_id,
+        model: request.model,
+        phase,
+        prompt_tokens,
+        block_size,
+        hints,
+        session,
+        planned_worker: request
+            .planned_worker
+            .map(|w| WorkerRank::new(w.worker_id, w.dp_rank)),
+        excluded_worker_ids: request.excluded_worker_ids.into_iter().collect(),
+        mode,
+        overrides,
+    };
+    Ok(PreparedRequest {
+        request: select_request,
+        hashes,
+        admission,
+    })
+}
+
+/// Names a SelectWorker request in its field errors.
+struct RequestAt(String);
+
+impl RequestAt {
+    fn error(&self, field: &str, message: impl std::fmt::Display) -> InvalidInput {
+        InvalidInput::new(field, format!("request {:?}: {message}", self.0))
+    }
+}
+
+fn modes_from_pb(
+    request: &pb::SelectWorkerRequest,
+    at: &RequestAt,
+) -> Result<(RequestPhase, SelectMode, AdmissionMode), InvalidInput> {
     let phase = match pb::RequestPhase::try_from(request.phase) {
         Ok(pb::RequestPhase::Aggregated) => RequestPhase::Aggregated,
         Ok(pb::RequestPhase::Prefill) => RequestPhase::Prefill,
         Ok(pb::RequestPhase::Decode) => RequestPhase::Decode,
-        Err(_) => return Err(at("phase", format!("unknown phase {}", request.phase))),
+        Err(_) => return Err(at.error("phase", format_args!("unknown phase {}", request.phase))),
     };
     let mode = match pb::SelectionMode::try_from(request.mode) {
         Ok(pb::SelectionMode::Reserve) => SelectMode::Reserve,
         Ok(pb::SelectionMode::QueryOnly) => SelectMode::QueryOnly,
-        Err(_) => return Err(at("mode", format!("unknown mode {}", request.mode))),
+        Err(_) => return Err(at.error("mode", format_args!("unknown mode {}", request.mode))),
     };
     let admission = match pb::AdmissionMode::try_from(request.admission) {
         Ok(pb::AdmissionMode::Wait) => AdmissionMode::Wait,
         Ok(pb::AdmissionMode::Reject) => AdmissionMode::Reject,
         Ok(pb::AdmissionMode::Advisory) => AdmissionMode::Advisory,
         Err(_) => {
-            return Err(at(
+            return Err(at.error(
                 "admission",
-                format!("unknown admission {}", request.admission),
+                format_args!("unknown admission {}", request.admission),
             ));
         }
     };
-    let options = HashOptions {
-        lora_name: Some(request.lora_name.as_str()),
-        cache_namespace: Some(request.cache_namespace.as_str()),
-    };
-    if request.block_mm_infos.len() > max_blocks {
-        return Err(at(
+    Ok((phase, mode, admission))
+}
+
+/// What a prompt's block hashes are made from.
+struct PromptParts<'a> {
+    content: Option<pb::prompt::Content>,
+    block_mm_infos: Vec<pb::BlockMultimodalInfo>,
+    options: HashOptions<'a>,
+}
+
+/// The prompt's local block hashes and its token count: token ids are
+/// hashed at the model's block size, block hashes are taken as given.
+fn prompt_hashes(
+    prompt: PromptParts<'_>,
+    block_size: u32,
+    max_blocks: usize,
+    at: &RequestAt,
+) -> Result<(Vec<u64>, u64), InvalidInput> {
+    if prompt.block_mm_infos.len() > max_blocks {
+        return Err(at.error(
             "block_mm_infos",
-            format!("more than {max_blocks} entries"),
+            format_args!("more than {max_blocks} entries"),
         ));
     }
-    let mm: Vec<Vec<u64>> = request
+    let mm: Vec<Vec<u64>> = prompt
         .block_mm_infos
         .into_iter()
         .map(|info| info.mm_hashes)
         .collect();
-    let (hashes, prompt_tokens) = match request.prompt.and_then(|p| p.content) {
+    let (hashes, prompt_tokens) = match prompt.content {
         Some(pb::prompt::Content::TokenIds(tokens)) => {
             let max_tokens = max_blocks.saturating_mul(block_size as usize);
             if tokens.ids.len() > max_tokens {
-                return Err(at(
+                return Err(at.error(
                     "prompt.token_ids",
-                    format!(
+                    format_args!(
                         "{} tokens is over the limit of {max_tokens}",
                         tokens.ids.len()
                     ),
@@ -355,15 +413,15 @@ pub fn select_request_from_pb(
             }
             let mm = (!mm.is_empty()).then_some(mm.as_slice());
             (
-                compute_block_hashes(&tokens.ids, block_size, &options, mm),
+                compute_block_hashes(&tokens.ids, block_size, &prompt.options, mm),
                 tokens.ids.len() as u64,
             )
         }
         Some(pb::prompt::Content::BlockHashes(hashes)) => {
             if hashes.hashes.len() > max_blocks {
-                return Err(at(
+                return Err(at.error(
                     "prompt.block_hashes",
-                    format!(
+                    format_args!(
                         "{} blocks is over the limit of {max_blocks}",
                         hashes.hashes.len()
                     ),
@@ -373,48 +431,75 @@ pub fn select_request_from_pb(
             (hashes.hashes, tokens)
         }
         None => {
-            return Err(at(
-                "prompt",
-                "no prompt: set token_ids or block_hashes".into(),
-            ));
+            return Err(at.error("prompt", "no prompt: set token_ids or block_hashes"));
         }
     };
     if prompt_tokens == 0 {
-        return Err(at("prompt", "the prompt is empty".into()));
+        return Err(at.error("prompt", "the prompt is empty"));
     }
-    let hints = request.hints.unwrap_or_default();
+    Ok((hashes, prompt_tokens))
+}
+
+fn hints_from_pb(
+    hints: pb::RoutingHints,
+    max_blocks: usize,
+    at: &RequestAt,
+) -> Result<RoutingHints, InvalidInput> {
     if hints.allowed_worker_ids.len() > max_blocks || hints.tolerated_taints.len() > 1024 {
-        return Err(at("hints", "too many allowed workers or taints".into()));
+        return Err(at.error("hints", "too many allowed workers or taints"));
     }
     for taint in &hints.tolerated_taints {
         name("hints.tolerated_taints", taint)?;
     }
     name("hints.policy_class", &hints.policy_class)?;
     if !hints.priority_jump.is_finite() {
-        return Err(at("hints.priority_jump", "must be a finite number".into()));
+        return Err(at.error("hints.priority_jump", "must be a finite number"));
     }
-    let session = match request.session {
-        Some(session) if !session.session_id.is_empty() => {
-            name("session.session_id", &session.session_id)?;
-            match pb::AffinityMode::try_from(session.mode) {
-                Ok(pb::AffinityMode::None) => None,
-                Ok(pb::AffinityMode::Hard) => Some(SessionRef {
-                    session_id: session.session_id,
-                    mode: AffinityMode::Hard,
-                }),
-                Ok(pb::AffinityMode::Soft) => Some(SessionRef {
-                    session_id: session.session_id,
-                    mode: AffinityMode::Soft,
-                }),
-                Err(_) => return Err(at("session.mode", format!("unknown mode {}", session.mode))),
-            }
-        }
-        _ => None,
+    Ok(RoutingHints {
+        backend_instance_id: hints.backend_instance_id,
+        prefill_worker_id: hints.prefill_worker_id,
+        decode_worker_id: hints.decode_worker_id,
+        dp_rank: hints.dp_rank,
+        prefill_dp_rank: hints.prefill_dp_rank,
+        allowed_worker_ids: (!hints.allowed_worker_ids.is_empty())
+            .then(|| hints.allowed_worker_ids.into_iter().collect::<HashSet<_>>()),
+        tolerated_taints: hints.tolerated_taints,
+        expected_output_tokens: hints.expected_output_tokens,
+        priority_jump: hints.priority_jump,
+        strict_priority: hints.strict_priority,
+        policy_class: (!hints.policy_class.is_empty()).then_some(hints.policy_class),
+    })
+}
+
+fn session_from_pb(
+    session: Option<pb::SessionAffinity>,
+    at: &RequestAt,
+) -> Result<Option<SessionRef>, InvalidInput> {
+    let Some(session) = session.filter(|s| !s.session_id.is_empty()) else {
+        return Ok(None);
     };
-    if request.excluded_worker_ids.len() > max_blocks {
-        return Err(at("excluded_worker_ids", "too many entries".into()));
-    }
-    let overrides = request.overrides.unwrap_or_default();
+    name("session.session_id", &session.session_id)?;
+    let mode = match pb::AffinityMode::try_from(session.mode) {
+        Ok(pb::AffinityMode::None) => return Ok(None),
+        Ok(pb::AffinityMode::Hard) => AffinityMode::Hard,
+        Ok(pb::AffinityMode::Soft) => AffinityMode::Soft,
+        Err(_) => {
+            return Err(at.error(
+                "session.mode",
+                format_args!("unknown mode {}", session.mode),
+            ));
+        }
+    };
+    Ok(Some(SessionRef {
+        session_id: session.session_id,
+        mode,
+    }))
+}
+
+fn overrides_from_pb(
+    overrides: pb::ScoringOverrides,
+    at: &RequestAt,
+) -> Result<ScoringOverrides, InvalidInput> {
     for (field, value) in [
         ("overrides.overlap_weight", overrides.overlap_weight),
         ("overrides.temperature", overrides.temperature),
@@ -422,44 +507,12 @@ pub fn select_request_from_pb(
         if let Some(v) = value
             && !(v.is_finite() && v >= 0.0)
         {
-            return Err(at(field, format!("must be a finite number >= 0, got {v}")));
+            return Err(at.error(field, format_args!("must be a finite number >= 0, got {v}")));
         }
     }
-    let select_request = SelectRequest {
-        request_id: request.request_id,
-        model: request.model,
-        phase,
-        prompt_tokens,
-        block_size,
-        hints: RoutingHints {
-            backend_instance_id: hints.backend_instance_id,
-            prefill_worker_id: hints.prefill_worker_id,
-            decode_worker_id: hints.decode_worker_id,
-            dp_rank: hints.dp_rank,
-            prefill_dp_rank: hints.prefill_dp_rank,
-            allowed_worker_ids: (!hints.allowed_worker_ids.is_empty())
-                .then(|| hints.allowed_worker_ids.into_iter().collect::<HashSet<_>>()),
-            tolerated_taints: hints.tolerated_taints,
-            expected_output_tokens: hints.expected_output_tokens,
-            priority_jump: hints.priority_jump,
-            strict_priority: hints.strict_priority,
-            policy_class: (!hints.policy_class.is_empty()).then_some(hints.policy_class),
-        },
-        session,
-        planned_worker: request
-            .planned_worker
-            .map(|w| WorkerRank::new(w.worker_id, w.dp_rank)),
-        excluded_worker_ids: request.excluded_worker_ids.into_iter().collect(),
-        mode,
-        overrides: ScoringOverrides {
-            overlap_weight: overrides.overlap_weight,
-            temperature: overrides.temperature,
-        },
-    };
-    Ok(PreparedRequest {
-        request: select_request,
-        hashes,
-        admission,
+    Ok(ScoringOverrides {
+        overlap_weight: overrides.overlap_weight,
+        temperature: overrides.temperature,
     })
 }
 
