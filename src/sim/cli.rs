@@ -9,8 +9,10 @@ use std::{
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::trace::Trace;
+
 use super::{
-    EngineConfig, KvRouteKnobs, KvRoutePolicy, POLICY_NAMES, Report, Router, SimConfig, Trace,
+    EngineConfig, KvRouteKnobs, KvRoutePolicy, POLICY_NAMES, Report, Router, SimConfig,
     policy_by_name, replay_with_progress,
 };
 
@@ -108,7 +110,7 @@ pub enum ReplayError {
     #[error("{0}")]
     Invalid(String),
     #[error("{0}")]
-    Trace(#[from] super::TraceError),
+    Trace(#[from] crate::trace::TraceError),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
     #[error("writing the chart: {0}")]

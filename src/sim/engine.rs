@@ -34,7 +34,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::FastBuild;
-use super::trace::output_token;
+use crate::trace::output_token;
 
 /// Engine parameters. Defaults are the mocker's defaults.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]

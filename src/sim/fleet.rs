@@ -17,7 +17,7 @@ use std::time::Instant;
 use super::engine::{EngineConfig, EngineLoad, EngineRequest, PassOutcome, SimEngine};
 use super::policy::Router;
 use super::report::{EngineStats, Report, RequestOutcome};
-use super::trace::{Trace, tokenize};
+use crate::trace::Trace;
 use crate::types::{RankLoad, WorkerRank, WorkerRole, WorkerSnapshot};
 
 /// Fleet and run parameters.
@@ -222,7 +222,7 @@ pub fn replay_with_progress(
         // Arrivals now.
         while next < trace.records.len() && arrival_of(next) <= now {
             let record = &trace.records[next];
-            let tokens = tokenize(record);
+            let tokens = record.tokens();
             let block_hashes = super::engine::block_hashes(&tokens, block_size);
             let request = SimRequest {
                 id: next as u64,
@@ -344,12 +344,12 @@ fn finish_pass(
 mod tests {
     use super::*;
     use crate::sim::policy::RoundRobin;
-    use crate::sim::trace::TraceRecord;
+    use crate::trace::TraceRequest;
 
     fn trace(n: usize, gap_ms: u64) -> Trace {
         Trace {
             records: (0..n)
-                .map(|i| TraceRecord {
+                .map(|i| TraceRequest {
                     timestamp: i as u64 * gap_ms,
                     input_length: 700,
                     output_length: 5,

@@ -16,7 +16,6 @@ pub mod kvroute_policy;
 pub mod plot;
 pub mod policy;
 pub mod report;
-pub mod trace;
 
 pub use engine::{EngineConfig, EngineKvEvent, EngineLoad, SimEngine, block_hashes};
 pub use fleet::{FleetView, SimConfig, SimRequest, replay, replay_with_progress, worker_rank};
@@ -25,15 +24,8 @@ pub use policy::{
     LeastLoaded, POLICY_NAMES, PrefixOnly, RandomRouter, RoundRobin, Router, policy_by_name,
 };
 pub use report::{Distribution, EngineStats, Report};
-pub use trace::{IdealReuse, Trace, TraceError, TraceRecord};
 
-/// SplitMix64 finaliser: a fast, well-mixed 64-bit hash of one word.
-pub(crate) fn mix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
+pub(crate) use crate::trace::mix64;
 
 /// A deterministic hasher for maps keyed by values that are already hashes
 /// (or small integers): one `mix64` per word, no random seed.

@@ -20,7 +20,7 @@
 use serde::Serialize;
 
 use super::fleet::SimConfig;
-use super::trace::Trace;
+use crate::trace::Trace;
 
 /// Summary of a sample.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
