@@ -9,12 +9,13 @@ use std::{
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use super::engine::EngineConfig;
+use super::fleet::replay_with_progress;
+use super::kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
+use super::policy::{POLICY_NAMES, Router, policy_by_name};
+use super::report::Report;
+use super::types::SimConfig;
 use crate::trace::Trace;
-
-use super::{
-    EngineConfig, KvRouteKnobs, KvRoutePolicy, POLICY_NAMES, Report, Router, SimConfig,
-    policy_by_name, replay_with_progress,
-};
 
 /// Every policy `--policy` accepts.
 pub const ALL_POLICIES: &[&str] = &[

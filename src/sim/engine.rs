@@ -33,8 +33,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::FastBuild;
-use crate::trace::output_token;
+use super::determinism::FastBuild;
+use crate::trace::{mix64, output_token};
 
 /// Engine parameters. Defaults are the mocker's defaults.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -138,7 +138,7 @@ pub fn chain_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
         let word = u64::from(pair[0]) | (pair.get(1).map_or(0, |&t| u64::from(t)) << 32);
         h = (h.rotate_left(23) ^ word).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
-    super::mix64(h ^ tokens.len() as u64)
+    mix64(h ^ tokens.len() as u64)
 }
 
 /// The engine hash chain of every full block of `tokens`.

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::Report;
+use super::report::Report;
 
 const PALETTE: [RGBColor; 6] = [
     RGBColor(31, 119, 180),

@@ -19,7 +19,7 @@
 
 use serde::Serialize;
 
-use super::fleet::SimConfig;
+use super::types::SimConfig;
 use crate::trace::Trace;
 
 /// Summary of a sample.
