@@ -436,6 +436,17 @@ struct StepAcc {
     scheduled: Vec<usize>,
 }
 
+/// The running sequences that emit a token in this step.
+#[derive(Default)]
+struct DecodeBatch {
+    /// Keys of the sequences with their whole context computed.
+    ready: Vec<usize>,
+    /// Those of them already decoding (not sampling from this step's prefill).
+    decode_count: usize,
+    /// Context tokens of the decoding ones.
+    decode_len: usize,
+}
+
 /// One simulated engine.
 #[derive(Debug)]
 pub struct SimEngine {
@@ -735,25 +746,43 @@ impl SimEngine {
     /// and its effects become visible `duration_ms` later.
     pub fn step(&mut self) -> PassOutcome {
         self.pass += 1;
-        let bs = self.cfg.block_size;
         let mut out = PassOutcome::default();
         let mut acc = StepAcc {
             budget: self.cfg.max_num_batched_tokens,
             ..StepAcc::default()
         };
+        self.schedule_running(&mut acc);
+        self.admit_waiting(&mut acc, &mut out);
+        let batch = self.decode_batch();
+        out.duration_ms = self.step_ms(&acc, &batch);
+        out.prefill_tokens = acc.total_isl - acc.total_prefix;
+        out.preemptions = acc.preemptions;
+        self.emit_tokens(batch.ready, &mut out);
+        out.did_work =
+            !acc.scheduled.is_empty() || !out.emitted.is_empty() || !out.rejected.is_empty();
+        out.kv_events = std::mem::take(&mut self.events.events);
+        out
+    }
 
-        // 1. Running sequences, oldest first.
+    /// Step phase 1: running sequences, oldest first, each take their next
+    /// chunk while the budget lasts.
+    fn schedule_running(&mut self, acc: &mut StepAcc) {
         let mut i = 0;
         while i < self.running.len() && acc.budget > 0 {
             let key = self.running[i];
-            match self.schedule(key, false, 0, &mut acc) {
+            match self.schedule(key, false, 0, acc) {
                 Outcome::Scheduled { .. } => i += 1,
                 Outcome::Blocked => break,
                 Outcome::CurrentPreempted => {}
             }
         }
+    }
 
-        // 2. Waiting sequences, FIFO.
+    /// Step phase 2: waiting sequences, FIFO, while fewer than `max_num_seqs`
+    /// run and nothing was preempted in this step. A sequence that can never
+    /// run here is rejected; one whose blocks do not fit stops admission.
+    fn admit_waiting(&mut self, acc: &mut StepAcc, out: &mut PassOutcome) {
+        let bs = self.cfg.block_size;
         while !acc.preempted_any && self.running.len() < self.cfg.max_num_seqs {
             let Some(&key) = self.waiting.front() else {
                 break;
@@ -777,7 +806,7 @@ impl SimEngine {
                 break;
             }
             let cached_tokens = hits * bs;
-            match self.schedule(key, true, cached_tokens, &mut acc) {
+            match self.schedule(key, true, cached_tokens, acc) {
                 Outcome::Scheduled { tokens } => {
                     out.admissions.push((id, cached_tokens));
                     if tokens == 0 && acc.budget == 0 {
@@ -787,24 +816,33 @@ impl SimEngine {
                 Outcome::Blocked | Outcome::CurrentPreempted => break,
             }
         }
+    }
 
-        // 3. Timing and token emission.
-        let mut ready = Vec::new();
-        let mut decode_count = 0usize;
-        let mut decode_len = 0usize;
+    /// Step phase 3: the running sequences whose context is all computed
+    /// (each emits a token at the end of the step), and the decode load
+    /// among them. A sequence whose prefill finished in this step samples
+    /// its first token from that prefill, so it adds no decode work.
+    fn decode_batch(&self) -> DecodeBatch {
+        let mut batch = DecodeBatch::default();
         for &key in &self.running {
             let seq = self.seq(key);
             if seq.computed < seq.len() {
                 continue;
             }
-            ready.push(key);
+            batch.ready.push(key);
             let first_from_prefill =
                 seq.generated == 0 && seq.work.pass == self.pass && seq.work.prompt_tokens > 0;
             if !first_from_prefill {
-                decode_count += 1;
-                decode_len += seq.len();
+                batch.decode_count += 1;
+                batch.decode_len += seq.len();
             }
         }
+        batch
+    }
+
+    /// The step's duration: prefill time of its new prompt tokens plus decode
+    /// time at the decoding sequences' KV utilisation.
+    fn step_ms(&self, acc: &StepAcc, batch: &DecodeBatch) -> f64 {
         // Like the mocker: batch size times the (integer) mean new tokens per
         // prefilling sequence, which is the step's new prompt tokens up to
         // rounding.
@@ -817,16 +855,18 @@ impl SimEngine {
                 .prefill_ms(acc.batch_count * mean_isl.saturating_sub(mean_prefix)),
             _ => 0.0,
         };
-        let decode_ms = if decode_count > 0 {
-            let capacity = (self.cfg.num_blocks * bs) as f64;
-            self.cfg.decode_ms(decode_len as f64 / capacity)
+        let decode_ms = if batch.decode_count > 0 {
+            let capacity = (self.cfg.num_blocks * self.cfg.block_size) as f64;
+            self.cfg.decode_ms(batch.decode_len as f64 / capacity)
         } else {
             0.0
         };
-        out.duration_ms = prefill_ms + decode_ms;
-        out.prefill_tokens = acc.total_isl - acc.total_prefix;
-        out.preemptions = acc.preemptions;
+        prefill_ms + decode_ms
+    }
 
+    /// Step phase 4: every ready sequence emits one output token; finished
+    /// ones release their blocks and leave the running set.
+    fn emit_tokens(&mut self, ready: Vec<usize>, out: &mut PassOutcome) {
         let mut finished = Vec::new();
         for key in ready {
             let seq = self.seq_mut(key);
@@ -850,10 +890,6 @@ impl SimEngine {
             }
             self.running.retain(|k| !finished.contains(k));
         }
-        out.did_work =
-            !acc.scheduled.is_empty() || !out.emitted.is_empty() || !out.rejected.is_empty();
-        out.kv_events = std::mem::take(&mut self.events.events);
-        out
     }
 }
 
