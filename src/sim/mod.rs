@@ -23,7 +23,7 @@
 //! 5. `kvroute_policy`: kvroute's own core behind the `Router` seam.
 //! 6. `report`: per-policy results (`Report`, `EngineStats`, `RequestOutcome`).
 //! 7. `fleet`: the discrete-event loop, `replay`.
-//! 8. `plot`: the `--plot` chart of reports.
+//! 8. `plot`: the `--plot` chart of reports (only with the `plot` feature).
 //! 9. `cli`: `kvroute replay`, which uses all of the above.
 //!
 //! This file only declares the files and re-exports their main items.
@@ -33,6 +33,7 @@ pub mod determinism;
 pub mod engine;
 pub mod fleet;
 pub mod kvroute_policy;
+#[cfg(feature = "plot")]
 pub mod plot;
 pub mod policy;
 pub mod report;

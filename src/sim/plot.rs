@@ -4,6 +4,9 @@
 //! or C libraries needed); for a `.png` path resvg rasterises that SVG with
 //! whatever system fonts exist (without any, the chart renders without
 //! its text).
+//!
+//! Compiled only with the `plot` feature (on by default): the server image is
+//! built without it, so it carries no SVG rasteriser or font loading.
 
 use std::path::Path;
 
