@@ -1,5 +1,9 @@
 //! `kvroute replay`: runs policies over a trace in the simulator and prints
 //! the comparison (table, or one JSON object per policy), optionally a chart.
+//!
+//! It exists to keep the command line (flags and their checks, the progress
+//! bar, output formats) out of the simulator, whose API takes plain values
+//! and is what tests and other tools call.
 
 use std::{
     path::{Path, PathBuf},
