@@ -11,7 +11,10 @@ COPY src ./src
 # Cargo checks that the benches and examples the manifest names exist.
 COPY benches ./benches
 COPY examples ./examples
-RUN cargo build --release --locked --bin kvroute \
+# --no-default-features leaves out the `plot` feature (kvroute replay --plot):
+# the server never draws charts, so the image carries no SVG rasteriser or
+# font loading.
+RUN cargo build --release --locked --no-default-features --bin kvroute \
  && cp target/release/kvroute /usr/local/bin/kvroute
 
 FROM debian:bookworm-slim AS runtime

@@ -7,8 +7,9 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use kvroute::sim::{
-    EngineKvEvent, FleetView, Report, Router, SimConfig, SimRequest, Trace, policy_by_name, replay,
+    EngineKvEvent, FleetView, Report, Router, SimConfig, SimRequest, policy_by_name, replay,
 };
+use kvroute::trace::Trace;
 
 fn sample() -> Trace {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_sample.jsonl");

@@ -26,7 +26,7 @@ pub enum BenchError {
     #[error("{0}")]
     Oplog(#[from] crate::oplog::OplogError),
     #[error("{0}")]
-    Trace(#[from] crate::sim::TraceError),
+    Trace(#[from] crate::trace::TraceError),
     #[error("mismatch: {0}")]
     Mismatch(String),
 }

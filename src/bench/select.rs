@@ -17,8 +17,7 @@ use crate::{
     config::ServeConfig,
     hashing::{HashOptions, compute_block_hashes},
     pb::{self, workers_client::WorkersClient},
-    sim::Trace,
-    trace::tokens_for,
+    trace::Trace,
 };
 
 /// Arguments of `kvroute bench select`.
@@ -85,11 +84,7 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
         channels.push(connect(&addr).await?);
     }
     let options = HashOptions::default();
-    let prompts: Vec<Vec<u32>> = trace
-        .records
-        .iter()
-        .map(|r| tokens_for(&r.hash_ids, r.input_length))
-        .collect();
+    let prompts: Vec<Vec<u32>> = trace.records.iter().map(|r| r.tokens()).collect();
     let hashes: Vec<Vec<u64>> = prompts
         .iter()
         .map(|t| compute_block_hashes(t, args.block_size, &options, None))

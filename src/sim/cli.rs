@@ -1,18 +1,25 @@
 //! `kvroute replay`: runs policies over a trace in the simulator and prints
 //! the comparison (table, or one JSON object per policy), optionally a chart.
+//!
+//! It exists to keep the command line (flags and their checks, the progress
+//! bar, output formats) out of the simulator, whose API takes plain values
+//! and is what tests and other tools call.
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::{
-    EngineConfig, KvRouteKnobs, KvRoutePolicy, POLICY_NAMES, Report, Router, SimConfig, Trace,
-    policy_by_name, replay_with_progress,
-};
+use super::engine::EngineConfig;
+use super::fleet::replay_with_progress;
+use super::kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
+use super::policy::{POLICY_NAMES, Router, policy_by_name};
+use super::report::Report;
+use super::types::SimConfig;
+use crate::trace::Trace;
 
 /// Every policy `--policy` accepts.
 pub const ALL_POLICIES: &[&str] = &[
@@ -58,7 +65,8 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub json: bool,
     /// Write a chart comparing the policies to this .svg or .png file (TTFT
-    /// by percentile, reuse against the ideal, imbalance).
+    /// by percentile, reuse against the ideal, imbalance). Needs a binary
+    /// built with the `plot` feature (the default; not the server image).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// KV cache blocks per engine.
@@ -108,11 +116,17 @@ pub enum ReplayError {
     #[error("{0}")]
     Invalid(String),
     #[error("{0}")]
-    Trace(#[from] super::TraceError),
+    Trace(#[from] crate::trace::TraceError),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
     #[error("writing the chart: {0}")]
     Plot(String),
+    #[error(
+        "--plot: this kvroute binary was built without the `plot` feature (the server \
+         image leaves it out); use a build with default features, e.g. `cargo run --release \
+         -- replay ... --plot out.png`"
+    )]
+    PlotNotBuilt,
 }
 
 impl ReplayArgs {
@@ -153,6 +167,28 @@ impl ReplayArgs {
         })
     }
 
+    /// `--plot` can be honoured: the chart code is built in and the file is
+    /// named *.svg or *.png. Checked before replaying, so a long run does not
+    /// end in an error.
+    fn check_plot(&self) -> Result<(), ReplayError> {
+        let Some(path) = &self.plot else {
+            return Ok(());
+        };
+        if !cfg!(feature = "plot") {
+            return Err(ReplayError::PlotNotBuilt);
+        }
+        if !matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("svg" | "png")
+        ) {
+            return Err(ReplayError::Plot(format!(
+                "{}: name the chart *.svg or *.png",
+                path.display()
+            )));
+        }
+        Ok(())
+    }
+
     fn policy_names(&self) -> Result<Vec<String>, ReplayError> {
         let mut names = Vec::new();
         for name in &self.policies {
@@ -191,17 +227,7 @@ pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
     debug_assert!(POLICY_NAMES.iter().all(|p| ALL_POLICIES.contains(p)));
     let config = args.sim_config()?;
     let names = args.policy_names()?;
-    if let Some(path) = &args.plot
-        && !matches!(
-            path.extension().and_then(|e| e.to_str()),
-            Some("svg" | "png")
-        )
-    {
-        return Err(ReplayError::Plot(format!(
-            "{}: name the chart *.svg or *.png",
-            path.display()
-        )));
-    }
+    args.check_plot()?;
     let mut trace = Trace::load(&args.trace)?;
     if let Some(n) = args.limit {
         trace = trace.truncated(n);
@@ -237,7 +263,63 @@ pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
         print!("{}", Report::table(&reports));
     }
     if let Some(path) = &args.plot {
-        super::plot::write_chart(path, &reports).map_err(ReplayError::Plot)?;
+        write_chart(path, &reports)?;
     }
     Ok(reports)
+}
+
+#[cfg(feature = "plot")]
+fn write_chart(path: &Path, reports: &[Report]) -> Result<(), ReplayError> {
+    super::plot::write_chart(path, reports).map_err(ReplayError::Plot)
+}
+
+/// Without the `plot` feature there is no chart code; `run` refuses `--plot`
+/// before replaying, so this is only reached if that check is bypassed.
+#[cfg(not(feature = "plot"))]
+fn write_chart(_path: &Path, _reports: &[Report]) -> Result<(), ReplayError> {
+    Err(ReplayError::PlotNotBuilt)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        replay: ReplayArgs,
+    }
+
+    /// Runs `replay` on a trace that does not exist: an error about the trace
+    /// means every check before loading it passed.
+    fn run_with_plot(plot: &str) -> ReplayError {
+        let cli = Cli::parse_from([
+            "replay",
+            "--trace",
+            "/nonexistent/trace.jsonl",
+            "--plot",
+            plot,
+        ]);
+        match run(&cli.replay) {
+            Err(e) => e,
+            Ok(_) => panic!("a missing trace replays"),
+        }
+    }
+
+    #[test]
+    fn plot_needs_the_feature_and_an_svg_or_png_name() {
+        let png = run_with_plot("out.png");
+        let txt = run_with_plot("out.txt");
+        if cfg!(feature = "plot") {
+            assert!(matches!(png, ReplayError::Trace(_)), "{png}");
+            assert!(matches!(txt, ReplayError::Plot(_)), "{txt}");
+        } else {
+            // One clear error, before any replay, whatever the file name.
+            assert!(matches!(png, ReplayError::PlotNotBuilt), "{png}");
+            assert!(matches!(txt, ReplayError::PlotNotBuilt), "{txt}");
+            assert!(png.to_string().contains("without the `plot` feature"));
+        }
+    }
 }

@@ -33,8 +33,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::FastBuild;
-use super::trace::output_token;
+use super::determinism::FastBuild;
+use crate::trace::{mix64, output_token};
 
 /// Engine parameters. Defaults are the mocker's defaults.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -138,7 +138,7 @@ pub fn chain_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
         let word = u64::from(pair[0]) | (pair.get(1).map_or(0, |&t| u64::from(t)) << 32);
         h = (h.rotate_left(23) ^ word).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
-    super::mix64(h ^ tokens.len() as u64)
+    mix64(h ^ tokens.len() as u64)
 }
 
 /// The engine hash chain of every full block of `tokens`.
@@ -434,6 +434,17 @@ struct StepAcc {
     preempted_any: bool,
     preemptions: usize,
     scheduled: Vec<usize>,
+}
+
+/// The running sequences that emit a token in this step.
+#[derive(Default)]
+struct DecodeBatch {
+    /// Keys of the sequences with their whole context computed.
+    ready: Vec<usize>,
+    /// Those of them already decoding (not sampling from this step's prefill).
+    decode_count: usize,
+    /// Context tokens of the decoding ones.
+    decode_len: usize,
 }
 
 /// One simulated engine.
@@ -735,25 +746,43 @@ impl SimEngine {
     /// and its effects become visible `duration_ms` later.
     pub fn step(&mut self) -> PassOutcome {
         self.pass += 1;
-        let bs = self.cfg.block_size;
         let mut out = PassOutcome::default();
         let mut acc = StepAcc {
             budget: self.cfg.max_num_batched_tokens,
             ..StepAcc::default()
         };
+        self.schedule_running(&mut acc);
+        self.admit_waiting(&mut acc, &mut out);
+        let batch = self.decode_batch();
+        out.duration_ms = self.step_ms(&acc, &batch);
+        out.prefill_tokens = acc.total_isl - acc.total_prefix;
+        out.preemptions = acc.preemptions;
+        self.emit_tokens(batch.ready, &mut out);
+        out.did_work =
+            !acc.scheduled.is_empty() || !out.emitted.is_empty() || !out.rejected.is_empty();
+        out.kv_events = std::mem::take(&mut self.events.events);
+        out
+    }
 
-        // 1. Running sequences, oldest first.
+    /// Step phase 1: running sequences, oldest first, each take their next
+    /// chunk while the budget lasts.
+    fn schedule_running(&mut self, acc: &mut StepAcc) {
         let mut i = 0;
         while i < self.running.len() && acc.budget > 0 {
             let key = self.running[i];
-            match self.schedule(key, false, 0, &mut acc) {
+            match self.schedule(key, false, 0, acc) {
                 Outcome::Scheduled { .. } => i += 1,
                 Outcome::Blocked => break,
                 Outcome::CurrentPreempted => {}
             }
         }
+    }
 
-        // 2. Waiting sequences, FIFO.
+    /// Step phase 2: waiting sequences, FIFO, while fewer than `max_num_seqs`
+    /// run and nothing was preempted in this step. A sequence that can never
+    /// run here is rejected; one whose blocks do not fit stops admission.
+    fn admit_waiting(&mut self, acc: &mut StepAcc, out: &mut PassOutcome) {
+        let bs = self.cfg.block_size;
         while !acc.preempted_any && self.running.len() < self.cfg.max_num_seqs {
             let Some(&key) = self.waiting.front() else {
                 break;
@@ -777,7 +806,7 @@ impl SimEngine {
                 break;
             }
             let cached_tokens = hits * bs;
-            match self.schedule(key, true, cached_tokens, &mut acc) {
+            match self.schedule(key, true, cached_tokens, acc) {
                 Outcome::Scheduled { tokens } => {
                     out.admissions.push((id, cached_tokens));
                     if tokens == 0 && acc.budget == 0 {
@@ -787,24 +816,33 @@ impl SimEngine {
                 Outcome::Blocked | Outcome::CurrentPreempted => break,
             }
         }
+    }
 
-        // 3. Timing and token emission.
-        let mut ready = Vec::new();
-        let mut decode_count = 0usize;
-        let mut decode_len = 0usize;
+    /// Step phase 3: the running sequences whose context is all computed
+    /// (each emits a token at the end of the step), and the decode load
+    /// among them. A sequence whose prefill finished in this step samples
+    /// its first token from that prefill, so it adds no decode work.
+    fn decode_batch(&self) -> DecodeBatch {
+        let mut batch = DecodeBatch::default();
         for &key in &self.running {
             let seq = self.seq(key);
             if seq.computed < seq.len() {
                 continue;
             }
-            ready.push(key);
+            batch.ready.push(key);
             let first_from_prefill =
                 seq.generated == 0 && seq.work.pass == self.pass && seq.work.prompt_tokens > 0;
             if !first_from_prefill {
-                decode_count += 1;
-                decode_len += seq.len();
+                batch.decode_count += 1;
+                batch.decode_len += seq.len();
             }
         }
+        batch
+    }
+
+    /// The step's duration: prefill time of its new prompt tokens plus decode
+    /// time at the decoding sequences' KV utilisation.
+    fn step_ms(&self, acc: &StepAcc, batch: &DecodeBatch) -> f64 {
         // Like the mocker: batch size times the (integer) mean new tokens per
         // prefilling sequence, which is the step's new prompt tokens up to
         // rounding.
@@ -817,16 +855,18 @@ impl SimEngine {
                 .prefill_ms(acc.batch_count * mean_isl.saturating_sub(mean_prefix)),
             _ => 0.0,
         };
-        let decode_ms = if decode_count > 0 {
-            let capacity = (self.cfg.num_blocks * bs) as f64;
-            self.cfg.decode_ms(decode_len as f64 / capacity)
+        let decode_ms = if batch.decode_count > 0 {
+            let capacity = (self.cfg.num_blocks * self.cfg.block_size) as f64;
+            self.cfg.decode_ms(batch.decode_len as f64 / capacity)
         } else {
             0.0
         };
-        out.duration_ms = prefill_ms + decode_ms;
-        out.prefill_tokens = acc.total_isl - acc.total_prefix;
-        out.preemptions = acc.preemptions;
+        prefill_ms + decode_ms
+    }
 
+    /// Step phase 4: every ready sequence emits one output token; finished
+    /// ones release their blocks and leave the running set.
+    fn emit_tokens(&mut self, ready: Vec<usize>, out: &mut PassOutcome) {
         let mut finished = Vec::new();
         for key in ready {
             let seq = self.seq_mut(key);
@@ -850,10 +890,6 @@ impl SimEngine {
             }
             self.running.retain(|k| !finished.contains(k));
         }
-        out.did_work =
-            !acc.scheduled.is_empty() || !out.emitted.is_empty() || !out.rejected.is_empty();
-        out.kv_events = std::mem::take(&mut self.events.events);
-        out
     }
 }
 
@@ -865,188 +901,4 @@ fn unreachable_seq(key: usize) -> ! {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(id: u64, tokens: Vec<u32>, out: usize, bs: usize) -> EngineRequest {
-        let block_hashes = block_hashes(&tokens, bs);
-        EngineRequest {
-            id,
-            tokens,
-            block_hashes,
-            output_length: out,
-        }
-    }
-
-    fn small_cfg() -> EngineConfig {
-        EngineConfig {
-            num_blocks: 16,
-            block_size: 4,
-            max_num_seqs: 4,
-            max_num_batched_tokens: 8,
-            ..EngineConfig::default()
-        }
-    }
-
-    fn run_to_idle(e: &mut SimEngine) -> Vec<PassOutcome> {
-        let mut passes = Vec::new();
-        for _ in 0..10_000 {
-            if !e.has_work() {
-                break;
-            }
-            passes.push(e.step());
-        }
-        passes
-    }
-
-    #[test]
-    fn timing_polynomials_match_the_mocker_defaults() {
-        let c = EngineConfig::default();
-        assert!((c.prefill_ms(1000) - (4.209989e-7 * 1e6 + 15.18344 + 16.50142)).abs() < 1e-9);
-        assert_eq!(c.prefill_ms(0), 0.0);
-        assert!((c.decode_ms(0.0) - 5.74).abs() < 1e-12);
-        assert!((c.decode_ms(1.0) - (5.74 + 54.01 - 25.74)).abs() < 1e-9);
-    }
-
-    #[test]
-    fn chained_hashes_share_prefixes_only() {
-        let a: Vec<u32> = (0..12).collect();
-        let mut b = a.clone();
-        b[9] = 99;
-        let ha = block_hashes(&a, 4);
-        let hb = block_hashes(&b, 4);
-        assert_eq!(ha.len(), 3);
-        assert_eq!(ha[..2], hb[..2]);
-        assert_ne!(ha[2], hb[2]);
-        // same contents at another position hash differently
-        let c: Vec<u32> = (4..8).chain(0..4).collect();
-        assert_ne!(block_hashes(&c, 4)[1], ha[1]);
-    }
-
-    #[test]
-    fn long_prompt_is_chunked_and_first_token_ends_last_chunk() {
-        let mut e = SimEngine::new(small_cfg());
-        e.enqueue(req(1, (0..20).collect(), 3, 4));
-        let passes = run_to_idle(&mut e);
-        // 20 tokens at 8 per step: 8, 8, 4 (+ first token), then 2 decodes.
-        let prefill: Vec<usize> = passes.iter().map(|p| p.prefill_tokens).collect();
-        assert_eq!(prefill, vec![8, 8, 4, 0, 0]);
-        assert!(passes[2].emitted[0].first);
-        assert!(passes[0].emitted.is_empty());
-        assert!(passes[4].emitted[0].done);
-        // prefill-only step: no decode cost
-        let cfg = small_cfg();
-        assert!((passes[0].duration_ms - cfg.prefill_ms(8)).abs() < 1e-9);
-        assert!(!e.has_work());
-    }
-
-    #[test]
-    fn shared_prefix_is_reused_and_events_are_emitted() {
-        let mut e = SimEngine::new(small_cfg());
-        let a: Vec<u32> = (0..8).collect();
-        e.enqueue(req(1, a.clone(), 1, 4));
-        let p = run_to_idle(&mut e);
-        let stored: usize = p
-            .iter()
-            .flat_map(|p| &p.kv_events)
-            .map(|ev| match ev {
-                EngineKvEvent::Stored { blocks, .. } => blocks.len(),
-                EngineKvEvent::Removed { .. } => 0,
-            })
-            .sum();
-        assert_eq!(stored, 2);
-        let mut b = a.clone();
-        b.extend(100..106);
-        e.enqueue(req(2, b, 1, 4));
-        let p = run_to_idle(&mut e);
-        assert_eq!(p[0].admissions, vec![(2, 8)]);
-        assert_eq!(p[0].prefill_tokens, 6);
-        // the parent of the newly stored block is the cached prefix
-        let hashes = block_hashes(&a, 4);
-        assert!(p[0].kv_events.iter().any(|ev| matches!(
-            ev,
-            EngineKvEvent::Stored { parent: Some(h), .. } if *h == hashes[1]
-        )));
-    }
-
-    #[test]
-    fn full_hit_still_computes_a_token() {
-        let mut e = SimEngine::new(small_cfg());
-        let a: Vec<u32> = (0..8).collect();
-        e.enqueue(req(1, a.clone(), 1, 4));
-        run_to_idle(&mut e);
-        e.enqueue(req(2, a, 1, 4));
-        let p = run_to_idle(&mut e);
-        assert_eq!(p[0].admissions, vec![(2, 4)]);
-        assert_eq!(p[0].prefill_tokens, 4);
-    }
-
-    #[test]
-    fn lru_evicts_oldest_idle_blocks_and_reports_them() {
-        let cfg = EngineConfig {
-            num_blocks: 4,
-            block_size: 4,
-            max_num_batched_tokens: 64,
-            ..small_cfg()
-        };
-        let mut e = SimEngine::new(cfg);
-        let a: Vec<u32> = (0..8).collect();
-        let b: Vec<u32> = (50..58).collect();
-        let c: Vec<u32> = (90..98).collect();
-        for (id, t) in [(1, a.clone()), (2, b.clone()), (3, c)] {
-            e.enqueue(req(id, t, 1, 4));
-            run_to_idle(&mut e);
-        }
-        // a's blocks were the least recently used: evicted for c
-        let ha = block_hashes(&a, 4);
-        assert!(!e.is_cached(ha[0]) && !e.is_cached(ha[1]));
-        assert!(block_hashes(&b, 4).iter().all(|&h| e.is_cached(h)));
-    }
-
-    #[test]
-    fn cache_pressure_preempts_the_newest_and_everything_finishes() {
-        let cfg = EngineConfig {
-            num_blocks: 6,
-            block_size: 4,
-            max_num_batched_tokens: 64,
-            ..small_cfg()
-        };
-        let mut e = SimEngine::new(cfg);
-        e.enqueue(req(1, (0..8).collect(), 10, 4));
-        e.enqueue(req(2, (100..108).collect(), 10, 4));
-        let passes = run_to_idle(&mut e);
-        let done: Vec<u64> = passes
-            .iter()
-            .flat_map(|p| &p.emitted)
-            .filter(|t| t.done)
-            .map(|t| t.request_id)
-            .collect();
-        assert_eq!(done.len(), 2);
-        let admissions: usize = passes.iter().map(|p| p.admissions.len()).sum();
-        assert!(admissions > 2, "expected a preemption and re-admission");
-        assert_eq!(e.pool.num_active(), 0);
-    }
-
-    #[test]
-    fn prompt_over_budget_is_rejected_without_chunking() {
-        let cfg = EngineConfig {
-            enable_chunked_prefill: false,
-            ..small_cfg()
-        };
-        let mut e = SimEngine::new(cfg);
-        e.enqueue(req(1, (0..9).collect(), 1, 4));
-        e.enqueue(req(2, (0..8).collect(), 1, 4));
-        let p = e.step();
-        assert_eq!(p.rejected, vec![1]);
-        assert_eq!(p.prefill_tokens, 8);
-    }
-
-    #[test]
-    fn oversized_request_is_rejected() {
-        let mut e = SimEngine::new(small_cfg());
-        e.enqueue(req(1, (0..100).collect(), 1, 4));
-        let p = e.step();
-        assert_eq!(p.rejected, vec![1]);
-        assert!(!e.has_work());
-    }
-}
+mod tests;

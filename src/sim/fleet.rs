@@ -14,106 +14,11 @@ use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::time::Instant;
 
-use super::engine::{EngineConfig, EngineLoad, EngineRequest, PassOutcome, SimEngine};
+use super::engine::{EngineLoad, EngineRequest, PassOutcome, SimEngine};
 use super::policy::Router;
 use super::report::{EngineStats, Report, RequestOutcome};
-use super::trace::{Trace, tokenize};
-use crate::types::{RankLoad, WorkerRank, WorkerRole, WorkerSnapshot};
-
-/// Fleet and run parameters.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default)]
-pub struct SimConfig {
-    /// Number of engines.
-    pub workers: usize,
-    /// Arrival times are trace timestamps divided by this.
-    pub speedup: f64,
-    /// Seed for randomised policies (passed to `policy_by_name`).
-    pub seed: u64,
-    pub engine: EngineConfig,
-}
-
-impl Default for SimConfig {
-    fn default() -> Self {
-        SimConfig {
-            workers: 4,
-            speedup: 1.0,
-            seed: 42,
-            engine: EngineConfig::default(),
-        }
-    }
-}
-
-/// A request as routers see it.
-#[derive(Clone, Debug)]
-pub struct SimRequest {
-    /// Index of the request in the trace.
-    pub id: u64,
-    pub arrival_ms: f64,
-    /// Prompt tokens.
-    pub tokens: Vec<u32>,
-    /// Engine hash chain of the prompt's full blocks (`engine::block_hashes`
-    /// with the engine block size): what the engines' KV events name.
-    pub block_hashes: Vec<u64>,
-    pub output_length: usize,
-}
-
-/// What a router may observe about the fleet at routing time.
-#[derive(Clone, Copy, Debug)]
-pub struct FleetView<'a> {
-    /// Per-engine load, indexed by engine.
-    pub engines: &'a [EngineLoad],
-    /// Engine KV block size in tokens.
-    pub block_size: usize,
-    /// Engine step token budget.
-    pub max_num_batched_tokens: usize,
-}
-
-/// kvroute's routing target for engine `engine`: worker id = engine index,
-/// a single data-parallel rank 0.
-pub fn worker_rank(engine: usize) -> WorkerRank {
-    WorkerRank::new(engine as u64, 0)
-}
-
-impl FleetView<'_> {
-    /// The fleet as kvroute's registry would describe it (one aggregated,
-    /// single-rank worker per engine, ids as in [`worker_rank`]), so the real
-    /// selection code can consume it.
-    pub fn snapshots(&self, model: &str) -> Vec<WorkerSnapshot> {
-        self.engines
-            .iter()
-            .enumerate()
-            .map(|(i, load)| WorkerSnapshot {
-                worker_id: worker_rank(i).worker_id,
-                model: model.to_string(),
-                role: WorkerRole::Aggregated,
-                block_size: self.block_size as u32,
-                dp_start_rank: 0,
-                dp_size: 1,
-                total_kv_blocks: load.total_blocks as u64,
-                max_num_batched_tokens: self.max_num_batched_tokens as u64,
-                taints: Vec::new(),
-                cordoned: false,
-                load: vec![(
-                    0,
-                    RankLoad {
-                        running_requests: load.running as u32,
-                        waiting_requests: load.waiting as u32,
-                        kv_blocks_used: load.active_blocks as u64,
-                    },
-                )],
-            })
-            .collect()
-    }
-
-    pub fn len(&self) -> usize {
-        self.engines.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.engines.is_empty()
-    }
-}
+use super::types::{FleetView, SimConfig, SimRequest};
+use crate::trace::Trace;
 
 /// Virtual time as a totally ordered key.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -170,93 +75,179 @@ pub fn replay_with_progress(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Report {
     let started = Instant::now();
-    let workers = config.workers.max(1);
-    let speedup = if config.speedup > 0.0 {
-        config.speedup
-    } else {
-        1.0
-    };
-    let block_size = config.engine.block_size.max(1);
-    let mut engines: Vec<SimEngine> = (0..workers)
-        .map(|_| SimEngine::new(config.engine.clone()))
-        .collect();
-    let mut in_flight: Vec<Option<PassOutcome>> = vec![None; workers];
-    let mut engine_stats = vec![EngineStats::default(); workers];
-    let mut tracked: Vec<Tracked> = vec![Tracked::default(); trace.records.len()];
-    let mut itl_ms: Vec<f64> = Vec::new();
-    let mut heap: BinaryHeap<PassEnd> = BinaryHeap::new();
-    let mut loads: Vec<EngineLoad> = Vec::with_capacity(workers);
-    let mut next = 0usize;
-    let arrival_of = |i: usize| trace.records[i].timestamp as f64 / speedup;
-
+    let mut run = Replay::new(trace, config, router);
     loop {
-        if next.is_multiple_of(256) {
-            progress(next, trace.records.len());
+        if run.next.is_multiple_of(256) {
+            progress(run.next, trace.records.len());
         }
-        let next_arrival = (next < trace.records.len()).then(|| arrival_of(next));
-        let next_pass = heap.peek().map(|p| p.at_ms);
-        let now = match (next_arrival, next_pass) {
-            (Some(a), Some(p)) => a.min(p),
-            (Some(a), None) => a,
-            (None, Some(p)) => p,
-            (None, None) => break,
+        let Some(now) = run.next_event_ms() else {
+            break;
         };
+        run.finish_passes(now);
+        run.route_arrivals(now);
+        run.start_idle_engines(now);
+    }
+    run.into_report(started)
+}
 
-        // Steps ending now.
-        while heap.peek().is_some_and(|p| p.at_ms <= now) {
-            let Some(end) = heap.pop() else { break };
-            let Some(outcome) = in_flight[end.engine].take() else {
+/// The state of one replay: the engines, the steps in flight and what each
+/// request went through so far.
+struct Replay<'a> {
+    trace: &'a Trace,
+    config: &'a SimConfig,
+    router: &'a mut dyn Router,
+    /// Arrival times are trace timestamps divided by this (positive).
+    speedup: f64,
+    block_size: usize,
+    engines: Vec<SimEngine>,
+    /// The step each engine is running, if any; it ends at its `PassEnd`.
+    in_flight: Vec<Option<PassOutcome>>,
+    heap: BinaryHeap<PassEnd>,
+    engine_stats: Vec<EngineStats>,
+    /// Per request, indexed like the trace.
+    tracked: Vec<Tracked>,
+    itl_ms: Vec<f64>,
+    /// Scratch for the routing view (reused to avoid an allocation per
+    /// request).
+    loads: Vec<EngineLoad>,
+    /// Index of the next request to arrive.
+    next: usize,
+}
+
+impl<'a> Replay<'a> {
+    fn new(trace: &'a Trace, config: &'a SimConfig, router: &'a mut dyn Router) -> Self {
+        let workers = config.workers.max(1);
+        Replay {
+            trace,
+            config,
+            router,
+            speedup: if config.speedup > 0.0 {
+                config.speedup
+            } else {
+                1.0
+            },
+            block_size: config.engine.block_size.max(1),
+            engines: (0..workers)
+                .map(|_| SimEngine::new(config.engine.clone()))
+                .collect(),
+            in_flight: vec![None; workers],
+            heap: BinaryHeap::new(),
+            engine_stats: vec![EngineStats::default(); workers],
+            tracked: vec![Tracked::default(); trace.records.len()],
+            itl_ms: Vec::new(),
+            loads: Vec::with_capacity(workers),
+            next: 0,
+        }
+    }
+
+    fn arrival_ms(&self, i: usize) -> f64 {
+        self.trace.records[i].timestamp as f64 / self.speedup
+    }
+
+    /// Virtual time of the next event (an arrival or a step end); `None`
+    /// when every request arrived and every step ended.
+    fn next_event_ms(&self) -> Option<f64> {
+        let next_arrival =
+            (self.next < self.trace.records.len()).then(|| self.arrival_ms(self.next));
+        let next_pass = self.heap.peek().map(|p| p.at_ms);
+        match (next_arrival, next_pass) {
+            (Some(a), Some(p)) => Some(a.min(p)),
+            (Some(a), None) => Some(a),
+            (None, Some(p)) => Some(p),
+            (None, None) => None,
+        }
+    }
+
+    /// Steps ending at or before `now` make their effects visible.
+    fn finish_passes(&mut self, now: f64) {
+        while self.heap.peek().is_some_and(|p| p.at_ms <= now) {
+            let Some(end) = self.heap.pop() else { break };
+            let Some(outcome) = self.in_flight[end.engine].take() else {
                 continue;
             };
-            finish_pass(
-                end.engine,
-                now,
-                outcome,
-                router,
-                &mut tracked,
-                &mut itl_ms,
-                &mut engine_stats[end.engine],
-            );
+            self.finish_pass(end.engine, now, outcome);
         }
+    }
 
-        // Arrivals now.
-        while next < trace.records.len() && arrival_of(next) <= now {
-            let record = &trace.records[next];
-            let tokens = tokenize(record);
-            let block_hashes = super::engine::block_hashes(&tokens, block_size);
-            let request = SimRequest {
-                id: next as u64,
-                arrival_ms: now,
-                tokens,
-                block_hashes,
-                output_length: record.output_length,
-            };
-            loads.clear();
-            loads.extend(engines.iter().map(SimEngine::load));
-            let view = FleetView {
-                engines: &loads,
-                block_size,
-                max_num_batched_tokens: config.engine.max_num_batched_tokens,
-            };
-            let target = router.route(&request, now, &view).min(workers - 1);
-            let t = &mut tracked[next];
-            t.arrival_ms = now;
-            t.engine = target;
-            t.prompt_tokens = request.tokens.len();
-            engine_stats[target].requests += 1;
-            engine_stats[target].prompt_tokens += request.tokens.len() as u64;
-            engines[target].enqueue(EngineRequest {
-                id: request.id,
-                tokens: request.tokens,
-                block_hashes: request.block_hashes,
-                output_length: request.output_length,
-            });
-            next += 1;
+    /// Make a finished step's effects visible at `now`.
+    fn finish_pass(&mut self, engine: usize, now: f64, outcome: PassOutcome) {
+        if !outcome.kv_events.is_empty() {
+            self.router.on_kv_events(engine, &outcome.kv_events);
         }
+        for token in &outcome.emitted {
+            let t = &mut self.tracked[token.request_id as usize];
+            if t.first_token_ms.is_none() {
+                t.first_token_ms = Some(now);
+            } else {
+                self.itl_ms.push(now - t.last_token_ms);
+            }
+            t.last_token_ms = now;
+            t.output_tokens += 1;
+            if token.first {
+                self.router.on_prefill_complete(token.request_id);
+            }
+            if token.done {
+                t.finish_ms = Some(now);
+                self.engine_stats[engine].completed += 1;
+                self.router.on_request_complete(token.request_id);
+            }
+        }
+        for &id in &outcome.rejected {
+            self.tracked[id as usize].rejected = true;
+            self.router.on_request_complete(id);
+        }
+    }
 
-        // Idle engines with work start a step.
-        for (e, engine) in engines.iter_mut().enumerate() {
-            if in_flight[e].is_some() || !engine.has_work() {
+    /// Requests arriving at or before `now` are routed and queued on their
+    /// engine, in trace order.
+    fn route_arrivals(&mut self, now: f64) {
+        while self.next < self.trace.records.len() && self.arrival_ms(self.next) <= now {
+            self.route_next(now);
+            self.next += 1;
+        }
+    }
+
+    /// Route request `self.next` at `now` with the fleet's current load.
+    fn route_next(&mut self, now: f64) {
+        let record = &self.trace.records[self.next];
+        let tokens = record.tokens();
+        let block_hashes = super::engine::block_hashes(&tokens, self.block_size);
+        let request = SimRequest {
+            id: self.next as u64,
+            arrival_ms: now,
+            tokens,
+            block_hashes,
+            output_length: record.output_length,
+        };
+        self.loads.clear();
+        self.loads.extend(self.engines.iter().map(SimEngine::load));
+        let view = FleetView {
+            engines: &self.loads,
+            block_size: self.block_size,
+            max_num_batched_tokens: self.config.engine.max_num_batched_tokens,
+        };
+        let target = self
+            .router
+            .route(&request, now, &view)
+            .min(self.engines.len() - 1);
+        let t = &mut self.tracked[self.next];
+        t.arrival_ms = now;
+        t.engine = target;
+        t.prompt_tokens = request.tokens.len();
+        self.engine_stats[target].requests += 1;
+        self.engine_stats[target].prompt_tokens += request.tokens.len() as u64;
+        self.engines[target].enqueue(EngineRequest {
+            id: request.id,
+            tokens: request.tokens,
+            block_hashes: request.block_hashes,
+            output_length: request.output_length,
+        });
+    }
+
+    /// Idle engines with work start a step at `now`.
+    fn start_idle_engines(&mut self, now: f64) {
+        for (e, engine) in self.engines.iter_mut().enumerate() {
+            if self.in_flight[e].is_some() || !engine.has_work() {
                 continue;
             }
             let outcome = engine.step();
@@ -264,79 +255,48 @@ pub fn replay_with_progress(
                 continue;
             }
             for &(id, cached) in &outcome.admissions {
-                let t = &mut tracked[id as usize];
+                let t = &mut self.tracked[id as usize];
                 t.reused_tokens = t.reused_tokens.max(cached);
             }
-            engine_stats[e].prefill_tokens += outcome.prefill_tokens as u64;
-            engine_stats[e].steps += 1;
-            engine_stats[e].preemptions += outcome.preemptions as u64;
-            engine_stats[e].busy_ms += outcome.duration_ms;
-            heap.push(PassEnd {
+            let stats = &mut self.engine_stats[e];
+            stats.prefill_tokens += outcome.prefill_tokens as u64;
+            stats.steps += 1;
+            stats.preemptions += outcome.preemptions as u64;
+            stats.busy_ms += outcome.duration_ms;
+            self.heap.push(PassEnd {
                 at_ms: now + outcome.duration_ms,
                 engine: e,
             });
-            in_flight[e] = Some(outcome);
+            self.in_flight[e] = Some(outcome);
         }
     }
 
-    let requests: Vec<RequestOutcome> = tracked
-        .iter()
-        .map(|t| RequestOutcome {
-            arrival_ms: t.arrival_ms,
-            engine: t.engine,
-            prompt_tokens: t.prompt_tokens,
-            reused_tokens: t.reused_tokens,
-            first_token_ms: t.first_token_ms,
-            finish_ms: t.finish_ms,
-            output_tokens: t.output_tokens,
-            rejected: t.rejected,
-        })
-        .collect();
-    Report::build(
-        &router.name(),
-        config,
-        trace,
-        &requests,
-        itl_ms,
-        engine_stats,
-        started.elapsed().as_secs_f64(),
-    )
-}
-
-/// Make a finished step's effects visible at `now`.
-fn finish_pass(
-    engine: usize,
-    now: f64,
-    outcome: PassOutcome,
-    router: &mut dyn Router,
-    tracked: &mut [Tracked],
-    itl_ms: &mut Vec<f64>,
-    stats: &mut EngineStats,
-) {
-    if !outcome.kv_events.is_empty() {
-        router.on_kv_events(engine, &outcome.kv_events);
-    }
-    for token in &outcome.emitted {
-        let t = &mut tracked[token.request_id as usize];
-        if t.first_token_ms.is_none() {
-            t.first_token_ms = Some(now);
-        } else {
-            itl_ms.push(now - t.last_token_ms);
-        }
-        t.last_token_ms = now;
-        t.output_tokens += 1;
-        if token.first {
-            router.on_prefill_complete(token.request_id);
-        }
-        if token.done {
-            t.finish_ms = Some(now);
-            stats.completed += 1;
-            router.on_request_complete(token.request_id);
-        }
-    }
-    for &id in &outcome.rejected {
-        tracked[id as usize].rejected = true;
-        router.on_request_complete(id);
+    /// The report of the finished replay; `started` is when it began (wall
+    /// time, for `sim_secs` only).
+    fn into_report(self, started: Instant) -> Report {
+        let requests: Vec<RequestOutcome> = self
+            .tracked
+            .iter()
+            .map(|t| RequestOutcome {
+                arrival_ms: t.arrival_ms,
+                engine: t.engine,
+                prompt_tokens: t.prompt_tokens,
+                reused_tokens: t.reused_tokens,
+                first_token_ms: t.first_token_ms,
+                finish_ms: t.finish_ms,
+                output_tokens: t.output_tokens,
+                rejected: t.rejected,
+            })
+            .collect();
+        Report::build(
+            &self.router.name(),
+            self.config,
+            self.trace,
+            &requests,
+            self.itl_ms,
+            self.engine_stats,
+            started.elapsed().as_secs_f64(),
+        )
     }
 }
 
@@ -344,12 +304,12 @@ fn finish_pass(
 mod tests {
     use super::*;
     use crate::sim::policy::RoundRobin;
-    use crate::sim::trace::TraceRecord;
+    use crate::trace::TraceRequest;
 
     fn trace(n: usize, gap_ms: u64) -> Trace {
         Trace {
             records: (0..n)
-                .map(|i| TraceRecord {
+                .map(|i| TraceRequest {
                     timestamp: i as u64 * gap_ms,
                     input_length: 700,
                     output_length: 5,
@@ -397,30 +357,5 @@ mod tests {
         // hash id 0 = 512 shared tokens = 8 engine blocks
         assert_eq!(report.engines[0].requests, 2);
         assert!((report.reuse_ratio - 512.0 / 1400.0).abs() < 1e-12);
-    }
-
-    #[test]
-    fn snapshots_describe_each_engine_as_a_worker() {
-        let loads = vec![
-            EngineLoad {
-                running: 2,
-                waiting: 1,
-                active_blocks: 30,
-                total_blocks: 100,
-                prefill_tokens_queued: 7,
-            };
-            2
-        ];
-        let view = FleetView {
-            engines: &loads,
-            block_size: 64,
-            max_num_batched_tokens: 8192,
-        };
-        let snaps = view.snapshots("m");
-        assert_eq!(snaps.len(), 2);
-        assert_eq!(snaps[1].worker_id, 1);
-        assert_eq!(snaps[1].unique_dp_rank(), Some(0));
-        assert_eq!(snaps[0].rank_load(0).kv_blocks_used, 30);
-        assert_eq!(snaps[0].rank_load(0).running_requests, 2);
     }
 }

@@ -22,8 +22,8 @@ use crate::{
 
 use super::{
     engine::EngineKvEvent,
-    fleet::{FleetView, SimRequest, worker_rank},
     policy::Router,
+    types::{FleetView, SimRequest, worker_rank},
 };
 
 const MODEL: &str = "sim";

@@ -8,95 +8,42 @@
 //! prefill and polynomial step timings); see `engine` for the details.
 //!
 //! Entry point: [`replay`]. Routing policies plug in through [`Router`].
+//!
+//! # Dependency order
+//!
+//! The files depend on each other one way only. Each one below imports only
+//! files above it (and `crate::trace` for the trace itself); none imports a
+//! file further down:
+//!
+//! 1. `determinism`: seedless hasher, seeded random numbers.
+//! 2. `engine`: one simulated engine (KV cache, scheduler, step timings).
+//! 3. `types`: the values shared by the loop, the policies and the report
+//!    (`SimConfig`, `SimRequest`, `FleetView`).
+//! 4. `policy`: the `Router` seam and the baseline policies.
+//! 5. `kvroute_policy`: kvroute's own core behind the `Router` seam.
+//! 6. `report`: per-policy results (`Report`, `EngineStats`, `RequestOutcome`).
+//! 7. `fleet`: the discrete-event loop, `replay`.
+//! 8. `plot`: the `--plot` chart of reports (only with the `plot` feature).
+//! 9. `cli`: `kvroute replay`, which uses all of the above.
+//!
+//! This file only declares the files and re-exports their main items.
 
 pub mod cli;
+pub mod determinism;
 pub mod engine;
 pub mod fleet;
 pub mod kvroute_policy;
+#[cfg(feature = "plot")]
 pub mod plot;
 pub mod policy;
 pub mod report;
-pub mod trace;
+pub mod types;
 
 pub use engine::{EngineConfig, EngineKvEvent, EngineLoad, SimEngine, block_hashes};
-pub use fleet::{FleetView, SimConfig, SimRequest, replay, replay_with_progress, worker_rank};
+pub use fleet::{replay, replay_with_progress};
 pub use kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 pub use policy::{
     LeastLoaded, POLICY_NAMES, PrefixOnly, RandomRouter, RoundRobin, Router, policy_by_name,
 };
 pub use report::{Distribution, EngineStats, Report};
-pub use trace::{IdealReuse, Trace, TraceError, TraceRecord};
-
-/// SplitMix64 finaliser: a fast, well-mixed 64-bit hash of one word.
-pub(crate) fn mix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// A deterministic hasher for maps keyed by values that are already hashes
-/// (or small integers): one `mix64` per word, no random seed.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct FastHasher(u64);
-
-impl std::hash::Hasher for FastHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = mix64(self.0 ^ v);
-    }
-
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64);
-    }
-}
-
-/// `BuildHasher` for [`FastHasher`].
-pub type FastBuild = std::hash::BuildHasherDefault<FastHasher>;
-
-/// Deterministic pseudo-random numbers (SplitMix64 stream).
-#[derive(Clone, Debug)]
-pub struct SimRng(u64);
-
-impl SimRng {
-    pub fn new(seed: u64) -> Self {
-        SimRng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix64(self.0)
-    }
-
-    /// Uniform in `0..n` (`n > 0`), by multiply-shift.
-    pub fn below(&mut self, n: usize) -> usize {
-        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rng_is_deterministic_and_in_range() {
-        let mut a = SimRng::new(7);
-        let mut b = SimRng::new(7);
-        for _ in 0..1000 {
-            let x = a.below(5);
-            assert_eq!(x, b.below(5));
-            assert!(x < 5);
-        }
-    }
-}
+pub use types::{FleetView, SimConfig, SimRequest, worker_rank};

@@ -1,15 +1,19 @@
 //! The `--plot` chart of `kvroute replay`: TTFT distribution per policy
 //! (percentile curves), prefix reuse against the infinite-cache ideal, and
-//! load imbalance, side by side. plotters draws it as SVG (no system fonts
+//! load imbalance, side by side. It exists because a tail-latency curve is
+//! easier to compare across policies than a table of percentiles. plotters draws it as SVG (no system fonts
 //! or C libraries needed); for a `.png` path resvg rasterises that SVG with
 //! whatever system fonts exist (without any, the chart renders without
 //! its text).
+//!
+//! Compiled only with the `plot` feature (on by default): the server image is
+//! built without it, so it carries no SVG rasteriser or font loading.
 
 use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::Report;
+use super::report::Report;
 
 const PALETTE: [RGBColor; 6] = [
     RGBColor(31, 119, 180),

@@ -7,9 +7,9 @@
 
 use std::collections::HashSet;
 
+use super::determinism::{FastBuild, SimRng};
 use super::engine::{EngineKvEvent, EngineLoad};
-use super::fleet::{FleetView, SimRequest};
-use super::{FastBuild, SimRng};
+use super::types::{FleetView, SimRequest};
 
 /// A routing policy driven by the simulator.
 pub trait Router {

@@ -19,8 +19,8 @@
 
 use serde::Serialize;
 
-use super::fleet::SimConfig;
-use super::trace::Trace;
+use super::types::SimConfig;
+use crate::trace::Trace;
 
 /// Summary of a sample.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]

@@ -1,0 +1,188 @@
+//! Unit tests of the simulated engine: cache reuse and eviction order, the
+//! scheduler's admission and preemption rules, step timings and KV events.
+//!
+//! Kept in their own file so `engine.rs` reads as the model alone.
+
+use super::*;
+
+fn req(id: u64, tokens: Vec<u32>, out: usize, bs: usize) -> EngineRequest {
+    let block_hashes = block_hashes(&tokens, bs);
+    EngineRequest {
+        id,
+        tokens,
+        block_hashes,
+        output_length: out,
+    }
+}
+
+fn small_cfg() -> EngineConfig {
+    EngineConfig {
+        num_blocks: 16,
+        block_size: 4,
+        max_num_seqs: 4,
+        max_num_batched_tokens: 8,
+        ..EngineConfig::default()
+    }
+}
+
+fn run_to_idle(e: &mut SimEngine) -> Vec<PassOutcome> {
+    let mut passes = Vec::new();
+    for _ in 0..10_000 {
+        if !e.has_work() {
+            break;
+        }
+        passes.push(e.step());
+    }
+    passes
+}
+
+#[test]
+fn timing_polynomials_match_the_mocker_defaults() {
+    let c = EngineConfig::default();
+    assert!((c.prefill_ms(1000) - (4.209989e-7 * 1e6 + 15.18344 + 16.50142)).abs() < 1e-9);
+    assert_eq!(c.prefill_ms(0), 0.0);
+    assert!((c.decode_ms(0.0) - 5.74).abs() < 1e-12);
+    assert!((c.decode_ms(1.0) - (5.74 + 54.01 - 25.74)).abs() < 1e-9);
+}
+
+#[test]
+fn chained_hashes_share_prefixes_only() {
+    let a: Vec<u32> = (0..12).collect();
+    let mut b = a.clone();
+    b[9] = 99;
+    let ha = block_hashes(&a, 4);
+    let hb = block_hashes(&b, 4);
+    assert_eq!(ha.len(), 3);
+    assert_eq!(ha[..2], hb[..2]);
+    assert_ne!(ha[2], hb[2]);
+    // same contents at another position hash differently
+    let c: Vec<u32> = (4..8).chain(0..4).collect();
+    assert_ne!(block_hashes(&c, 4)[1], ha[1]);
+}
+
+#[test]
+fn long_prompt_is_chunked_and_first_token_ends_last_chunk() {
+    let mut e = SimEngine::new(small_cfg());
+    e.enqueue(req(1, (0..20).collect(), 3, 4));
+    let passes = run_to_idle(&mut e);
+    // 20 tokens at 8 per step: 8, 8, 4 (+ first token), then 2 decodes.
+    let prefill: Vec<usize> = passes.iter().map(|p| p.prefill_tokens).collect();
+    assert_eq!(prefill, vec![8, 8, 4, 0, 0]);
+    assert!(passes[2].emitted[0].first);
+    assert!(passes[0].emitted.is_empty());
+    assert!(passes[4].emitted[0].done);
+    // prefill-only step: no decode cost
+    let cfg = small_cfg();
+    assert!((passes[0].duration_ms - cfg.prefill_ms(8)).abs() < 1e-9);
+    assert!(!e.has_work());
+}
+
+#[test]
+fn shared_prefix_is_reused_and_events_are_emitted() {
+    let mut e = SimEngine::new(small_cfg());
+    let a: Vec<u32> = (0..8).collect();
+    e.enqueue(req(1, a.clone(), 1, 4));
+    let p = run_to_idle(&mut e);
+    let stored: usize = p
+        .iter()
+        .flat_map(|p| &p.kv_events)
+        .map(|ev| match ev {
+            EngineKvEvent::Stored { blocks, .. } => blocks.len(),
+            EngineKvEvent::Removed { .. } => 0,
+        })
+        .sum();
+    assert_eq!(stored, 2);
+    let mut b = a.clone();
+    b.extend(100..106);
+    e.enqueue(req(2, b, 1, 4));
+    let p = run_to_idle(&mut e);
+    assert_eq!(p[0].admissions, vec![(2, 8)]);
+    assert_eq!(p[0].prefill_tokens, 6);
+    // the parent of the newly stored block is the cached prefix
+    let hashes = block_hashes(&a, 4);
+    assert!(p[0].kv_events.iter().any(|ev| matches!(
+        ev,
+        EngineKvEvent::Stored { parent: Some(h), .. } if *h == hashes[1]
+    )));
+}
+
+#[test]
+fn full_hit_still_computes_a_token() {
+    let mut e = SimEngine::new(small_cfg());
+    let a: Vec<u32> = (0..8).collect();
+    e.enqueue(req(1, a.clone(), 1, 4));
+    run_to_idle(&mut e);
+    e.enqueue(req(2, a, 1, 4));
+    let p = run_to_idle(&mut e);
+    assert_eq!(p[0].admissions, vec![(2, 4)]);
+    assert_eq!(p[0].prefill_tokens, 4);
+}
+
+#[test]
+fn lru_evicts_oldest_idle_blocks_and_reports_them() {
+    let cfg = EngineConfig {
+        num_blocks: 4,
+        block_size: 4,
+        max_num_batched_tokens: 64,
+        ..small_cfg()
+    };
+    let mut e = SimEngine::new(cfg);
+    let a: Vec<u32> = (0..8).collect();
+    let b: Vec<u32> = (50..58).collect();
+    let c: Vec<u32> = (90..98).collect();
+    for (id, t) in [(1, a.clone()), (2, b.clone()), (3, c)] {
+        e.enqueue(req(id, t, 1, 4));
+        run_to_idle(&mut e);
+    }
+    // a's blocks were the least recently used: evicted for c
+    let ha = block_hashes(&a, 4);
+    assert!(!e.is_cached(ha[0]) && !e.is_cached(ha[1]));
+    assert!(block_hashes(&b, 4).iter().all(|&h| e.is_cached(h)));
+}
+
+#[test]
+fn cache_pressure_preempts_the_newest_and_everything_finishes() {
+    let cfg = EngineConfig {
+        num_blocks: 6,
+        block_size: 4,
+        max_num_batched_tokens: 64,
+        ..small_cfg()
+    };
+    let mut e = SimEngine::new(cfg);
+    e.enqueue(req(1, (0..8).collect(), 10, 4));
+    e.enqueue(req(2, (100..108).collect(), 10, 4));
+    let passes = run_to_idle(&mut e);
+    let done: Vec<u64> = passes
+        .iter()
+        .flat_map(|p| &p.emitted)
+        .filter(|t| t.done)
+        .map(|t| t.request_id)
+        .collect();
+    assert_eq!(done.len(), 2);
+    let admissions: usize = passes.iter().map(|p| p.admissions.len()).sum();
+    assert!(admissions > 2, "expected a preemption and re-admission");
+    assert_eq!(e.pool.num_active(), 0);
+}
+
+#[test]
+fn prompt_over_budget_is_rejected_without_chunking() {
+    let cfg = EngineConfig {
+        enable_chunked_prefill: false,
+        ..small_cfg()
+    };
+    let mut e = SimEngine::new(cfg);
+    e.enqueue(req(1, (0..9).collect(), 1, 4));
+    e.enqueue(req(2, (0..8).collect(), 1, 4));
+    let p = e.step();
+    assert_eq!(p.rejected, vec![1]);
+    assert_eq!(p.prefill_tokens, 8);
+}
+
+#[test]
+fn oversized_request_is_rejected() {
+    let mut e = SimEngine::new(small_cfg());
+    e.enqueue(req(1, (0..100).collect(), 1, 4));
+    let p = e.step();
+    assert_eq!(p.rejected, vec![1]);
+    assert!(!e.has_work());
+}
