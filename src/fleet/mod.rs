@@ -195,7 +195,8 @@ impl Fleet {
         configured: bool,
     ) -> Result<RegisterOutcome, FleetError> {
         let worker_id = registration.worker_id;
-        let (outcome, record) = self.router.register_worker(registration)?;
+        let outcome = self.router.register_worker(registration)?;
+        let record = &outcome.record;
         if let Some(previous) = &outcome.invalidated {
             let removed = self
                 .ingest
@@ -209,7 +210,7 @@ impl Fleet {
         }
         self.ingest.reserve(&record.snapshot()).await;
         self.subscriptions
-            .update(&record, source, configured)
+            .update(record, source, configured)
             .await
             .map_err(|message| FleetError::InvalidSource { worker_id, message })?;
         tracing::info!(worker_id, created = outcome.created, "worker registered");

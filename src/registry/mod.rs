@@ -124,8 +124,10 @@ pub enum RegistryError {
 }
 
 /// What a registration did.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct RegisterOutcome {
+    /// The worker's record as the registration left it.
+    pub record: WorkerRecord,
     pub created: bool,
     pub lease_ttl: Duration,
     /// The previous registration when it changed in a way that invalidates
@@ -209,28 +211,21 @@ impl Registry {
             Some(old) => (old.cordoned, BTreeMap::new(), generation),
             None => (false, BTreeMap::new(), generation),
         };
-        self.workers.insert(
-            worker_id,
-            WorkerRecord {
-                registration,
-                generation,
-                cordoned,
-                lease_ttl,
-                lease_deadline: now + lease_ttl,
-                load,
-            },
-        );
+        let record = WorkerRecord {
+            registration,
+            generation,
+            cordoned,
+            lease_ttl,
+            lease_deadline: now + lease_ttl,
+            load,
+        };
+        self.workers.insert(worker_id, record.clone());
         if let Some(old) = &invalidated {
             self.refresh_snapshots(&old.model.clone());
         }
-        if let Some(model) = self
-            .workers
-            .get(&worker_id)
-            .map(|w| w.registration.model.clone())
-        {
-            self.refresh_snapshots(&model);
-        }
+        self.refresh_snapshots(&record.registration.model);
         Ok(RegisterOutcome {
+            record,
             created,
             lease_ttl,
             invalidated,
@@ -300,21 +295,20 @@ impl Registry {
         Some(record)
     }
 
+    /// Cordons or uncordons a worker, returning its record.
     pub fn set_cordoned(
         &mut self,
         worker_id: WorkerId,
         cordoned: bool,
-    ) -> Result<&WorkerRecord, RegistryError> {
+    ) -> Result<WorkerRecord, RegistryError> {
         let record = self
             .workers
             .get_mut(&worker_id)
             .ok_or(RegistryError::UnknownWorker { worker_id })?;
         record.cordoned = cordoned;
-        let model = record.registration.model.clone();
-        self.refresh_snapshots(&model);
-        self.workers
-            .get(&worker_id)
-            .ok_or(RegistryError::UnknownWorker { worker_id })
+        let record = record.clone();
+        self.refresh_snapshots(&record.registration.model);
+        Ok(record)
     }
 
     pub fn get(&self, worker_id: WorkerId) -> Option<&WorkerRecord> {

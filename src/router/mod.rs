@@ -114,26 +114,19 @@ impl RouterCore {
     }
 
     /// Registers or updates a worker and gives its model an index of the
-    /// registered block size, both under the members lock. Returns what the
-    /// registration did and the worker's record as it now stands. The caller
-    /// (the fleet) drops the blocks of an invalidated previous registration
+    /// registered block size, both under the members lock. The caller (the
+    /// fleet) drops the blocks of an invalidated previous registration
     /// through the ingest writer.
     pub fn register_worker(
         &self,
         registration: Registration,
-    ) -> Result<(RegisterOutcome, WorkerRecord), RegistryError> {
-        let worker_id = registration.worker_id;
+    ) -> Result<RegisterOutcome, RegistryError> {
         let (model, block_size) = (registration.model.clone(), registration.block_size);
-        let (outcome, record) = {
+        let outcome = {
             let mut members = self.members.write();
             let outcome = members
                 .registry
                 .register(registration, self.config.lease_ttl, now())?;
-            let record = members
-                .registry
-                .get(worker_id)
-                .cloned()
-                .ok_or(RegistryError::UnknownWorker { worker_id })?;
             let stale = members
                 .indexes
                 .get(&model)
@@ -145,10 +138,10 @@ impl RouterCore {
                     .indexes
                     .insert(model, Arc::new(KvIndex::new(block_size)));
             }
-            (outcome, record)
+            outcome
         };
         self.refresh_worker_gauges();
-        Ok((outcome, record))
+        Ok(outcome)
     }
 
     /// Renews a worker's lease and records the load it reports per rank.
@@ -198,8 +191,7 @@ impl RouterCore {
             .members
             .write()
             .registry
-            .set_cordoned(worker_id, cordoned)
-            .cloned()?;
+            .set_cordoned(worker_id, cordoned)?;
         self.refresh_worker_gauges();
         Ok(record)
     }

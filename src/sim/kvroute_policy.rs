@@ -99,7 +99,7 @@ impl KvRoutePolicy {
             match self.core.register_worker(registration) {
                 // as the service does at registration: size the index
                 // tables for the engine's KV capacity
-                Ok((_, record)) => self.writer.reserve(&record.snapshot()),
+                Ok(outcome) => self.writer.reserve(&outcome.record.snapshot()),
                 Err(_) => self.errors += 1,
             }
         }
