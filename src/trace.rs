@@ -165,11 +165,6 @@ impl Trace {
         self
     }
 
-    /// Total prompt tokens over the trace.
-    pub fn total_input_tokens(&self) -> u64 {
-        self.records.iter().map(|r| r.input_length as u64).sum()
-    }
-
     /// Reuse an infinitely large shared cache would get, at 512-token
     /// granularity: a block hits when its prefix chain (hash ids up to and
     /// including it) occurred in any earlier request.

@@ -25,9 +25,6 @@ use crate::types::{BookedLoad, LocalHash, WorkerId, WorkerRank};
 
 use super::AdmissionError;
 
-/// Default age after which a booking that was never released is dropped.
-pub const DEFAULT_BOOKING_TTL_MS: u64 = 300_000;
-
 fn mix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -52,11 +52,6 @@ impl WorkerSubscription {
         &self.metrics
     }
 
-    /// The token that stops this subscription.
-    pub fn cancel_token(&self) -> &CancellationToken {
-        &self.cancel
-    }
-
     /// Stop every rank's task and wait for them.
     pub async fn shutdown(self) {
         self.cancel.cancel();
