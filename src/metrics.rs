@@ -85,182 +85,122 @@ impl Metrics {
     /// reported rather than panicking.
     pub fn new() -> Result<Arc<Self>, prometheus::Error> {
         let registry = Registry::new_custom(Some("kvroute".into()), None)?;
-        macro_rules! reg {
-            ($m:expr) => {{
-                let m = $m;
-                registry.register(Box::new(m.clone()))?;
-                m
-            }};
-        }
         Ok(Arc::new(Self {
-            rpc_requests: reg!(IntCounterVec::new(
-                Opts::new("rpc_requests_total", "gRPC calls by method and status code"),
-                &["method", "code"]
-            )?),
-            rpc_duration: reg!(HistogramVec::new(
-                HistogramOpts::new(
-                    "rpc_duration_seconds",
-                    "gRPC call latency to response headers (whole call for unary RPCs)"
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
-                &["method", "code"]
-            )?),
-            decisions: reg!(IntCounterVec::new(
-                Opts::new("routing_decisions_total", "SelectWorker outcomes"),
-                &["outcome"]
-            )?),
-            overlap_ratio: reg!(HistogramVec::new(
-                HistogramOpts::new(
-                    "routing_overlap_ratio",
-                    "Cached share of the prompt's blocks on the chosen worker"
-                )
-                .buckets(vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
-                &["mode"]
-            )?),
-            queue_depth: reg!(IntGauge::new(
-                "admission_queue_depth",
-                "SelectWorker calls waiting for a free worker"
-            )?),
-            queue_wait: reg!(HistogramVec::new(
-                HistogramOpts::new(
-                    "admission_queue_wait_seconds",
-                    "Time queued before an answer"
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
-                &["outcome"]
-            )?),
-            bookings_active: reg!(IntGauge::new(
-                "bookings_active",
-                "Requests with booked load not yet released"
-            )?),
-            bookings_expired: reg!(IntCounter::new(
-                "bookings_expired_total",
-                "Bookings dropped because they were never released"
-            )?),
-            workers: reg!(IntGaugeVec::new(
-                Opts::new("workers", "Registered workers by state"),
-                &["state"]
-            )?),
-            leases_expired: reg!(IntCounter::new(
-                "leases_expired_total",
-                "Workers removed because their lease lapsed"
-            )?),
-            events: reg!(IntCounterVec::new(
-                Opts::new("kv_events_total", "KV events by outcome and reason"),
-                &["outcome", "reason"]
-            )?),
-            index_blocks: reg!(IntGauge::new(
-                "index_blocks",
-                "Cached (block, worker rank) entries in the index"
-            )?),
-            index_bytes: reg!(IntGauge::new(
-                "index_memory_bytes",
-                "Estimated bytes used by the index"
-            )?),
-            event_streams: reg!(IntGauge::new(
-                "event_streams",
-                "Open PublishEvents streams"
-            )?),
-            input_rejected: reg!(IntCounterVec::new(
-                Opts::new(
-                    "input_rejected_total",
-                    "Requests refused for bad input, by RPC area and reason"
-                ),
-                &["area", "reason"]
-            )?),
-            engine: EngineEventFamilies {
-                batches: reg!(IntCounterVec::new(
+            rpc_requests: registered(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("rpc_requests_total", "gRPC calls by method and status code"),
+                    &["method", "code"],
+                )?,
+            )?,
+            rpc_duration: registered(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "rpc_duration_seconds",
+                        "gRPC call latency to response headers (whole call for unary RPCs)",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                    &["method", "code"],
+                )?,
+            )?,
+            decisions: registered(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("routing_decisions_total", "SelectWorker outcomes"),
+                    &["outcome"],
+                )?,
+            )?,
+            overlap_ratio: registered(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "routing_overlap_ratio",
+                        "Cached share of the prompt's blocks on the chosen worker",
+                    )
+                    .buckets(vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
+                    &["mode"],
+                )?,
+            )?,
+            queue_depth: registered(
+                &registry,
+                IntGauge::new(
+                    "admission_queue_depth",
+                    "SelectWorker calls waiting for a free worker",
+                )?,
+            )?,
+            queue_wait: registered(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "admission_queue_wait_seconds",
+                        "Time queued before an answer",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                    &["outcome"],
+                )?,
+            )?,
+            bookings_active: registered(
+                &registry,
+                IntGauge::new(
+                    "bookings_active",
+                    "Requests with booked load not yet released",
+                )?,
+            )?,
+            bookings_expired: registered(
+                &registry,
+                IntCounter::new(
+                    "bookings_expired_total",
+                    "Bookings dropped because they were never released",
+                )?,
+            )?,
+            workers: registered(
+                &registry,
+                IntGaugeVec::new(
+                    Opts::new("workers", "Registered workers by state"),
+                    &["state"],
+                )?,
+            )?,
+            leases_expired: registered(
+                &registry,
+                IntCounter::new(
+                    "leases_expired_total",
+                    "Workers removed because their lease lapsed",
+                )?,
+            )?,
+            events: registered(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("kv_events_total", "KV events by outcome and reason"),
+                    &["outcome", "reason"],
+                )?,
+            )?,
+            index_blocks: registered(
+                &registry,
+                IntGauge::new(
+                    "index_blocks",
+                    "Cached (block, worker rank) entries in the index",
+                )?,
+            )?,
+            index_bytes: registered(
+                &registry,
+                IntGauge::new("index_memory_bytes", "Estimated bytes used by the index")?,
+            )?,
+            event_streams: registered(
+                &registry,
+                IntGauge::new("event_streams", "Open PublishEvents streams")?,
+            )?,
+            input_rejected: registered(
+                &registry,
+                IntCounterVec::new(
                     Opts::new(
-                        "engine_event_batches_total",
-                        "Engine KV event batches admitted (live or replayed), per worker"
+                        "input_rejected_total",
+                        "Requests refused for bad input, by RPC area and reason",
                     ),
-                    &["worker"]
-                )?),
-                events: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_events_total",
-                        "Engine KV events decoded, per worker and kind"
-                    ),
-                    &["worker", "kind"]
-                )?),
-                ignored: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_events_ignored_total",
-                        "Engine KV events not routed on, per worker and reason"
-                    ),
-                    &["worker", "reason"]
-                )?),
-                rank_mismatch: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_rank_mismatch_total",
-                        "Engine batches stamped with another dp rank than their socket's"
-                    ),
-                    &["worker"]
-                )?),
-                gaps: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_gaps_total",
-                        "Sequence gaps seen on an engine's live stream"
-                    ),
-                    &["worker"]
-                )?),
-                batches_lost: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_batches_lost_total",
-                        "Engine batches neither received live nor replayed"
-                    ),
-                    &["worker"]
-                )?),
-                replays: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_replays_total",
-                        "Replay requests to an engine's replay socket, by outcome"
-                    ),
-                    &["worker", "outcome"]
-                )?),
-                replayed_batches: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_replayed_batches_total",
-                        "Batches received through an engine's replay socket"
-                    ),
-                    &["worker"]
-                )?),
-                restarts: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_restarts_total",
-                        "Engine restarts detected (sequence went back); the rank was cleared"
-                    ),
-                    &["worker"]
-                )?),
-                decode_errors: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_decode_errors_total",
-                        "Malformed engine frames, payloads or events skipped, by reason"
-                    ),
-                    &["worker", "reason"]
-                )?),
-                connections: reg!(IntCounterVec::new(
-                    Opts::new(
-                        "engine_event_connections_total",
-                        "Engine event socket connects, disconnects and failed connects"
-                    ),
-                    &["worker", "event"]
-                )?),
-                connected_ranks: reg!(IntGaugeVec::new(
-                    Opts::new(
-                        "engine_event_connected_ranks",
-                        "Dp ranks whose engine event socket is connected"
-                    ),
-                    &["worker"]
-                )?),
-                last_event_age: reg!(GaugeVec::new(
-                    Opts::new(
-                        "engine_event_last_age_seconds",
-                        "Seconds since the worker's engine last sent a batch"
-                    ),
-                    &["worker"]
-                )?),
-            },
+                    &["area", "reason"],
+                )?,
+            )?,
+            engine: EngineEventFamilies::register(&registry)?,
             registry,
         }))
     }
@@ -281,5 +221,153 @@ impl Metrics {
         self.rpc_duration
             .with_label_values(&[method, code])
             .observe(started.elapsed().as_secs_f64());
+    }
+}
+
+/// Registers `collector` in `registry` and returns it (a handle to the same
+/// series).
+fn registered<C>(registry: &Registry, collector: C) -> Result<C, prometheus::Error>
+where
+    C: prometheus::core::Collector + Clone + 'static,
+{
+    registry.register(Box::new(collector.clone()))?;
+    Ok(collector)
+}
+
+impl EngineEventFamilies {
+    /// Creates the engine-event families and registers them in `registry`.
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            batches: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_batches_total",
+                        "Engine KV event batches admitted (live or replayed), per worker",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            events: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_events_total",
+                        "Engine KV events decoded, per worker and kind",
+                    ),
+                    &["worker", "kind"],
+                )?,
+            )?,
+            ignored: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_events_ignored_total",
+                        "Engine KV events not routed on, per worker and reason",
+                    ),
+                    &["worker", "reason"],
+                )?,
+            )?,
+            rank_mismatch: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_rank_mismatch_total",
+                        "Engine batches stamped with another dp rank than their socket's",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            gaps: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_gaps_total",
+                        "Sequence gaps seen on an engine's live stream",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            batches_lost: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_batches_lost_total",
+                        "Engine batches neither received live nor replayed",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            replays: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_replays_total",
+                        "Replay requests to an engine's replay socket, by outcome",
+                    ),
+                    &["worker", "outcome"],
+                )?,
+            )?,
+            replayed_batches: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_replayed_batches_total",
+                        "Batches received through an engine's replay socket",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            restarts: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_restarts_total",
+                        "Engine restarts detected (sequence went back); the rank was cleared",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            decode_errors: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_decode_errors_total",
+                        "Malformed engine frames, payloads or events skipped, by reason",
+                    ),
+                    &["worker", "reason"],
+                )?,
+            )?,
+            connections: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_connections_total",
+                        "Engine event socket connects, disconnects and failed connects",
+                    ),
+                    &["worker", "event"],
+                )?,
+            )?,
+            connected_ranks: registered(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "engine_event_connected_ranks",
+                        "Dp ranks whose engine event socket is connected",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            last_event_age: registered(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "engine_event_last_age_seconds",
+                        "Seconds since the worker's engine last sent a batch",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+        })
     }
 }
