@@ -1,13 +1,15 @@
 //! The service's engine-native KV event subscriptions: which workers kvroute
-//! subscribes to over ZeroMQ, started, restarted and stopped with their
-//! registration, and what each one reports (Prometheus, Admin `GetWorker`).
+//! follows over ZeroMQ, and what each one reports (Prometheus series bound
+//! while it runs, the one-line summary of Admin `GetWorker`).
 //!
 //! Why this exists: `engine_events` knows how to follow one engine's
-//! publisher; the service must decide *when* (a `kvroute serve --engine`
-//! setting, or `RegisterWorker` with an `events_endpoint`), stop it when the
-//! worker goes (deregistration, lapsed lease, shutdown) and route its events
-//! through the index's one writer. Every subscription task is spawned on
-//! this module's `TaskTracker`, which `app::run` waits for at shutdown.
+//! publisher; the fleet decides *when* (a `kvroute serve --engine` setting,
+//! or `RegisterWorker` with an `events_endpoint`) and stops it when the
+//! worker goes (deregistration, lapsed lease, shutdown), always in the
+//! worker's lifecycle turn, so this module's check-then-act across awaits
+//! never races another operation on the same worker. Every subscription
+//! task is spawned on this module's `TaskTracker`, which the fleet's
+//! shutdown waits for.
 //!
 //! Events go through [`IngestSink`]: one `EngineBatch` job per engine batch
 //! and rank, awaited before the next, so per-rank order holds and the
