@@ -11,6 +11,7 @@ use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::transport::{Server, server::TcpIncoming};
+use tonic_health::pb::health_server::{Health, HealthServer};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
 use crate::{
@@ -81,85 +82,24 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new()?;
-    let core = Arc::new(RouterCore::new(config.router_config(), metrics.clone()));
-    let writer = Arc::new(EventWriter::new(core.clone()));
-    let ingest = ingest::start_writer(writer).map_err(ServeError::Writer)?;
-    let fleet = Arc::new(Fleet::new(core.clone(), ingest));
-    if let Err(error) = fleet.start_configured(&config.engine).await {
-        fleet.shutdown().await;
-        return Err(ServeError::Engine(error));
-    }
-    let tasks = TaskTracker::new();
-    let stop_tasks = CancellationToken::new();
-
+    let fleet = start_fleet(&config, &metrics).await?;
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
 
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
-
-    let max = usize::try_from(config.max_message_bytes).unwrap_or(usize::MAX);
-    let router = pb::router_server::RouterServer::new(RouterService::new(
-        core.clone(),
-        config.request_timeout,
-    ))
-    .max_decoding_message_size(max)
-    .max_encoding_message_size(max);
-    let workers = pb::workers_server::WorkersServer::new(WorkersService::new(fleet.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
-    let admin = pb::admin_server::AdminServer::new(AdminService::new(fleet.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(max);
-
-    let known_paths = rpc_paths(&[
-        pb::FILE_DESCRIPTOR_SET,
-        tonic_health::pb::FILE_DESCRIPTOR_SET,
-    ]);
-    let concurrency = usize::try_from(config.concurrency_limit).unwrap_or(usize::MAX);
-
     let stop_accepting = CancellationToken::new();
     let grpc_addr = grpc_listener.local_addr().ok();
-    let server = Server::builder()
-        .timeout(config.request_timeout)
-        .trace_fn(|request| tracing::info_span!("rpc", method = %request.uri().path()))
-        .layer(GlobalConcurrencyLimitLayer::new(concurrency))
-        .layer(RpcMetricsLayer::new(metrics.clone(), known_paths))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(router)
-        .add_service(workers)
-        .add_service(admin)
-        .serve_with_incoming_shutdown(
-            // TCP_NODELAY: a request's HEADERS and DATA frames are separate
-            // writes; with Nagle on, delayed ACKs stall them ~40 ms.
-            TcpIncoming::from(grpc_listener)
-                .with_nodelay(Some(true))
-                .with_keepalive(Some(Duration::from_secs(60))),
-            stop_accepting.clone().cancelled_owned(),
-        );
+    let server = grpc_server(
+        &config,
+        &metrics,
+        &fleet,
+        health_service,
+        grpc_listener,
+        stop_accepting.clone(),
+    )?;
     let mut server = tokio::spawn(server);
 
     let metrics_addr = metrics_listener.local_addr().ok();
-    tasks.spawn(serve_metrics(
-        metrics_listener,
-        metrics.clone(),
-        fleet.clone(),
-        stop_tasks.clone(),
-    ));
-    tasks.spawn(housekeeping(
-        fleet.clone(),
-        config.lease_ttl,
-        stop_tasks.clone(),
-    ));
-    tasks.close();
+    let background = Background::start(metrics_listener, &metrics, &fleet, config.lease_ttl);
 
     set_health(&health, tonic_health::ServingStatus::Serving).await;
     tracing::info!(grpc = %shown(grpc_addr), metrics = %shown(metrics_addr), "kvroute serving");
@@ -168,15 +108,14 @@ pub async fn run(
         () = shutdown => {}
         result = &mut server => {
             // The server ended on its own: an accept loop failure.
-            stop_tasks.cancel();
-            tasks.wait().await;
+            background.stop().await;
             fleet.shutdown().await;
             return flatten(result);
         }
     }
 
     tracing::info!("shutdown requested: health NOT_SERVING, draining");
-    core.fail_queue();
+    fleet.router().fail_queue();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
     if !config.drain_delay.is_zero() {
         tokio::time::sleep(config.drain_delay).await;
@@ -193,8 +132,7 @@ pub async fn run(
             Ok(())
         }
     };
-    stop_tasks.cancel();
-    if tokio::time::timeout(Duration::from_secs(5), tasks.wait())
+    if tokio::time::timeout(Duration::from_secs(5), background.stop())
         .await
         .is_err()
     {
@@ -208,6 +146,115 @@ pub async fn run(
     }
     tracing::info!("kvroute stopped");
     result
+}
+
+/// The router core, its index writer and the fleet, with every
+/// `--engine` registered and subscribed.
+async fn start_fleet(
+    config: &ServeConfig,
+    metrics: &Arc<Metrics>,
+) -> Result<Arc<Fleet>, ServeError> {
+    let core = Arc::new(RouterCore::new(config.router_config(), metrics.clone()));
+    let writer = Arc::new(EventWriter::new(core.clone()));
+    let ingest = ingest::start_writer(writer).map_err(ServeError::Writer)?;
+    let fleet = Arc::new(Fleet::new(core, ingest));
+    if let Err(error) = fleet.start_configured(&config.engine).await {
+        fleet.shutdown().await;
+        return Err(ServeError::Engine(error));
+    }
+    Ok(fleet)
+}
+
+/// The gRPC server on `listener`, serving until `stop_accepting` is
+/// cancelled: health, reflection and the three kvroute services, behind
+/// the concurrency limit and the RPC metrics layer.
+fn grpc_server<H: Health>(
+    config: &ServeConfig,
+    metrics: &Arc<Metrics>,
+    fleet: &Arc<Fleet>,
+    health: HealthServer<H>,
+    listener: TcpListener,
+    stop_accepting: CancellationToken,
+) -> Result<impl Future<Output = Result<(), tonic::transport::Error>> + use<H>, ServeError> {
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let max = usize::try_from(config.max_message_bytes).unwrap_or(usize::MAX);
+    let router = pb::router_server::RouterServer::new(RouterService::new(
+        fleet.router().clone(),
+        config.request_timeout,
+    ))
+    .max_decoding_message_size(max)
+    .max_encoding_message_size(max);
+    let workers = pb::workers_server::WorkersServer::new(WorkersService::new(fleet.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    let admin = pb::admin_server::AdminServer::new(AdminService::new(fleet.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+
+    let known_paths = rpc_paths(&[
+        pb::FILE_DESCRIPTOR_SET,
+        tonic_health::pb::FILE_DESCRIPTOR_SET,
+    ]);
+    let concurrency = usize::try_from(config.concurrency_limit).unwrap_or(usize::MAX);
+    Ok(Server::builder()
+        .timeout(config.request_timeout)
+        .trace_fn(|request| tracing::info_span!("rpc", method = %request.uri().path()))
+        .layer(GlobalConcurrencyLimitLayer::new(concurrency))
+        .layer(RpcMetricsLayer::new(metrics.clone(), known_paths))
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(router)
+        .add_service(workers)
+        .add_service(admin)
+        .serve_with_incoming_shutdown(
+            // TCP_NODELAY: a request's HEADERS and DATA frames are separate
+            // writes; with Nagle on, delayed ACKs stall them ~40 ms.
+            TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(Duration::from_secs(60))),
+            stop_accepting.cancelled_owned(),
+        ))
+}
+
+/// The tasks beside the gRPC server: the metrics endpoint and housekeeping.
+struct Background {
+    tasks: TaskTracker,
+    stop: CancellationToken,
+}
+
+impl Background {
+    fn start(
+        metrics_listener: TcpListener,
+        metrics: &Arc<Metrics>,
+        fleet: &Arc<Fleet>,
+        lease_ttl: Duration,
+    ) -> Self {
+        let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+        tasks.spawn(serve_metrics(
+            metrics_listener,
+            metrics.clone(),
+            fleet.clone(),
+            stop.clone(),
+        ));
+        tasks.spawn(housekeeping(fleet.clone(), lease_ttl, stop.clone()));
+        tasks.close();
+        Self { tasks, stop }
+    }
+
+    /// Stops the tasks and waits for them.
+    async fn stop(&self) {
+        self.stop.cancel();
+        self.tasks.wait().await;
+    }
 }
 
 fn flatten(
