@@ -380,7 +380,6 @@ impl GroupTable {
     }
 
     /// Every value, in no particular order.
-    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
         self.groups.iter().flat_map(|g| {
             (0..SLOTS)

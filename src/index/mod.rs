@@ -39,6 +39,7 @@
 //! the read lock and run in parallel on every core.
 
 mod array_pool;
+pub mod content;
 pub mod group_table;
 pub mod naive;
 pub mod radix;
@@ -47,6 +48,7 @@ use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use parking_lot::RwLock;
 use serde::Serialize;
 
+pub use content::{IndexDigest, TargetContent};
 pub use radix::IndexCore;
 
 /// One KV event of one (worker, dp_rank).
@@ -229,6 +231,42 @@ impl KvIndex {
 
     pub fn stats(&self) -> IndexStats {
         self.core.read().stats()
+    }
+
+    /// The targets holding blocks, by target.
+    pub fn targets(&self) -> Vec<WorkerRank> {
+        self.core.read().targets()
+    }
+
+    /// Everything one target holds (see [`content::TargetContent`]).
+    pub fn export_target(&self, worker: WorkerRank) -> TargetContent {
+        self.core.read().export_target(worker)
+    }
+
+    /// Rebuilds `content` for a target that holds nothing yet, through
+    /// ordinary events (see [`TargetContent::events`]); stops at the first
+    /// event the index rejects (a malformed content).
+    pub fn restore_target(
+        &self,
+        worker: WorkerRank,
+        content: &TargetContent,
+    ) -> Result<(), IndexError> {
+        let mut core = self.core.write();
+        for event in content.events() {
+            core.apply_owned(worker, event)?;
+        }
+        Ok(())
+    }
+
+    /// Cached entries and their digest, summed over every target (see
+    /// [`content::digest_term`]). Each target is read under its own short
+    /// read lock.
+    pub fn digest(&self) -> IndexDigest {
+        let mut total = IndexDigest::default();
+        for target in self.targets() {
+            total.add(self.export_target(target).digest(target));
+        }
+        total
     }
 }
 

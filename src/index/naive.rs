@@ -30,6 +30,24 @@ pub struct NaiveIndex {
 }
 
 impl NaiveIndex {
+    /// Cached entries and their digest: one entry per (target, path) held,
+    /// at depth `path.len() - 1` (see [`super::content::digest_term`]).
+    pub fn digest(&self) -> super::IndexDigest {
+        let mut out = super::IndexDigest::default();
+        for (&worker, t) in &self.targets {
+            for (path, &count) in &t.paths {
+                if let (true, Some(&local)) = (count > 0, path.last()) {
+                    out.entries += 1;
+                    let depth = (path.len() - 1) as u64;
+                    out.digest = out
+                        .digest
+                        .wrapping_add(super::content::digest_term(worker, depth, local));
+                }
+            }
+        }
+        out
+    }
+
     pub fn new(block_size: u32) -> Self {
         Self {
             block_size,

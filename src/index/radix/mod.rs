@@ -87,7 +87,8 @@
 //!   maps.
 //! * `tree.rs`: the segment slab, parent/child links and edges, pruning.
 //! * `segment.rs`: one segment, its holder set and its holes.
-//! * `query.rs` (the prefix walk) and `stats.rs` (counts, bytes) only read.
+//! * `query.rs` (the prefix walk), `stats.rs` (counts, bytes) and
+//!   `export.rs` (a target's content, for snapshots and the digest) only read.
 //! * `invariants.rs` and `tests.rs`, for tests only: the layout checked
 //!   from scratch, and the unit tests.
 //!
@@ -101,6 +102,7 @@ use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 
 mod events;
+mod export;
 mod query;
 mod remove;
 mod segment;

@@ -1,0 +1,134 @@
+//! A target's content read out of the tree (see `index::content`): the
+//! positions it holds, with every engine hash it names them by, and the
+//! unheld positions that connect them to the root, in depth-first order.
+//!
+//! Why this exists: snapshots and the index digest need what a target
+//! holds independently of how the tree happens to be cut into segments.
+//! Read-only; it walks up from each held position, so its cost is the
+//! target's positions plus their unheld ancestors.
+
+use rustc_hash::FxHashMap;
+
+use super::{IndexCore, Pos, ROOT, pos, pos_abs, pos_seg};
+use crate::index::content::{ContentNode, TargetContent};
+use crate::types::{EngineHash, LocalHash, WorkerRank};
+
+impl IndexCore {
+    /// The targets with a slot, holding blocks or not.
+    pub fn targets(&self) -> Vec<WorkerRank> {
+        let mut targets: Vec<WorkerRank> = self
+            .slots
+            .iter()
+            .filter(|s| s.live && s.count > 0)
+            .map(|s| s.worker)
+            .collect();
+        targets.sort_unstable();
+        targets
+    }
+
+    /// Everything `worker` holds; empty when it holds nothing.
+    pub fn export_target(&self, worker: WorkerRank) -> TargetContent {
+        let Some(slot) = self
+            .slot_of
+            .get(&worker)
+            .and_then(|&s| self.slots.get(s as usize))
+        else {
+            return TargetContent::default();
+        };
+        // Every (position, engine hash) reference of the target.
+        let refs: Vec<(Pos, EngineHash)> = slot
+            .table
+            .iter()
+            .filter_map(|p| self.engine_at(p).map(|e| (p, e)))
+            .chain(slot.alias.iter().map(|(&e, &p)| (p, e)))
+            .collect();
+        // Held positions and, walking up, the unheld ones above them.
+        let mut node_of: FxHashMap<Pos, usize> = FxHashMap::default();
+        let mut found: Vec<(Pos, Option<Pos>, LocalHash, Option<EngineHash>)> = Vec::new();
+        let mut more: Vec<(Pos, EngineHash)> = Vec::new();
+        for &(p, e) in &refs {
+            match node_of.get(&p) {
+                Some(&i) => match found[i].3 {
+                    Some(_) => more.push((p, e)),
+                    None => found[i].3 = Some(e),
+                },
+                None => {
+                    node_of.insert(p, found.len());
+                    found.push((p, self.parent_of(p), self.local_at(p), Some(e)));
+                }
+            }
+            // Unheld ancestors, up to the first position already found.
+            let mut up = found[node_of[&p]].1;
+            while let Some(a) = up {
+                if node_of.contains_key(&a) {
+                    break;
+                }
+                node_of.insert(a, found.len());
+                let parent = self.parent_of(a);
+                found.push((a, parent, self.local_at(a), None));
+                up = parent;
+            }
+        }
+        // Depth-first order from the roots, children in position order.
+        let mut children: FxHashMap<Pos, Vec<usize>> = FxHashMap::default();
+        let mut roots = Vec::new();
+        for (i, &(_, parent, _, _)) in found.iter().enumerate() {
+            match parent {
+                Some(a) => children.entry(a).or_default().push(i),
+                None => roots.push(i),
+            }
+        }
+        for list in children.values_mut() {
+            list.sort_unstable_by_key(|&i| found[i].0);
+        }
+        roots.sort_unstable_by_key(|&i| found[i].0);
+        let mut order: Vec<usize> = Vec::with_capacity(found.len());
+        let mut stack: Vec<usize> = roots.into_iter().rev().collect();
+        while let Some(i) = stack.pop() {
+            order.push(i);
+            if let Some(kids) = children.get(&found[i].0) {
+                stack.extend(kids.iter().rev());
+            }
+        }
+        let mut index_of: FxHashMap<Pos, u32> = FxHashMap::default();
+        let mut content = TargetContent::default();
+        for i in order {
+            let (p, parent, local, engine) = found[i];
+            index_of.insert(p, content.nodes.len() as u32);
+            content.nodes.push(ContentNode {
+                parent: parent.and_then(|a| index_of.get(&a).copied()),
+                local,
+                engine,
+            });
+        }
+        content.more_engines = more
+            .into_iter()
+            .filter_map(|(p, e)| index_of.get(&p).map(|&i| (i, e)))
+            .collect();
+        content.more_engines.sort_unstable();
+        content
+    }
+
+    /// The position before `p` on its path; `None` below the root.
+    fn parent_of(&self, p: Pos) -> Option<Pos> {
+        let (id, abs) = (pos_seg(p), pos_abs(p));
+        let seg = self.segs.get(id as usize)?;
+        if abs > seg.start {
+            return Some(pos(id, abs - 1));
+        }
+        if seg.parent == ROOT {
+            return None;
+        }
+        let parent = self.segs.get(seg.parent as usize)?;
+        let len = u32::try_from(parent.pairs.len()).ok()?;
+        Some(pos(seg.parent, parent.start + len.checked_sub(1)?))
+    }
+
+    /// The local hash at position `p`.
+    fn local_at(&self, p: Pos) -> LocalHash {
+        self.segs
+            .get(pos_seg(p) as usize)
+            .and_then(|s| s.pairs.get(pos_abs(p).checked_sub(s.start)? as usize))
+            .map_or(0, |b| b.1)
+    }
+}
