@@ -61,6 +61,18 @@ struct RankTotals {
     refs: HashMap<u64, u32>,
 }
 
+/// An open booking as a snapshot keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedBooking {
+    pub request_id: String,
+    pub target: WorkerRank,
+    /// `(tokens, blocks)` while the prefill is outstanding.
+    pub prefill: Option<(u64, u64)>,
+    /// The prompt's prefix keys ([`prefix_keys`]).
+    pub keys: Vec<u64>,
+    pub age_ms: u64,
+}
+
 /// What is booked for one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BookingInfo {
@@ -98,6 +110,18 @@ impl BookingLedger {
         block_hashes: &[LocalHash],
         now_ms: u64,
     ) -> Result<(), AdmissionError> {
+        self.insert(
+            request_id,
+            Booking {
+                target,
+                prefill: Some((prefill_tokens, prefill_blocks)),
+                keys: prefix_keys(block_hashes),
+                booked_at_ms: now_ms,
+            },
+        )
+    }
+
+    fn insert(&mut self, request_id: &str, booking: Booking) -> Result<(), AdmissionError> {
         let slot = match self.bookings.entry(request_id.to_owned()) {
             Entry::Occupied(existing) => {
                 return Err(AdmissionError::DuplicateBooking {
@@ -107,21 +131,48 @@ impl BookingLedger {
             }
             Entry::Vacant(slot) => slot,
         };
-        let keys = prefix_keys(block_hashes);
-        let totals = self.ranks.entry(target).or_default();
-        totals.prefill_tokens = totals.prefill_tokens.saturating_add(prefill_tokens);
-        totals.prefill_blocks = totals.prefill_blocks.saturating_add(prefill_blocks);
+        let totals = self.ranks.entry(booking.target).or_default();
+        if let Some((tokens, blocks)) = booking.prefill {
+            totals.prefill_tokens = totals.prefill_tokens.saturating_add(tokens);
+            totals.prefill_blocks = totals.prefill_blocks.saturating_add(blocks);
+        }
         totals.active_requests += 1;
-        for k in &keys {
+        for k in &booking.keys {
             *totals.refs.entry(*k).or_insert(0) += 1;
         }
-        slot.insert(Booking {
-            target,
-            prefill: Some((prefill_tokens, prefill_blocks)),
-            keys,
-            booked_at_ms: now_ms,
-        });
+        slot.insert(booking);
         Ok(())
+    }
+
+    /// Every open booking, as a snapshot keeps it, by request id.
+    pub fn export(&self, now_ms: u64) -> Vec<SavedBooking> {
+        let mut saved: Vec<SavedBooking> = self
+            .bookings
+            .iter()
+            .map(|(id, b)| SavedBooking {
+                request_id: id.clone(),
+                target: b.target,
+                prefill: b.prefill,
+                keys: b.keys.clone(),
+                age_ms: now_ms.saturating_sub(b.booked_at_ms),
+            })
+            .collect();
+        saved.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        saved
+    }
+
+    /// Books a saved booking again, aged as it was (as far as the clock
+    /// reaches back: a booking older than `now_ms` counts from 0).
+    pub fn restore(&mut self, saved: SavedBooking, now_ms: u64) -> Result<(), AdmissionError> {
+        self.insert(
+            &saved.request_id,
+            Booking {
+                target: saved.target,
+                prefill: saved.prefill,
+                keys: saved.keys,
+                booked_at_ms: now_ms.saturating_sub(saved.age_ms),
+            },
+        )
     }
 
     /// Drops the prefill part of a booking. Returns whether anything changed.

@@ -38,6 +38,16 @@ pub struct Registration {
     pub lease_ttl: Option<Duration>,
 }
 
+/// A registered worker as a snapshot keeps it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SavedWorker {
+    pub registration: Registration,
+    pub lease_ttl: Duration,
+    pub lease_remaining: Duration,
+    pub cordoned: bool,
+    pub load: BTreeMap<DpRank, RankLoad>,
+}
+
 /// One registered worker.
 #[derive(Clone, Debug)]
 pub struct WorkerRecord {
@@ -79,6 +89,17 @@ impl WorkerRecord {
 
     pub fn lease_remaining(&self, now: Instant) -> Duration {
         self.lease_deadline.saturating_duration_since(now)
+    }
+
+    /// The record as a snapshot keeps it.
+    pub fn saved(&self, now: Instant) -> SavedWorker {
+        SavedWorker {
+            registration: self.registration.clone(),
+            lease_ttl: self.lease_ttl,
+            lease_remaining: self.lease_remaining(now),
+            cordoned: self.cordoned,
+            load: self.load.clone(),
+        }
     }
 }
 
@@ -155,9 +176,21 @@ impl Registry {
     /// Registers a worker or updates its registration, renewing its lease.
     pub fn register(
         &mut self,
+        registration: Registration,
+        default_lease: Duration,
+        now: Instant,
+    ) -> Result<RegisterOutcome, RegistryError> {
+        self.register_with(registration, default_lease, now, |_| {})
+    }
+
+    /// [`Self::register`], letting `adjust` set what a snapshot restores
+    /// (cordon, load, lease deadline) on the record before it is stored.
+    fn register_with(
+        &mut self,
         mut registration: Registration,
         default_lease: Duration,
         now: Instant,
+        adjust: impl FnOnce(&mut WorkerRecord),
     ) -> Result<RegisterOutcome, RegistryError> {
         let worker_id = registration.worker_id;
         let invalid = |message: String| RegistryError::Invalid { worker_id, message };
@@ -211,7 +244,7 @@ impl Registry {
             Some(old) => (old.cordoned, BTreeMap::new(), generation),
             None => (false, BTreeMap::new(), generation),
         };
-        let record = WorkerRecord {
+        let mut record = WorkerRecord {
             registration,
             generation,
             cordoned,
@@ -219,6 +252,7 @@ impl Registry {
             lease_deadline: now + lease_ttl,
             load,
         };
+        adjust(&mut record);
         self.workers.insert(worker_id, record.clone());
         if let Some(old) = &invalidated {
             self.refresh_snapshots(&old.model.clone());
@@ -229,6 +263,28 @@ impl Registry {
             created,
             lease_ttl,
             invalidated,
+        })
+    }
+
+    /// Registers a worker saved by a snapshot: its registration (checked
+    /// as any is), cordon, load, and the lease time it had left, so a worker
+    /// that died while kvroute was down still lapses.
+    pub fn restore(
+        &mut self,
+        saved: SavedWorker,
+        now: Instant,
+    ) -> Result<RegisterOutcome, RegistryError> {
+        let mut registration = saved.registration;
+        registration.lease_ttl = Some(saved.lease_ttl);
+        let (cordoned, load) = (saved.cordoned, saved.load);
+        let deadline = now + saved.lease_remaining.min(saved.lease_ttl);
+        self.register_with(registration, saved.lease_ttl, now, |record| {
+            record.cordoned = cordoned;
+            record.lease_deadline = deadline;
+            record.load = load
+                .into_iter()
+                .filter(|(rank, _)| record.has_rank(*rank))
+                .collect();
         })
     }
 

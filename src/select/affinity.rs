@@ -44,6 +44,15 @@ pub struct SessionRef {
     pub mode: AffinityMode,
 }
 
+/// A session binding as a snapshot keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedSession {
+    pub session_id: String,
+    pub target: PinTarget,
+    /// Milliseconds since it was last used.
+    pub idle_ms: u64,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
     target: PinTarget,
@@ -77,6 +86,34 @@ impl SessionTable {
 
     fn alive(&self, entry: &Entry, now_ms: u64) -> bool {
         now_ms.saturating_sub(entry.last_used_ms) <= self.ttl_ms
+    }
+
+    /// Every live binding, as a snapshot keeps it, by session id.
+    pub fn export(&self, now_ms: u64) -> Vec<SavedSession> {
+        let mut saved: Vec<SavedSession> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| self.alive(e, now_ms))
+            .map(|(id, e)| SavedSession {
+                session_id: id.clone(),
+                target: e.target,
+                idle_ms: now_ms.saturating_sub(e.last_used_ms),
+            })
+            .collect();
+        saved.sort_by(|a, b| a.session_id.cmp(&b.session_id));
+        saved
+    }
+
+    /// Binds a saved session again, idle as it was (as far as the clock
+    /// reaches back).
+    pub fn restore(&mut self, saved: SavedSession, now_ms: u64) {
+        self.entries.insert(
+            saved.session_id,
+            Entry {
+                target: saved.target,
+                last_used_ms: now_ms.saturating_sub(saved.idle_ms),
+            },
+        );
     }
 
     /// The live target of `session_id`, without refreshing it.
