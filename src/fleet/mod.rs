@@ -19,6 +19,7 @@
 //! queued before), forget bookings and sessions. Deregistration and lease
 //! lapse both end in it.
 
+pub mod state;
 pub mod subscriptions;
 
 use std::{sync::Arc, time::Duration};
@@ -28,7 +29,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::{
     engine_events::{EngineSource, EngineSpec},
-    index::IndexStats,
+    index::{IndexDigest, IndexStats},
     ingest::{BatchOutcome, IngestError, IngestHandle, ValidatedBatch, cursor::EventCursor},
     registry::{EventTarget, RegisterOutcome, Registration, RegistryError, WorkerRecord},
     router::RouterCore,
@@ -75,12 +76,13 @@ pub struct RankView {
     pub cursor: EventCursor,
 }
 
-/// Index statistics with the event cursors' counts.
+/// Index statistics with the event cursors' counts and the digest.
 #[derive(Clone, Debug, Default)]
 pub struct IndexView {
     pub stats: IndexStats,
     pub events_skipped: u64,
     pub events_rejected: u64,
+    pub digest: IndexDigest,
 }
 
 /// The worker lifecycle's owner (see the module docs).
@@ -361,19 +363,20 @@ impl Fleet {
 
     /// Index statistics of one model, or of all summed.
     pub fn index_view(&self, model: Option<&str>) -> IndexView {
-        let stats = match model {
+        let (stats, digest) = match model {
             Some(model) => self
                 .router
                 .index_of(model)
-                .map(|index| index.stats())
+                .map(|index| (index.stats(), index.digest()))
                 .unwrap_or_default(),
-            None => self.router.index_totals(),
+            None => (self.router.index_totals(), self.router.index_digest()),
         };
         let (events_skipped, events_rejected) = self.ingest.cursor_totals();
         IndexView {
             stats,
             events_skipped,
             events_rejected,
+            digest,
         }
     }
 }

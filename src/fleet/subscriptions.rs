@@ -219,6 +219,15 @@ impl Subscriptions {
         true
     }
 
+    /// The engine a worker's subscription follows, and whether it was
+    /// started from `kvroute serve --engine`.
+    pub fn source_of(&self, worker_id: WorkerId) -> Option<(EngineSource, bool)> {
+        self.running
+            .lock()
+            .get(&worker_id)
+            .map(|r| (r.source.clone(), r.configured))
+    }
+
     /// The workers started from `kvroute serve --engine`: they have no one
     /// to heartbeat for them, so the fleet renews their leases.
     pub fn configured_ids(&self) -> Vec<WorkerId> {

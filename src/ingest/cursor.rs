@@ -50,6 +50,15 @@ pub struct EventCursor {
 }
 
 impl EventCursor {
+    /// A cursor restored from a snapshot: the next expected id is
+    /// `last_applied + 1`; nothing is missing.
+    pub fn resumed(last_applied: Option<u64>) -> Self {
+        Self {
+            last_applied,
+            ..Self::default()
+        }
+    }
+
     pub fn last_applied(&self) -> Option<u64> {
         self.last_applied
     }

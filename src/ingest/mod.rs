@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    index::{IndexError, KvEvent, KvIndex},
+    index::{IndexError, KvEvent, KvIndex, TargetContent},
     router::RouterCore,
     types::{DpRank, WorkerId, WorkerRank, WorkerSnapshot},
 };
@@ -104,6 +104,8 @@ pub enum IngestError {
     WorkerGone { worker_id: WorkerId },
     #[error("the event writer has stopped")]
     WriterStopped,
+    #[error("a saved target could not be rebuilt: {0}")]
+    Restore(IndexError),
 }
 
 enum Job {
@@ -123,6 +125,31 @@ enum Job {
     Reserve {
         worker: WorkerSnapshot,
     },
+    Capture {
+        target: RankRegistration,
+        reply: oneshot::Sender<Option<CapturedTarget>>,
+    },
+    Restore {
+        target: RankRegistration,
+        captured: CapturedTarget,
+        reply: oneshot::Sender<Result<(), IndexError>>,
+    },
+}
+
+/// One (worker, rank) under one registration of its worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankRegistration {
+    pub target: WorkerRank,
+    pub generation: u64,
+    pub model: String,
+}
+
+/// What a snapshot keeps of one (worker, rank): its blocks and the last
+/// event id applied, taken together by the writer, so they agree.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CapturedTarget {
+    pub content: TargetContent,
+    pub last_event_id: Option<u64>,
 }
 
 /// The sending side of the writer, and read access to its cursors; cheap
@@ -178,6 +205,37 @@ impl IngestHandle {
         let _ = self.tx.send(job).await;
     }
 
+    /// A target's blocks and cursor, taken between two jobs (so they agree
+    /// with each other); `None` if its registration changed or the writer
+    /// stopped.
+    pub async fn capture(&self, target: RankRegistration) -> Option<CapturedTarget> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Job::Capture { target, reply }).await.ok()?;
+        answer.await.ok().flatten()
+    }
+
+    /// Rebuilds a target that holds nothing from a capture, in order with
+    /// the jobs queued before.
+    pub async fn restore(
+        &self,
+        target: RankRegistration,
+        captured: CapturedTarget,
+    ) -> Result<(), IngestError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Job::Restore {
+                target,
+                captured,
+                reply,
+            })
+            .await
+            .map_err(|_| IngestError::WriterStopped)?;
+        answer
+            .await
+            .map_err(|_| IngestError::WriterStopped)?
+            .map_err(IngestError::Restore)
+    }
+
     /// Drops every block of a worker (after the registry forgot it), in order
     /// with the batches queued before; returns the blocks dropped.
     pub async fn remove_worker(&self, worker_id: WorkerId, model: String) -> u64 {
@@ -222,6 +280,16 @@ pub fn start_writer(writer: Arc<EventWriter>) -> std::io::Result<IngestHandle> {
                         let _ = reply.send(writer.remove_worker(worker_id, &model));
                     }
                     Job::Reserve { worker } => writer.reserve(&worker),
+                    Job::Capture { target, reply } => {
+                        let _ = reply.send(writer.capture(&target));
+                    }
+                    Job::Restore {
+                        target,
+                        captured,
+                        reply,
+                    } => {
+                        let _ = reply.send(writer.restore(&target, captured));
+                    }
                 }
             }
         })?;
@@ -271,6 +339,39 @@ impl EventWriter {
                 );
             }
         }
+    }
+
+    /// A target's blocks and last applied event id, if its registration is
+    /// still `target`'s.
+    pub fn capture(&self, target: &RankRegistration) -> Option<CapturedTarget> {
+        let w = target.target;
+        let index = self
+            .router
+            .current_index(w.worker_id, target.generation, &target.model)?;
+        Some(CapturedTarget {
+            content: index.export_target(w),
+            last_event_id: self.cursor(w).and_then(|c| c.last_applied()),
+        })
+    }
+
+    /// Rebuilds a captured target (holding nothing yet) and its cursor.
+    pub fn restore(
+        &self,
+        target: &RankRegistration,
+        captured: CapturedTarget,
+    ) -> Result<(), IndexError> {
+        let w = target.target;
+        let Some(index) = self
+            .router
+            .current_index(w.worker_id, target.generation, &target.model)
+        else {
+            return Ok(());
+        };
+        index.restore_target(w, &captured.content)?;
+        self.cursors
+            .lock()
+            .insert(w, EventCursor::resumed(captured.last_event_id));
+        Ok(())
     }
 
     /// Drops every block and cursor of a worker; returns the blocks dropped.

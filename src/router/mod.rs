@@ -32,9 +32,14 @@ use std::{
 use parking_lot::RwLock;
 
 use crate::{
-    index::{IndexStats, KvIndex},
+    admission::bookings::SavedBooking,
+    index::{IndexDigest, IndexStats, KvIndex},
     metrics::Metrics,
-    registry::{EventTarget, RegisterOutcome, Registration, Registry, RegistryError, WorkerRecord},
+    registry::{
+        EventTarget, RegisterOutcome, Registration, Registry, RegistryError, SavedWorker,
+        WorkerRecord,
+    },
+    select::affinity::SavedSession,
     types::{BookedLoad, DpRank, RankLoad, WorkerId, WorkerRank},
 };
 
@@ -121,12 +126,26 @@ impl RouterCore {
         &self,
         registration: Registration,
     ) -> Result<RegisterOutcome, RegistryError> {
-        let (model, block_size) = (registration.model.clone(), registration.block_size);
+        let lease_ttl = self.config.lease_ttl;
+        self.admit_worker(|registry| registry.register(registration, lease_ttl, now()))
+    }
+
+    /// Registers a worker saved by a snapshot (see `Registry::restore`).
+    pub fn restore_worker(&self, saved: SavedWorker) -> Result<RegisterOutcome, RegistryError> {
+        self.admit_worker(|registry| registry.restore(saved, now()))
+    }
+
+    /// Runs a registration and gives the worker's model an index of its
+    /// block size, under one hold of the members lock.
+    fn admit_worker(
+        &self,
+        register: impl FnOnce(&mut Registry) -> Result<RegisterOutcome, RegistryError>,
+    ) -> Result<RegisterOutcome, RegistryError> {
         let outcome = {
             let mut members = self.members.write();
-            let outcome = members
-                .registry
-                .register(registration, self.config.lease_ttl, now())?;
+            let outcome = register(&mut members.registry)?;
+            let r = &outcome.record.registration;
+            let (model, block_size) = (r.model.clone(), r.block_size);
             let stale = members
                 .indexes
                 .get(&model)
@@ -250,6 +269,55 @@ impl RouterCore {
             .unwrap_or(0)
     }
 
+    /// Every registered worker as a snapshot keeps it, by id.
+    pub fn saved_workers(&self) -> Vec<SavedWorker> {
+        let at = now();
+        self.members
+            .read()
+            .registry
+            .all()
+            .into_iter()
+            .map(|w| w.saved(at))
+            .collect()
+    }
+
+    /// Live sessions and open bookings, as a snapshot keeps them (one hold
+    /// of the routing read lock).
+    pub fn saved_routing(&self) -> (Vec<SavedSession>, Vec<SavedBooking>) {
+        let now_ms = self.now_ms();
+        let state = self.routing.read();
+        (state.sessions.export(now_ms), state.ledger.export(now_ms))
+    }
+
+    /// Restores saved sessions and bookings (those of workers not
+    /// registered are dropped); returns how many bookings were refused.
+    pub fn restore_routing(
+        &self,
+        sessions: Vec<SavedSession>,
+        bookings: Vec<SavedBooking>,
+    ) -> usize {
+        let now_ms = self.now_ms();
+        let known = |worker_id: WorkerId| self.members.read().registry.get(worker_id).is_some();
+        let sessions: Vec<SavedSession> = sessions
+            .into_iter()
+            .filter(|s| known(s.target.worker_id))
+            .collect();
+        let bookings: Vec<SavedBooking> = bookings
+            .into_iter()
+            .filter(|b| known(b.target.worker_id))
+            .collect();
+        let mut state = self.routing.write();
+        for session in sessions {
+            state.sessions.restore(session, now_ms);
+        }
+        let refused = bookings
+            .into_iter()
+            .filter(|b| state.ledger.restore(b.clone(), now_ms).is_err())
+            .count();
+        self.metrics.bookings_active.set(state.ledger.len() as i64);
+        refused
+    }
+
     /// Load booked on one (worker, rank) and not yet released.
     pub fn booked_load(&self, target: WorkerRank) -> BookedLoad {
         self.routing.read().ledger.load(target)
@@ -268,6 +336,16 @@ impl RouterCore {
             total.events_applied += stats.events_applied;
             total.events_rejected += stats.events_rejected;
             total.blocks_skipped += stats.blocks_skipped;
+        }
+        total
+    }
+
+    /// Every model's index digest, summed (a wrapping sum, as each is).
+    pub fn index_digest(&self) -> IndexDigest {
+        let indexes: Vec<Arc<KvIndex>> = self.members.read().indexes.values().cloned().collect();
+        let mut total = IndexDigest::default();
+        for index in indexes {
+            total.add(index.digest());
         }
         total
     }

@@ -69,7 +69,7 @@ pub struct RouteOutcome {
 /// calls and the queue write it.
 pub(super) struct RoutingState {
     pub(super) ledger: BookingLedger,
-    sessions: SessionTable,
+    pub(super) sessions: SessionTable,
     queue: WaitQueue<Waiter>,
     /// Seed of every call's tie-break and sampling draws.
     seed: u64,

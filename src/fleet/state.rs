@@ -1,0 +1,182 @@
+//! The fleet's state as a snapshot keeps it: taken while the router serves,
+//! and restored into a fleet that has no worker yet, at start.
+//!
+//! Why here: the state spans the router core (registry, sessions,
+//! bookings), the writer (each target's blocks and cursor) and the
+//! subscriptions (each engine's source and publisher sequence), and only
+//! the fleet owns all of them. Taking it never stops routing or ingestion
+//! for long: the registry and the routing state are copied under their
+//! locks at once (small), then each target is captured by the writer as
+//! one job between the others, so its blocks and cursor agree with each
+//! other without holding up any other target's events.
+
+use std::collections::HashMap;
+
+use super::Fleet;
+use crate::{
+    admission::bookings::SavedBooking,
+    engine_events::EngineSource,
+    ingest::{CapturedTarget, RankRegistration},
+    registry::SavedWorker,
+    select::affinity::SavedSession,
+    types::{WorkerId, WorkerRank},
+};
+
+/// A worker as a snapshot keeps it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FleetWorker {
+    pub worker: SavedWorker,
+    /// The engine kvroute subscribes to for it.
+    pub source: Option<EngineSource>,
+    /// Started from `kvroute serve --engine` (restarted from the
+    /// configuration, not from the snapshot).
+    pub configured: bool,
+}
+
+/// One (worker, rank) as a snapshot keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetTarget {
+    pub target: WorkerRank,
+    pub captured: CapturedTarget,
+    /// The last engine publisher sequence applied, for ZeroMQ engines.
+    pub engine_sequence: Option<u64>,
+}
+
+/// Everything a snapshot keeps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FleetState {
+    pub workers: Vec<FleetWorker>,
+    pub targets: Vec<FleetTarget>,
+    pub sessions: Vec<SavedSession>,
+    pub bookings: Vec<SavedBooking>,
+}
+
+impl FleetState {
+    /// Cached (target, block) entries.
+    pub fn entries(&self) -> u64 {
+        self.targets
+            .iter()
+            .map(|t| t.captured.content.held() as u64)
+            .sum()
+    }
+}
+
+/// What a restore did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreReport {
+    pub workers: usize,
+    pub targets: usize,
+    pub entries: u64,
+    /// Saved workers the registry refused now (e.g. a block size another
+    /// restored worker of their model contradicts), with why.
+    pub workers_refused: Vec<(WorkerId, String)>,
+    /// Saved targets that could not be rebuilt.
+    pub targets_refused: usize,
+    pub bookings_refused: usize,
+}
+
+impl Fleet {
+    /// Takes the fleet's state (see the module docs).
+    pub async fn capture(&self) -> FleetState {
+        let records = self.router.workers(None);
+        let (sessions, bookings) = self.router.saved_routing();
+        let now = crate::router::now();
+        let mut state = FleetState {
+            sessions,
+            bookings,
+            ..FleetState::default()
+        };
+        for record in &records {
+            let r = &record.registration;
+            let (source, configured) = self.subscriptions.source_of(r.worker_id).unzip();
+            for dp_rank in r.dp_start_rank..r.dp_start_rank.saturating_add(r.dp_size) {
+                let target = WorkerRank::new(r.worker_id, dp_rank);
+                let rank = RankRegistration {
+                    target,
+                    generation: record.generation,
+                    model: r.model.clone(),
+                };
+                // None: the worker left or re-registered since; its blocks
+                // are not what the saved registration describes.
+                let Some(captured) = self.ingest.capture(rank).await else {
+                    continue;
+                };
+                state.targets.push(FleetTarget {
+                    target,
+                    captured,
+                    engine_sequence: None,
+                });
+            }
+            state.workers.push(FleetWorker {
+                worker: record.saved(now),
+                source,
+                configured: configured.unwrap_or(false),
+            });
+        }
+        state
+    }
+
+    /// Restores `state` into this fleet, which must have no worker yet:
+    /// the workers (with the lease time they had left), their blocks and
+    /// cursors, sessions and bookings; then the engine subscriptions of
+    /// workers registered over gRPC (configured engines are started from
+    /// the configuration afterwards). What cannot be restored is reported,
+    /// never fatal.
+    pub async fn restore(&self, state: FleetState) -> RestoreReport {
+        let mut report = RestoreReport::default();
+        let mut generations: HashMap<WorkerId, (u64, String)> = HashMap::new();
+        let mut sources = Vec::new();
+        for saved in state.workers {
+            let worker_id = saved.worker.registration.worker_id;
+            let _turn = self.turn(worker_id).await;
+            match self.router.restore_worker(saved.worker) {
+                Ok(outcome) => {
+                    let r = &outcome.record;
+                    generations.insert(worker_id, (r.generation, r.registration.model.clone()));
+                    self.ingest.reserve(&r.snapshot()).await;
+                    if let (Some(source), false) = (saved.source, saved.configured) {
+                        sources.push((outcome.record, source));
+                    }
+                    report.workers += 1;
+                }
+                Err(error) => report.workers_refused.push((worker_id, error.to_string())),
+            }
+        }
+        for saved in state.targets {
+            let Some((generation, model)) = generations.get(&saved.target.worker_id) else {
+                report.targets_refused += 1;
+                continue;
+            };
+            let entries = saved.captured.content.held() as u64;
+            let rank = RankRegistration {
+                target: saved.target,
+                generation: *generation,
+                model: model.clone(),
+            };
+            match self.ingest.restore(rank, saved.captured).await {
+                Ok(()) => {
+                    report.targets += 1;
+                    report.entries += entries;
+                }
+                Err(error) => {
+                    tracing::warn!(target = %saved.target, %error, "saved target not restored");
+                    report.targets_refused += 1;
+                }
+            }
+        }
+        report.bookings_refused = self.router.restore_routing(state.sessions, state.bookings);
+        for (record, source) in sources {
+            let worker_id = record.registration.worker_id;
+            let _turn = self.turn(worker_id).await;
+            if let Err(message) = self
+                .subscriptions
+                .update(&record, Some(source), false)
+                .await
+            {
+                tracing::warn!(worker_id, %message, "saved engine subscription not restarted");
+            }
+        }
+        self.router.drain_queue();
+        report
+    }
+}
