@@ -9,6 +9,7 @@ const PROTOS: &[&str] = &[
     "proto/kvroute/v1/router.proto",
     "proto/kvroute/v1/workers.proto",
     "proto/kvroute/v1/admin.proto",
+    "proto/kvroute/v1/snapshot.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -27,6 +27,7 @@ use crate::{
     metrics::Metrics,
     pb,
     router::RouterCore,
+    snapshot::{SnapshotError, Snapshots},
 };
 
 /// The gRPC service names health reports on, besides the overall "".
@@ -55,6 +56,8 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("--engine: {0}")]
     Engine(FleetError),
+    #[error("{0}")]
+    Snapshot(#[from] SnapshotError),
 }
 
 /// Binds the configured gRPC and metrics addresses, naming the setting on
@@ -82,9 +85,11 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new()?;
-    let fleet = start_fleet(&config, &metrics).await?;
+    // Health says NOT_SERVING from the first moment until the snapshot is
+    // loaded; the listeners are bound already, so probes get an answer.
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
+    let (fleet, snapshots) = start_fleet(&config, &metrics).await?;
 
     let stop_accepting = CancellationToken::new();
     let grpc_addr = grpc_listener.local_addr().ok();
@@ -92,6 +97,7 @@ pub async fn run(
         &config,
         &metrics,
         &fleet,
+        snapshots.clone(),
         health_service,
         grpc_listener,
         stop_accepting.clone(),
@@ -99,7 +105,13 @@ pub async fn run(
     let mut server = tokio::spawn(server);
 
     let metrics_addr = metrics_listener.local_addr().ok();
-    let background = Background::start(metrics_listener, &metrics, &fleet, config.lease_ttl);
+    let background = Background::start(
+        metrics_listener,
+        &metrics,
+        &fleet,
+        snapshots.clone(),
+        &config,
+    );
 
     set_health(&health, tonic_health::ServingStatus::Serving).await;
     tracing::info!(grpc = %shown(grpc_addr), metrics = %shown(metrics_addr), "kvroute serving");
@@ -138,6 +150,11 @@ pub async fn run(
     {
         tracing::warn!("background tasks did not stop within 5s");
     }
+    if let Some(snapshots) = &snapshots
+        && let Err(error) = snapshots.write().await
+    {
+        tracing::error!(%error, "snapshot at shutdown failed");
+    }
     if tokio::time::timeout(Duration::from_secs(5), fleet.shutdown())
         .await
         .is_err()
@@ -148,21 +165,62 @@ pub async fn run(
     result
 }
 
-/// The router core, its index writer and the fleet, with every
-/// `--engine` registered and subscribed.
+/// The router core, its index writer and the fleet, restored from the
+/// newest snapshot when there is a state directory, with every `--engine`
+/// registered and subscribed.
 async fn start_fleet(
     config: &ServeConfig,
     metrics: &Arc<Metrics>,
-) -> Result<Arc<Fleet>, ServeError> {
+) -> Result<(Arc<Fleet>, Option<Arc<Snapshots>>), ServeError> {
     let core = Arc::new(RouterCore::new(config.router_config(), metrics.clone()));
     let writer = Arc::new(EventWriter::new(core.clone()));
     let ingest = ingest::start_writer(writer).map_err(ServeError::Writer)?;
     let fleet = Arc::new(Fleet::new(core, ingest));
+    let snapshots = match &config.state_dir {
+        Some(dir) => {
+            let snapshots = Arc::new(Snapshots::open(dir, fleet.clone(), metrics.clone())?);
+            load_snapshot(&snapshots, config.require_snapshot).await?;
+            Some(snapshots)
+        }
+        None => None,
+    };
     if let Err(error) = fleet.start_configured(&config.engine).await {
         fleet.shutdown().await;
         return Err(ServeError::Engine(error));
     }
-    Ok(fleet)
+    Ok((fleet, snapshots))
+}
+
+/// Loads the newest snapshot; an unusable one is moved aside and logged in
+/// one line (kvroute starts cold), or, with `required`, stops the start.
+async fn load_snapshot(snapshots: &Snapshots, required: bool) -> Result<(), ServeError> {
+    match snapshots.load(required).await {
+        Ok(Some(loaded)) => {
+            let r = &loaded.report;
+            tracing::info!(
+                path = %loaded.path.display(),
+                workers = r.workers,
+                targets = r.targets,
+                entries = r.entries,
+                seconds = loaded.seconds,
+                "snapshot loaded"
+            );
+            for (worker_id, why) in &r.workers_refused {
+                tracing::warn!(worker_id, %why, "saved worker not restored");
+            }
+            Ok(())
+        }
+        // A first start: nothing to require yet.
+        Ok(None) => {
+            tracing::info!("no snapshot in the state directory: starting cold");
+            Ok(())
+        }
+        Err(error @ SnapshotError::SetAside { .. }) => {
+            tracing::error!(%error, "starting cold");
+            Ok(())
+        }
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// The gRPC server on `listener`, serving until `stop_accepting` is
@@ -172,6 +230,7 @@ fn grpc_server<H: Health>(
     config: &ServeConfig,
     metrics: &Arc<Metrics>,
     fleet: &Arc<Fleet>,
+    snapshots: Option<Arc<Snapshots>>,
     health: HealthServer<H>,
     listener: TcpListener,
     stop_accepting: CancellationToken,
@@ -195,7 +254,7 @@ fn grpc_server<H: Health>(
     let workers = pb::workers_server::WorkersServer::new(WorkersService::new(fleet.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    let admin = pb::admin_server::AdminServer::new(AdminService::new(fleet.clone()))
+    let admin = pb::admin_server::AdminServer::new(AdminService::new(fleet.clone(), snapshots))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 
@@ -236,16 +295,22 @@ impl Background {
         metrics_listener: TcpListener,
         metrics: &Arc<Metrics>,
         fleet: &Arc<Fleet>,
-        lease_ttl: Duration,
+        snapshots: Option<Arc<Snapshots>>,
+        config: &ServeConfig,
     ) -> Self {
         let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
         tasks.spawn(serve_metrics(
             metrics_listener,
             metrics.clone(),
             fleet.clone(),
+            snapshots.clone(),
             stop.clone(),
         ));
-        tasks.spawn(housekeeping(fleet.clone(), lease_ttl, stop.clone()));
+        tasks.spawn(housekeeping(fleet.clone(), config.lease_ttl, stop.clone()));
+        if let Some(snapshots) = snapshots {
+            let (interval, stop) = (config.snapshot_interval, stop.clone());
+            tasks.spawn(async move { snapshots.every(interval, stop).await });
+        }
         tasks.close();
         Self { tasks, stop }
     }
@@ -305,6 +370,7 @@ async fn serve_metrics(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     fleet: Arc<Fleet>,
+    snapshots: Option<Arc<Snapshots>>,
     stop: CancellationToken,
 ) {
     let app = axum::Router::new().route(
@@ -312,6 +378,9 @@ async fn serve_metrics(
         axum::routing::get(move || {
             let metrics = metrics.clone();
             fleet.refresh_subscription_ages();
+            if let Some(snapshots) = &snapshots {
+                snapshots.refresh_age();
+            }
             async move {
                 (
                     [(

@@ -149,6 +149,26 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_SEED", default_value_t = 0)]
     pub seed: u64,
 
+    /// Directory of durable state: kvroute writes snapshots of its state
+    /// there (every `snapshot_interval`, at graceful shutdown, and on
+    /// `kvroute ctl snapshot`) and loads the newest at start. Unset: no
+    /// state survives a restart.
+    #[arg(long, env = "KVROUTE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// Time between snapshots, with `state_dir`, e.g. `30s`.
+    #[arg(long, env = "KVROUTE_SNAPSHOT_INTERVAL", default_value = "30s",
+          value_parser = parse_positive_duration)]
+    pub snapshot_interval: Duration,
+
+    /// Refuse to start when the newest snapshot in `state_dir` cannot be
+    /// loaded (the file stays in place), instead of moving it aside and
+    /// starting cold. An empty directory is a first start and starts cold.
+    #[arg(long, env = "KVROUTE_REQUIRE_SNAPSHOT", num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    pub require_snapshot: bool,
+
     /// An engine whose ZeroMQ KV events kvroute subscribes to (repeatable):
     /// `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`,
     /// e.g. `1:llama:16:0:2:vllm:tcp://10.0.0.5:5557:tcp://10.0.0.5:5558`.
@@ -262,6 +282,9 @@ impl ServeConfig {
             max_events_per_batch: 4096,
             max_blocks_per_event: 16384,
             seed: 0,
+            state_dir: None,
+            snapshot_interval: Duration::from_secs(30),
+            require_snapshot: false,
             engine: Vec::new(),
         }
     }

@@ -69,6 +69,8 @@ pub enum CtlCommand {
         /// The worker id.
         id: u64,
     },
+    /// Write a snapshot of the router's state to its --state-dir now.
+    Snapshot,
 }
 
 /// Arguments of `kvroute ctl explain`.
@@ -264,6 +266,34 @@ pub async fn execute(args: CtlArgs, out: &mut dyn Write) -> Result<(), CtlError>
                 .await?
                 .into_inner();
             cordon_output(out, json, &info)
+        }
+        (CtlCommand::Snapshot, _) => {
+            let written = admin.snapshot(pb::SnapshotRequest {}).await?.into_inner();
+            if json {
+                print_json(
+                    out,
+                    &json!({
+                        "path": written.path,
+                        "bytes": written.bytes,
+                        "entries": written.entries,
+                        "workers": written.workers,
+                        "capture_seconds": written.capture_seconds,
+                        "write_seconds": written.write_seconds,
+                    }),
+                )
+            } else {
+                writeln!(
+                    out,
+                    "snapshot {}: {} entries of {} workers, {} (capture {:.3}s, write {:.3}s)",
+                    written.path,
+                    written.entries,
+                    written.workers,
+                    bytes_text(written.bytes),
+                    written.capture_seconds,
+                    written.write_seconds
+                )?;
+                Ok(())
+            }
         }
     }
 }
@@ -589,6 +619,8 @@ fn stats_text(s: &pb::IndexStats) -> String {
         ("events skipped", s.events_skipped.to_string()),
         ("events rejected", s.events_rejected.to_string()),
         ("memory", bytes_text(s.memory_bytes)),
+        ("entries", s.entries.to_string()),
+        ("digest", format!("{:016x}", s.digest)),
     ] {
         table.row(vec![name.into(), value]);
     }
@@ -705,6 +737,8 @@ fn stats_json(s: &pb::IndexStats) -> Value {
         "events_skipped": s.events_skipped,
         "events_rejected": s.events_rejected,
         "memory_bytes": s.memory_bytes,
+        "entries": s.entries,
+        "digest": format!("{:016x}", s.digest),
     })
 }
 

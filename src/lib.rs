@@ -20,6 +20,7 @@ pub mod registry;
 pub mod router;
 pub mod select;
 pub mod sim;
+pub mod snapshot;
 pub mod telemetry;
 pub mod tools;
 pub mod trace;

@@ -10,7 +10,7 @@
 use std::{sync::Arc, time::Instant};
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -34,6 +34,7 @@ pub struct Metrics {
     pub event_streams: IntGauge,
     pub input_rejected: IntCounterVec,
     pub engine: EngineEventFamilies,
+    pub snapshot: SnapshotFamilies,
 }
 
 /// Engine-native KV event subscriptions, per worker (`subscriptions`).
@@ -201,6 +202,7 @@ impl Metrics {
                 )?,
             )?,
             engine: EngineEventFamilies::register(&registry)?,
+            snapshot: SnapshotFamilies::register(&registry)?,
             registry,
         }))
     }
@@ -367,6 +369,69 @@ impl EngineEventFamilies {
                     ),
                     &["worker"],
                 )?,
+            )?,
+        })
+    }
+}
+
+/// Durable state (`snapshot`): what was written and loaded, and how long
+/// it took.
+#[derive(Clone)]
+pub struct SnapshotFamilies {
+    /// `outcome`: written, write_failed, loaded, set_aside
+    pub outcomes: IntCounterVec,
+    /// Seconds since the last snapshot written or loaded.
+    pub age: Gauge,
+    /// Bytes and cached entries of the last snapshot written.
+    pub bytes: IntGauge,
+    pub entries: IntGauge,
+    /// Seconds the last snapshot took to capture and to write.
+    pub capture_seconds: Gauge,
+    pub write_seconds: Gauge,
+    /// Seconds the snapshot loaded at start took, and the entries it restored.
+    pub load_seconds: Gauge,
+    pub entries_restored: IntGauge,
+}
+
+impl SnapshotFamilies {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let gauge = |name: &str, help: &str| registered(registry, Gauge::new(name, help)?);
+        let int_gauge = |name: &str, help: &str| registered(registry, IntGauge::new(name, help)?);
+        Ok(Self {
+            outcomes: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "snapshots_total",
+                        "Snapshots written, failed, loaded and set aside",
+                    ),
+                    &["outcome"],
+                )?,
+            )?,
+            age: gauge(
+                "snapshot_age_seconds",
+                "Seconds since the last snapshot written or loaded",
+            )?,
+            bytes: int_gauge("snapshot_bytes", "Bytes of the last snapshot written")?,
+            entries: int_gauge(
+                "snapshot_entries",
+                "Cached entries in the last snapshot written",
+            )?,
+            capture_seconds: gauge(
+                "snapshot_capture_seconds",
+                "Seconds the last snapshot took to capture",
+            )?,
+            write_seconds: gauge(
+                "snapshot_write_seconds",
+                "Seconds the last snapshot took to encode and write",
+            )?,
+            load_seconds: gauge(
+                "snapshot_load_seconds",
+                "Seconds the snapshot loaded at start took",
+            )?,
+            entries_restored: int_gauge(
+                "snapshot_entries_restored",
+                "Cached entries restored from the snapshot loaded at start",
             )?,
         })
     }

@@ -10,19 +10,22 @@ use crate::{
     pb,
     router::Admitted,
     select::eligibility::Ineligible,
+    snapshot::Snapshots,
 };
 
 /// Handlers of `kvroute.v1.Admin`.
 #[derive(Clone)]
 pub struct AdminService {
     fleet: Arc<Fleet>,
+    /// `None` without `--state-dir`.
+    snapshots: Option<Arc<Snapshots>>,
 }
 
 type Res<T> = Result<Response<T>, Status>;
 
 impl AdminService {
-    pub fn new(fleet: Arc<Fleet>) -> Self {
-        Self { fleet }
+    pub fn new(fleet: Arc<Fleet>, snapshots: Option<Arc<Snapshots>>) -> Self {
+        Self { fleet, snapshots }
     }
 
     fn fail(&self, status: Status) -> Status {
@@ -145,5 +148,25 @@ impl pb::admin_server::Admin for AdminService {
             .set_cordoned(worker_id, false)
             .map_err(|e| self.fail(e.into()))?;
         Ok(Response::new(convert::worker_view_to_pb(&view)))
+    }
+
+    async fn snapshot(&self, _request: Request<pb::SnapshotRequest>) -> Res<pb::SnapshotResponse> {
+        let Some(snapshots) = &self.snapshots else {
+            return Err(self.fail(Status::failed_precondition(
+                "kvroute runs without a state directory: start it with --state-dir to take snapshots",
+            )));
+        };
+        let written = snapshots.write().await.map_err(|e| {
+            tracing::warn!(error = %e, "snapshot on request failed");
+            self.fail(Status::internal(e.to_string()))
+        })?;
+        Ok(Response::new(pb::SnapshotResponse {
+            path: written.path.display().to_string(),
+            bytes: written.bytes,
+            entries: written.entries,
+            workers: written.workers,
+            capture_seconds: written.capture_seconds,
+            write_seconds: written.write_seconds,
+        }))
     }
 }

@@ -599,5 +599,7 @@ pub fn index_view_to_pb(view: &IndexView) -> pb::IndexStats {
         events_skipped: view.events_skipped,
         events_rejected: view.events_rejected,
         memory_bytes: view.stats.bytes_used,
+        entries: view.digest.entries,
+        digest: view.digest.digest,
     }
 }

@@ -52,6 +52,7 @@ impl From<IngestError> for Status {
         let code = match &error {
             IngestError::WorkerGone { .. } => Code::NotFound,
             IngestError::WriterStopped => Code::Unavailable,
+            IngestError::Restore(_) => Code::Internal,
         };
         Status::new(code, error.to_string())
     }

@@ -107,7 +107,8 @@ impl TargetContent {
     /// stores of every chain (unheld blocks under engine hashes the target
     /// does not otherwise use), stores of the extra engine hashes, then one
     /// remove of the stand-in hashes, which leaves the unheld blocks unheld.
-    pub fn events(&self) -> Vec<KvEvent> {
+    /// A store carries at most `max_blocks` blocks (the index's limit).
+    pub fn events(&self, max_blocks: usize) -> Vec<KvEvent> {
         let used: rustc_hash::FxHashSet<EngineHash> = self
             .nodes
             .iter()
@@ -142,7 +143,7 @@ impl TargetContent {
             i += 1;
             while i < self.nodes.len()
                 && self.nodes[i].parent == Some((i - 1) as u32)
-                && blocks.len() < super::radix::MAX_EVENT_BLOCKS
+                && blocks.len() < max_blocks
             {
                 blocks.push((names[i], self.nodes[i].local));
                 i += 1;

@@ -252,7 +252,7 @@ impl KvIndex {
         content: &TargetContent,
     ) -> Result<(), IndexError> {
         let mut core = self.core.write();
-        for event in content.events() {
+        for event in content.events(radix::MAX_EVENT_BLOCKS) {
             core.apply_owned(worker, event)?;
         }
         Ok(())

@@ -1,0 +1,291 @@
+//! The fleet's state ↔ the snapshot file's protobuf messages. Decoding
+//! checks everything a damaged or hand-made file could get wrong (parent
+//! links, engine hashes per held block, roles, endpoints), so a file that
+//! passes its checksum but describes an impossible state is refused as a
+//! whole, like a corrupted one.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use crate::{
+    admission::bookings::SavedBooking,
+    engine_events::{EngineSource, dialect_name},
+    fleet::state::{FleetState, FleetTarget, FleetWorker},
+    index::content::{ContentNode, TargetContent},
+    ingest::CapturedTarget,
+    pb,
+    registry::{Registration, SavedWorker},
+    select::{PinTarget, affinity::SavedSession},
+    types::{RankLoad, WorkerRank, WorkerRole},
+};
+
+/// Why a decoded snapshot describes no state kvroute can restore.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{what}: {why}")]
+pub struct InvalidState {
+    what: String,
+    why: String,
+}
+
+fn invalid(what: impl Into<String>, why: impl Into<String>) -> InvalidState {
+    InvalidState {
+        what: what.into(),
+        why: why.into(),
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+pub fn state_to_pb(state: &FleetState, taken_unix_ms: u64) -> pb::SnapshotState {
+    pb::SnapshotState {
+        taken_unix_ms,
+        workers: state.workers.iter().map(worker_to_pb).collect(),
+        targets: state.targets.iter().map(target_to_pb).collect(),
+        sessions: state
+            .sessions
+            .iter()
+            .map(|s| pb::SnapshotSession {
+                session_id: s.session_id.clone(),
+                worker_id: s.target.worker_id,
+                dp_rank: s.target.dp_rank,
+                idle_ms: s.idle_ms,
+            })
+            .collect(),
+        bookings: state
+            .bookings
+            .iter()
+            .map(|b| pb::SnapshotBooking {
+                request_id: b.request_id.clone(),
+                worker_id: b.target.worker_id,
+                dp_rank: b.target.dp_rank,
+                prefill_outstanding: b.prefill.is_some(),
+                prefill_tokens: b.prefill.map_or(0, |p| p.0),
+                prefill_blocks: b.prefill.map_or(0, |p| p.1),
+                keys: b.keys.clone(),
+                age_ms: b.age_ms,
+            })
+            .collect(),
+    }
+}
+
+fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
+    let r = &w.worker.registration;
+    let role = match r.role {
+        WorkerRole::Aggregated => pb::WorkerRole::Aggregated,
+        WorkerRole::Prefill => pb::WorkerRole::Prefill,
+        WorkerRole::Decode => pb::WorkerRole::Decode,
+    };
+    let source = w.source.as_ref();
+    pb::SnapshotWorker {
+        worker_id: r.worker_id,
+        model: r.model.clone(),
+        role: role.into(),
+        endpoint: r.endpoint.clone(),
+        block_size: r.block_size,
+        dp_start_rank: r.dp_start_rank,
+        dp_size: r.dp_size,
+        total_kv_blocks: r.total_kv_blocks,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+        taints: r.taints.clone(),
+        lease_ttl_ms: millis(w.worker.lease_ttl),
+        lease_remaining_ms: millis(w.worker.lease_remaining),
+        cordoned: w.worker.cordoned,
+        load: w
+            .worker
+            .load
+            .iter()
+            .map(|(&dp_rank, l)| pb::RankLoad {
+                dp_rank,
+                running_requests: l.running_requests,
+                waiting_requests: l.waiting_requests,
+                kv_blocks_used: l.kv_blocks_used,
+            })
+            .collect(),
+        events_endpoint: source.map_or_else(String::new, |s| s.endpoint.clone()),
+        events_dialect: source.map_or_else(String::new, |s| dialect_name(s.dialect).into()),
+        replay_endpoint: source
+            .and_then(|s| s.replay_endpoint.clone())
+            .unwrap_or_default(),
+        configured: w.configured,
+    }
+}
+
+fn target_to_pb(t: &FleetTarget) -> pb::SnapshotTarget {
+    let content = &t.captured.content;
+    let mut out = pb::SnapshotTarget {
+        worker_id: t.target.worker_id,
+        dp_rank: t.target.dp_rank,
+        last_event_id: t.captured.last_event_id,
+        engine_sequence: t.engine_sequence,
+        ..Default::default()
+    };
+    out.locals.reserve(content.nodes.len());
+    out.parent_back.reserve(content.nodes.len());
+    out.engines.reserve(content.nodes.len());
+    for (i, node) in content.nodes.iter().enumerate() {
+        out.locals.push(node.local);
+        out.parent_back
+            .push(node.parent.map_or(0, |p| (i as u32).saturating_sub(p)));
+        match node.engine {
+            Some(engine) => out.engines.push(engine),
+            None => out.unheld.push(i as u32),
+        }
+    }
+    for &(node, engine) in &content.more_engines {
+        out.more_nodes.push(node);
+        out.more_engines.push(engine);
+    }
+    out
+}
+
+pub fn state_from_pb(state: pb::SnapshotState) -> Result<FleetState, InvalidState> {
+    Ok(FleetState {
+        workers: state
+            .workers
+            .into_iter()
+            .map(worker_from_pb)
+            .collect::<Result<_, _>>()?,
+        targets: state
+            .targets
+            .into_iter()
+            .map(target_from_pb)
+            .collect::<Result<_, _>>()?,
+        sessions: state
+            .sessions
+            .into_iter()
+            .map(|s| SavedSession {
+                session_id: s.session_id,
+                target: PinTarget::new(s.worker_id, s.dp_rank),
+                idle_ms: s.idle_ms,
+            })
+            .collect(),
+        bookings: state
+            .bookings
+            .into_iter()
+            .map(|b| SavedBooking {
+                request_id: b.request_id,
+                target: WorkerRank::new(b.worker_id, b.dp_rank),
+                prefill: b
+                    .prefill_outstanding
+                    .then_some((b.prefill_tokens, b.prefill_blocks)),
+                keys: b.keys,
+                age_ms: b.age_ms,
+            })
+            .collect(),
+    })
+}
+
+fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
+    let what = || format!("worker {}", w.worker_id);
+    let role = match pb::WorkerRole::try_from(w.role) {
+        Ok(pb::WorkerRole::Aggregated) => WorkerRole::Aggregated,
+        Ok(pb::WorkerRole::Prefill) => WorkerRole::Prefill,
+        Ok(pb::WorkerRole::Decode) => WorkerRole::Decode,
+        Err(_) => return Err(invalid(what(), format!("unknown role {}", w.role))),
+    };
+    let source =
+        EngineSource::from_fields(&w.events_endpoint, &w.events_dialect, &w.replay_endpoint)
+            .map_err(|why| invalid(what(), why))?;
+    let load: BTreeMap<u32, RankLoad> = w
+        .load
+        .iter()
+        .map(|l| {
+            (
+                l.dp_rank,
+                RankLoad {
+                    running_requests: l.running_requests,
+                    waiting_requests: l.waiting_requests,
+                    kv_blocks_used: l.kv_blocks_used,
+                },
+            )
+        })
+        .collect();
+    Ok(FleetWorker {
+        worker: SavedWorker {
+            registration: Registration {
+                worker_id: w.worker_id,
+                model: w.model,
+                role,
+                endpoint: w.endpoint,
+                block_size: w.block_size,
+                dp_start_rank: w.dp_start_rank,
+                dp_size: w.dp_size,
+                total_kv_blocks: w.total_kv_blocks,
+                max_num_batched_tokens: w.max_num_batched_tokens,
+                taints: w.taints,
+                lease_ttl: None,
+            },
+            lease_ttl: Duration::from_millis(w.lease_ttl_ms),
+            lease_remaining: Duration::from_millis(w.lease_remaining_ms),
+            cordoned: w.cordoned,
+            load,
+        },
+        source,
+        configured: w.configured,
+    })
+}
+
+fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
+    let target = WorkerRank::new(t.worker_id, t.dp_rank);
+    let what = || format!("target {target}");
+    let n = t.locals.len();
+    if t.parent_back.len() != n {
+        return Err(invalid(what(), "parent_back and locals differ in length"));
+    }
+    if t.engines.len() + t.unheld.len() != n || t.more_nodes.len() != t.more_engines.len() {
+        return Err(invalid(
+            what(),
+            "engine hashes do not match the held blocks",
+        ));
+    }
+    let mut unheld = t.unheld.iter().copied().peekable();
+    let mut engines = t.engines.iter().copied();
+    let mut nodes = Vec::with_capacity(n);
+    for (i, (&local, &back)) in t.locals.iter().zip(&t.parent_back).enumerate() {
+        let i = i as u32;
+        let parent =
+            match back {
+                0 => None,
+                back => Some(i.checked_sub(back).ok_or_else(|| {
+                    invalid(what(), format!("node {i} has a parent before node 0"))
+                })?),
+            };
+        let engine = if unheld.peek() == Some(&i) {
+            unheld.next();
+            None
+        } else {
+            Some(
+                engines
+                    .next()
+                    .ok_or_else(|| invalid(what(), "fewer engine hashes than held blocks"))?,
+            )
+        };
+        nodes.push(ContentNode {
+            parent,
+            local,
+            engine,
+        });
+    }
+    if unheld.next().is_some() {
+        return Err(invalid(what(), "unheld node indexes out of order or range"));
+    }
+    let content = TargetContent {
+        nodes,
+        more_engines: t.more_nodes.into_iter().zip(t.more_engines).collect(),
+    };
+    if !content.is_well_formed() {
+        return Err(invalid(
+            what(),
+            "extra engine hashes name unheld or missing nodes",
+        ));
+    }
+    Ok(FleetTarget {
+        target,
+        captured: CapturedTarget {
+            content,
+            last_event_id: t.last_event_id,
+        },
+        engine_sequence: t.engine_sequence,
+    })
+}

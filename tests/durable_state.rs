@@ -1,0 +1,375 @@
+//! Durable state over the real binary: a kvroute killed with SIGKILL after
+//! a snapshot comes back with the exact index (the digest of one that never
+//! stopped and saw the same events), its cordons, HARD sessions and leases;
+//! a damaged snapshot starts cold with one clear line, or refuses to start
+//! with `--require-snapshot`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::{
+    net::{SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+};
+
+use common::{TestServer, batch, connect, registration, removed, select_hashes, stored};
+use kvroute::pb::{
+    self, admin_client::AdminClient, router_client::RouterClient, workers_client::WorkersClient,
+};
+use tonic::transport::Channel;
+
+const MODEL: &str = "m";
+
+fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+}
+
+fn state_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("state dir");
+    dir
+}
+
+/// A `kvroute serve` process with a state directory.
+struct Process {
+    child: Child,
+    grpc: SocketAddr,
+    channel: Channel,
+}
+
+impl Process {
+    async fn start(dir: &Path, grpc: SocketAddr, extra: &[&str]) -> Self {
+        let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .arg("serve")
+            .args(["--grpc-addr", &grpc.to_string()])
+            .args(["--metrics-addr", &free_addr().to_string()])
+            .args(["--state-dir", &dir.display().to_string()])
+            .args([
+                "--snapshot-interval",
+                "1h",
+                "--lease-ttl",
+                "120s",
+                "--seed",
+                "7",
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvroute");
+        let channel = connect(grpc).await;
+        Self {
+            child,
+            grpc,
+            channel,
+        }
+    }
+
+    fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::new(self.channel.clone())
+    }
+
+    /// SIGKILL: no graceful shutdown, no snapshot at exit.
+    fn kill_9(mut self) -> SocketAddr {
+        self.child.kill().expect("kill -9");
+        self.child.wait().expect("reap");
+        self.grpc
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A worker's whole event history (ids from 0), which it keeps to resend.
+struct History {
+    worker_id: u64,
+    events: Vec<pb::KvEvent>,
+    next_engine: u64,
+}
+
+impl History {
+    fn new(worker_id: u64) -> Self {
+        Self {
+            worker_id,
+            events: Vec::new(),
+            next_engine: worker_id * 1_000_000,
+        }
+    }
+
+    /// A chain of `len` blocks under `parent` (local hashes shared between
+    /// workers, so prefixes overlap); returns the engine hashes.
+    fn store_chain(&mut self, parent: Option<u64>, locals: &[u64]) -> Vec<u64> {
+        let blocks: Vec<(u64, u64)> = locals
+            .iter()
+            .map(|&l| {
+                self.next_engine += 1;
+                (self.next_engine, l)
+            })
+            .collect();
+        let id = self.events.len() as u64;
+        self.events.push(stored(id, parent, &blocks));
+        blocks.iter().map(|b| b.0).collect()
+    }
+
+    fn remove(&mut self, engines: &[u64]) {
+        let id = self.events.len() as u64;
+        self.events.push(removed(id, engines));
+    }
+
+    fn batch(&self, from: usize, to: usize) -> pb::KvEventBatch {
+        batch(self.worker_id, 0, self.events[from..to].to_vec())
+    }
+}
+
+/// Sends `history`'s events from `from` as one batch, then answers every
+/// resend request from the history, as a well-behaved worker does.
+async fn publish_and_heal(channel: &Channel, history: &History, from: usize) {
+    let mut client = WorkersClient::new(channel.clone());
+    let mut next = from;
+    let mut rounds = 0;
+    loop {
+        let to = history.events.len();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut replies = client
+            .publish_events(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("open stream")
+            .into_inner();
+        tx.send(history.batch(next, to)).await.expect("send");
+        let reply = replies.message().await.expect("reply").expect("a reply");
+        drop(tx);
+        match reply.resend_from_event_id {
+            Some(id) if (id as usize) < to => next = id as usize,
+            _ => return,
+        }
+        rounds += 1;
+        assert!(rounds < 10, "resends do not converge: {reply:?}");
+    }
+}
+
+async fn digest(channel: &Channel) -> (u64, u64) {
+    let stats = AdminClient::new(channel.clone())
+        .get_index_stats(pb::GetIndexStatsRequest::default())
+        .await
+        .expect("stats")
+        .into_inner();
+    (stats.entries, stats.digest)
+}
+
+async fn route_session(channel: &Channel, request_id: &str, session: &str, hashes: &[u64]) -> u64 {
+    let mut request = select_hashes(request_id, MODEL, hashes);
+    request.session = Some(pb::SessionAffinity {
+        session_id: session.into(),
+        mode: pb::AffinityMode::Hard.into(),
+    });
+    RouterClient::new(channel.clone())
+        .select_worker(request)
+        .await
+        .expect("select")
+        .into_inner()
+        .worker_id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_after_a_snapshot_comes_back_exact_with_cordons_sessions_and_leases() {
+    let dir = state_dir("sigkill");
+    let durable = Process::start(&dir, free_addr(), &[]).await;
+    let reference = TestServer::start().await;
+    let channels = [durable.channel.clone(), reference.channel.clone()];
+
+    let mut workers: Vec<History> = (1..=3).map(History::new).collect();
+    for channel in &channels {
+        for w in &workers {
+            let mut r = registration(w.worker_id, MODEL);
+            r.lease_ttl_secs = 120;
+            WorkersClient::new(channel.clone())
+                .register_worker(r)
+                .await
+                .expect("register");
+        }
+    }
+    // Before the snapshot: overlapping chains, and evictions that leave a
+    // block held below an evicted parent.
+    for (i, w) in workers.iter_mut().enumerate() {
+        let chain = w.store_chain(None, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        w.store_chain(Some(chain[3]), &[40 + i as u64, 41, 42]);
+        w.remove(&[chain[1]]);
+        w.remove(&[chain[7]]);
+    }
+    for channel in &channels {
+        for w in &workers {
+            publish_and_heal(channel, w, 0).await;
+        }
+        AdminClient::new(channel.clone())
+            .cordon_worker(pb::CordonWorkerRequest { worker_id: 2 })
+            .await
+            .expect("cordon");
+    }
+    let pinned: Vec<u64> = {
+        let mut pinned = Vec::new();
+        for channel in &channels {
+            pinned.push(route_session(channel, "r-1", "conversation", &[1, 2, 3]).await);
+        }
+        pinned
+    };
+    assert_eq!(pinned[0], pinned[1]);
+    let written = durable
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .expect("snapshot")
+        .into_inner();
+    assert!(written.entries > 0 && written.workers == 3, "{written:?}");
+    let saved: Vec<usize> = workers.iter().map(|w| w.events.len()).collect();
+
+    // After the snapshot, events the durable server sees before it dies.
+    for w in workers.iter_mut() {
+        w.store_chain(None, &[9, 10, 11]);
+    }
+    for w in &workers {
+        publish_and_heal(&durable.channel, w, saved[(w.worker_id - 1) as usize]).await;
+        publish_and_heal(&reference.channel, w, saved[(w.worker_id - 1) as usize]).await;
+    }
+    let addr = durable.kill_9();
+
+    // While it is down, the workers go on.
+    for w in workers.iter_mut() {
+        w.store_chain(None, &[12, 13]);
+    }
+    for w in &workers {
+        publish_and_heal(&reference.channel, w, 0).await;
+    }
+    let restarted = Process::start(&dir, addr, &[]).await;
+    // Each worker sends only its newest event; the server asks for the rest.
+    for w in &workers {
+        publish_and_heal(&restarted.channel, w, w.events.len() - 1).await;
+    }
+    assert_eq!(
+        digest(&restarted.channel).await,
+        digest(&reference.channel).await,
+        "index after restart and resends"
+    );
+    let cordoned = restarted
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 2 })
+        .await
+        .expect("worker 2")
+        .into_inner();
+    assert!(cordoned.cordoned, "the cordon survived");
+    assert!(
+        cordoned.lease_remaining_ms > 60_000 && cordoned.lease_remaining_ms <= 120_000,
+        "the lease kept its time left: {}",
+        cordoned.lease_remaining_ms
+    );
+    assert_eq!(
+        route_session(&restarted.channel, "r-2", "conversation", &[9, 10]).await,
+        pinned[0],
+        "the HARD session still pins"
+    );
+    drop(restarted);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `kvroute serve` on a state directory whose snapshot is damaged;
+/// returns its exit code (`None`: it started serving, and was stopped) and
+/// what it logged until then.
+fn start_on_damaged(dir: &Path, extra: &[&str]) -> (Option<i32>, String) {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .arg("serve")
+        .args(["--grpc-addr", &free_addr().to_string()])
+        .args(["--metrics-addr", &free_addr().to_string()])
+        .args(["--state-dir", &dir.display().to_string()])
+        .args(["--log-format", "json"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvroute");
+    let stderr = child.stderr.take().expect("stderr");
+    let mut logged = String::new();
+    for line in std::io::BufReader::new(stderr).lines() {
+        let line = line.expect("stderr line");
+        logged.push_str(&line);
+        logged.push('\n');
+        if line.contains("kvroute serving") {
+            child.kill().expect("kill");
+            child.wait().expect("reap");
+            return (None, logged);
+        }
+    }
+    (child.wait().expect("exit").code(), logged)
+}
+
+fn snapshot_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("read dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_snapshot_starts_cold_in_one_line_or_refuses_when_required() {
+    for damage in ["flip", "truncate"] {
+        let dir = state_dir(&format!("damaged-{damage}"));
+        {
+            let process = Process::start(&dir, free_addr(), &[]).await;
+            let mut r = registration(5, MODEL);
+            r.lease_ttl_secs = 120;
+            WorkersClient::new(process.channel.clone())
+                .register_worker(r)
+                .await
+                .expect("register");
+            process
+                .admin()
+                .snapshot(pb::SnapshotRequest {})
+                .await
+                .expect("snapshot");
+        }
+        let names = snapshot_files(&dir);
+        assert_eq!(names.len(), 1, "{names:?}");
+        let path = dir.join(&names[0]);
+        let mut bytes = std::fs::read(&path).expect("read snapshot");
+        match damage {
+            "flip" => {
+                let at = bytes.len() - 3;
+                bytes[at] ^= 0x5a;
+            }
+            _ => bytes.truncate(bytes.len() / 2),
+        }
+        std::fs::write(&path, &bytes).expect("damage snapshot");
+
+        // Required: refuses to start, names the file, leaves it in place.
+        let (code, stderr) = start_on_damaged(&dir, &["--require-snapshot"]);
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&names[0]) && stderr.contains("unusable"),
+            "{stderr}"
+        );
+        assert_eq!(snapshot_files(&dir), names);
+
+        // Not required: one error line, the file moved aside, a cold start.
+        let (code, stderr) = start_on_damaged(&dir, &[]);
+        assert_eq!(code, None, "it serves: {stderr}");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("\"ERROR\"")).collect();
+        assert_eq!(errors.len(), 1, "{stderr}");
+        assert!(errors[0].contains("starting cold"), "{stderr}");
+        let after = snapshot_files(&dir);
+        assert!(
+            after.len() == 1 && after[0].starts_with(&format!("{}.bad-", names[0])),
+            "{after:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
