@@ -67,6 +67,10 @@ pub enum BenchCommand {
     /// Replay an op log's events through PublishEvents, check the server's
     /// block counts against an in-process replay, print blocks/s.
     Ingest(crate::bench::ingest::IngestBenchArgs),
+    /// Fill workers through PublishEvents, snapshot them while SelectWorker
+    /// runs, load the snapshot in a new server: bytes per entry, write and
+    /// load seconds, routing latency during the snapshot.
+    Snapshot(crate::bench::snapshot::SnapshotBenchArgs),
 }
 
 /// Why the command line was refused.

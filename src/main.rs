@@ -76,6 +76,9 @@ fn main() -> ExitCode {
             Command::Bench(BenchCommand::Ingest(args)) => {
                 bench::ingest::run(&args).await?;
             }
+            Command::Bench(BenchCommand::Snapshot(args)) => {
+                bench::snapshot::run(&args).await?;
+            }
             _ => {}
         }
         Ok(())

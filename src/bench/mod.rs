@@ -6,6 +6,7 @@
 
 pub mod ingest;
 pub mod select;
+pub mod snapshot;
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -34,6 +35,7 @@ pub enum BenchError {
 /// A kvroute server this process started for a benchmark.
 pub struct LocalServer {
     pub addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     handle: JoinHandle<Result<(), app::ServeError>>,
 }
@@ -50,15 +52,36 @@ impl LocalServer {
         let addr = grpc
             .local_addr()
             .map_err(|e| BenchError::Setup(e.to_string()))?;
+        let metrics_addr = metrics
+            .local_addr()
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
         let (stop, stopped) = oneshot::channel::<()>();
         let handle = tokio::spawn(app::run(config, grpc, metrics, async move {
             let _ = stopped.await;
         }));
         Ok(Self {
             addr,
+            metrics_addr,
             stop: Some(stop),
             handle,
         })
+    }
+
+    /// The text of its `GET /metrics`, if it answers.
+    pub async fn scrape(&self) -> Option<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.metrics_addr)
+            .await
+            .ok()?;
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: kvroute\r\n\r\n")
+            .await
+            .ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.ok()?;
+        response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_string())
     }
 
     pub async fn stop(mut self) {
