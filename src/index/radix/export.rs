@@ -69,27 +69,23 @@ impl IndexCore {
                 up = parent;
             }
         }
-        // Depth-first order from the roots, children in position order.
-        let mut children: FxHashMap<Pos, Vec<usize>> = FxHashMap::default();
-        let mut roots = Vec::new();
-        for (i, &(_, parent, _, _)) in found.iter().enumerate() {
-            match parent {
-                Some(a) => children.entry(a).or_default().push(i),
-                None => roots.push(i),
-            }
-        }
-        for list in children.values_mut() {
-            list.sort_unstable_by_key(|&i| found[i].0);
-        }
-        roots.sort_unstable_by_key(|&i| found[i].0);
-        let mut order: Vec<usize> = Vec::with_capacity(found.len());
-        let mut stack: Vec<usize> = roots.into_iter().rev().collect();
-        while let Some(i) = stack.pop() {
-            order.push(i);
-            if let Some(kids) = children.get(&found[i].0) {
-                stack.extend(kids.iter().rev());
-            }
-        }
+        // Parents before children, and each segment's run of positions
+        // together (a chain is consecutive): by the depth at which the
+        // position's segment starts, then by segment, then along it.
+        let mut start_depth: FxHashMap<u32, u64> = FxHashMap::default();
+        let mut keyed: Vec<((u64, u32, u32), usize)> = found
+            .iter()
+            .enumerate()
+            .map(|(i, &(p, ..))| {
+                let seg = pos_seg(p);
+                (
+                    (self.start_depth(seg, &mut start_depth), seg, pos_abs(p)),
+                    i,
+                )
+            })
+            .collect();
+        keyed.sort_unstable_by_key(|&(key, _)| key);
+        let order = keyed.into_iter().map(|(_, i)| i);
         let mut index_of: FxHashMap<Pos, u32> = FxHashMap::default();
         let mut content = TargetContent::default();
         for i in order {
@@ -107,6 +103,39 @@ impl IndexCore {
             .collect();
         content.more_engines.sort_unstable();
         content
+    }
+
+    /// The depth of segment `id`'s first position (its distance from the
+    /// root), memoised in `memo` for every segment on the way up.
+    fn start_depth(&self, id: u32, memo: &mut FxHashMap<u32, u64>) -> u64 {
+        let mut path = Vec::new();
+        let mut at = id;
+        let mut depth = loop {
+            if let Some(&d) = memo.get(&at) {
+                break d;
+            }
+            match self.segs.get(at as usize) {
+                Some(seg) if seg.parent != ROOT && seg.parent != super::NIL => {
+                    path.push(at);
+                    at = seg.parent;
+                }
+                _ => {
+                    memo.insert(at, 0);
+                    break 0;
+                }
+            }
+        };
+        // Walk back down: each segment starts where its parent's run ends.
+        while let Some(child) = path.pop() {
+            let parent = self.segs.get(child as usize).map_or(ROOT, |s| s.parent);
+            let parent_len = self
+                .segs
+                .get(parent as usize)
+                .map_or(0, |s| s.pairs.len() as u64);
+            depth += parent_len;
+            memo.insert(child, depth);
+        }
+        memo.get(&id).copied().unwrap_or(depth)
     }
 
     /// The position before `p` on its path; `None` below the root.
