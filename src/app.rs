@@ -21,6 +21,7 @@ use crate::{
         admin::AdminService,
         router::RouterService,
         rpc_metrics::{RpcMetricsLayer, rpc_paths},
+        startup_gate::StartupGate,
         workers::WorkersService,
     },
     ingest::{self, EventWriter},
@@ -89,20 +90,47 @@ pub async fn run(
     // loaded; the listeners are bound already, so probes get an answer.
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
-    let (fleet, snapshots) = start_fleet(&config, &metrics).await?;
+    let (fleet, snapshots) = build_fleet(&config, &metrics)?;
+    let gate = StartupGate::new();
 
     let stop_accepting = CancellationToken::new();
     let grpc_addr = grpc_listener.local_addr().ok();
-    let server = grpc_server(
+    let server_future = grpc_server(
         &config,
         &metrics,
-        &fleet,
-        snapshots.clone(),
+        (&fleet, snapshots.clone()),
+        &gate,
         health_service,
         grpc_listener,
         stop_accepting.clone(),
     )?;
-    let mut server = tokio::spawn(server);
+    // With a state directory, serve health (NOT_SERVING) and refuse the
+    // rest while the snapshot loads; without one there is nothing to wait
+    // for, and the configured engines are registered before the first call.
+    let (go, start_serving) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(async move {
+        match start_serving.await {
+            Ok(()) => server_future.await,
+            Err(_) => Ok(()), // the start failed before serving
+        }
+    });
+    let mut go = Some(go);
+    if snapshots.is_some()
+        && let Some(go) = go.take()
+    {
+        let _ = go.send(());
+    }
+    if let Err(error) = restore_and_start(&config, &fleet, snapshots.as_deref()).await {
+        drop(go);
+        stop_accepting.cancel();
+        let _ = server.await;
+        fleet.shutdown().await;
+        return Err(error);
+    }
+    if let Some(go) = go.take() {
+        let _ = go.send(());
+    }
+    gate.open();
 
     let metrics_addr = metrics_listener.local_addr().ok();
     let background = Background::start(
@@ -165,10 +193,9 @@ pub async fn run(
     result
 }
 
-/// The router core, its index writer and the fleet, restored from the
-/// newest snapshot when there is a state directory, with every `--engine`
-/// registered and subscribed.
-async fn start_fleet(
+/// The router core, its index writer, the fleet and, with a state
+/// directory, its snapshots.
+fn build_fleet(
     config: &ServeConfig,
     metrics: &Arc<Metrics>,
 ) -> Result<(Arc<Fleet>, Option<Arc<Snapshots>>), ServeError> {
@@ -177,18 +204,30 @@ async fn start_fleet(
     let ingest = ingest::start_writer(writer).map_err(ServeError::Writer)?;
     let fleet = Arc::new(Fleet::new(core, ingest));
     let snapshots = match &config.state_dir {
-        Some(dir) => {
-            let snapshots = Arc::new(Snapshots::open(dir, fleet.clone(), metrics.clone())?);
-            load_snapshot(&snapshots, config.require_snapshot).await?;
-            Some(snapshots)
-        }
+        Some(dir) => Some(Arc::new(Snapshots::open(
+            dir,
+            fleet.clone(),
+            metrics.clone(),
+        )?)),
         None => None,
     };
-    if let Err(error) = fleet.start_configured(&config.engine).await {
-        fleet.shutdown().await;
-        return Err(ServeError::Engine(error));
-    }
     Ok((fleet, snapshots))
+}
+
+/// Restores the newest snapshot, if there is a state directory, then
+/// registers and subscribes every `--engine`.
+async fn restore_and_start(
+    config: &ServeConfig,
+    fleet: &Fleet,
+    snapshots: Option<&Snapshots>,
+) -> Result<(), ServeError> {
+    if let Some(snapshots) = snapshots {
+        load_snapshot(snapshots, config.require_snapshot).await?;
+    }
+    fleet
+        .start_configured(&config.engine)
+        .await
+        .map_err(ServeError::Engine)
 }
 
 /// Loads the newest snapshot; an unusable one is moved aside and logged in
@@ -229,8 +268,8 @@ async fn load_snapshot(snapshots: &Snapshots, required: bool) -> Result<(), Serv
 fn grpc_server<H: Health>(
     config: &ServeConfig,
     metrics: &Arc<Metrics>,
-    fleet: &Arc<Fleet>,
-    snapshots: Option<Arc<Snapshots>>,
+    (fleet, snapshots): (&Arc<Fleet>, Option<Arc<Snapshots>>),
+    gate: &StartupGate,
     health: HealthServer<H>,
     listener: TcpListener,
     stop_accepting: CancellationToken,
@@ -268,6 +307,7 @@ fn grpc_server<H: Health>(
         .trace_fn(|request| tracing::info_span!("rpc", method = %request.uri().path()))
         .layer(GlobalConcurrencyLimitLayer::new(concurrency))
         .layer(RpcMetricsLayer::new(metrics.clone(), known_paths))
+        .layer(gate.clone())
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

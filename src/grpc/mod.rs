@@ -6,5 +6,6 @@ pub mod admin;
 pub mod convert;
 pub mod router;
 pub mod rpc_metrics;
+pub mod startup_gate;
 pub mod status;
 pub mod workers;
