@@ -58,6 +58,8 @@ pub struct EngineEventFamilies {
     pub replayed_batches: IntCounterVec,
     /// `worker`
     pub restarts: IntCounterVec,
+    /// `worker`, `reason` (duplicate, jump)
+    pub skipped_batches: IntCounterVec,
     /// `worker`, `reason` (`DecodeReason::label`)
     pub decode_errors: IntCounterVec,
     /// `worker`, `event` (connected, disconnected, failed)
@@ -323,9 +325,19 @@ impl EngineEventFamilies {
                 IntCounterVec::new(
                     Opts::new(
                         "engine_event_restarts_total",
-                        "Engine restarts detected (sequence went back); the rank was cleared",
+                        "Engine restarts detected (sequence back to near zero, or far back on a new connection); the rank was cleared",
                     ),
                     &["worker"],
+                )?,
+            )?,
+            skipped_batches: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_skipped_batches_total",
+                        "Engine batches not applied: already applied (duplicate) or an absurd sequence jump",
+                    ),
+                    &["worker", "reason"],
                 )?,
             )?,
             decode_errors: registered(

@@ -40,8 +40,12 @@ pub struct WorkerEventMetrics {
     pub replay_batches: IntCounter,
     /// Replays that timed out or failed at the socket level.
     pub replay_failures: IntCounter,
-    /// Engine restarts (sequence went backwards); the rank was cleared.
+    /// Engine restarts (see `sequence`); the rank was cleared.
     pub restarts: IntCounter,
+    /// Batches skipped as already applied (replay overlap, repeats, step backs).
+    pub skipped_duplicates: IntCounter,
+    /// Batches skipped for a sequence absurdly far ahead (one per batch).
+    pub skipped_jumps: IntCounter,
     connects: IntCounter,
     disconnects: IntCounter,
     pub connect_failures: IntCounter,
@@ -67,6 +71,8 @@ const IGNORED_REASONS: [&str; 3] = ["other_medium", "other_group", "index_reject
 const REPLAY_OUTCOMES: [&str; 2] = ["requested", "failed"];
 /// The `event` labels of `engine_event_connections_total`.
 const CONNECTION_EVENTS: [&str; 3] = ["connected", "disconnected", "failed"];
+/// The `reason` labels of `engine_event_skipped_batches_total`.
+const SKIP_REASONS: [&str; 2] = ["duplicate", "jump"];
 
 /// A point-in-time copy of [`WorkerEventMetrics`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -84,6 +90,8 @@ pub struct MetricsSnapshot {
     pub replay_batches: u64,
     pub replay_failures: u64,
     pub restarts: u64,
+    pub skipped_duplicates: u64,
+    pub skipped_jumps: u64,
     pub connects: u64,
     pub disconnects: u64,
     pub connect_failures: u64,
@@ -139,6 +147,8 @@ impl WorkerEventMetrics {
             replay_batches: one(&f.replayed_batches),
             replay_failures: two(&f.replays, REPLAY_OUTCOMES[1]),
             restarts: one(&f.restarts),
+            skipped_duplicates: two(&f.skipped_batches, SKIP_REASONS[0]),
+            skipped_jumps: two(&f.skipped_batches, SKIP_REASONS[1]),
             connects: two(&f.connections, CONNECTION_EVENTS[0]),
             disconnects: two(&f.connections, CONNECTION_EVENTS[1]),
             connect_failures: two(&f.connections, CONNECTION_EVENTS[2]),
@@ -175,6 +185,7 @@ impl WorkerEventMetrics {
             (&f.ignored, &IGNORED_REASONS[..]),
             (&f.replays, &REPLAY_OUTCOMES[..]),
             (&f.connections, &CONNECTION_EVENTS[..]),
+            (&f.skipped_batches, &SKIP_REASONS[..]),
         ];
         for (family, labels) in pairs {
             for label in labels {
@@ -249,6 +260,8 @@ impl WorkerEventMetrics {
             replay_batches: g(&self.replay_batches),
             replay_failures: g(&self.replay_failures),
             restarts: g(&self.restarts),
+            skipped_duplicates: g(&self.skipped_duplicates),
+            skipped_jumps: g(&self.skipped_jumps),
             connects: g(&self.connects),
             disconnects: g(&self.disconnects),
             connect_failures: g(&self.connect_failures),

@@ -4,7 +4,8 @@
 //! still announce every stored, removed and cleared KV block on a ZeroMQ PUB
 //! socket (one per dp rank), with a ROUTER socket that replays recent batches.
 //! This module subscribes per (worker, dp_rank), keeps the sequence exact
-//! (gap -> replay, backwards -> restart), turns engine events into
+//! (gap -> replay, duplicate -> skip, back to near zero -> restart,
+//! absurd jump -> skip; rules in [`sequence`]), turns engine events into
 //! [`KvEvent`]s with kvroute's local hashes and hands them to an
 //! [`EventSink`], which the service wires to its ingest path.
 //!
@@ -39,7 +40,10 @@ use crate::index::{KvEvent, KvIndex};
 use crate::types::{DpRank, WorkerId, WorkerRank};
 
 pub use metrics::{MetricsSnapshot, WorkerEventMetrics};
-pub use sequence::{Admit, Backoff, LiveObservation, SequenceTracker};
+pub use sequence::{
+    Admit, Backoff, LiveObservation, MAX_JUMP, REPLAY_WINDOW, RESTART_FLOOR, SequenceTracker,
+    Unsynced,
+};
 pub use source::{EngineSource, EngineSpec, check_endpoint, dialect_name, parse_dialect};
 pub use subscriber::{WorkerSubscription, spawn_worker};
 pub use translate::{MEDIUM_GPU, TranslateOptions, Translated, Translator, mm_identifier_hash};
@@ -268,6 +272,12 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         &self.tracker
     }
 
+    /// A new connection to the rank's publisher was made (its first live
+    /// sequence is judged as such, see [`sequence`]).
+    pub fn on_connected(&mut self) {
+        self.tracker.connected();
+    }
+
     /// Record a live sequence. Handles a restart (clears the rank) and
     /// returns the missing range when a replay should be requested before
     /// [`Self::apply_batch`] is called for `seq`.
@@ -295,9 +305,18 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
     /// Admit and apply one batch (live or replayed).
     pub async fn apply_batch(&mut self, seq: u64, payload: &[u8]) {
         match self.tracker.admit(seq) {
-            Admit::Duplicate => return,
+            Admit::Duplicate => {
+                WorkerEventMetrics::inc(&self.metrics.skipped_duplicates);
+                return;
+            }
+            Admit::Jump => {
+                WorkerEventMetrics::inc(&self.metrics.skipped_jumps);
+                tracing::warn!(target = %self.target, seq, expected = self.tracker.next_expected(), "engine sequence jumped absurdly far: batch skipped");
+                return;
+            }
             Admit::Apply => {}
             Admit::ApplyAfterLoss(lost) => {
+                // At most MAX_JUMP: a larger gap is a jump.
                 let n = lost.end - lost.start;
                 WorkerEventMetrics::add(&self.metrics.batches_lost, n);
                 tracing::warn!(target = %self.target, ?lost, "engine batches lost for good; routing continues");

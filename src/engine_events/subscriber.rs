@@ -6,6 +6,8 @@
 //!   topic; on a failed connect or a lost peer it drops the socket and
 //!   reconnects with exponential backoff (the worker's blocks stay: its
 //!   lease or an `AllBlocksCleared` removes them, not a network blip);
+//! * tells the [`RankProcessor`] of each new connection (a new connection's
+//!   first sequence is judged apart: see `sequence`);
 //! * feeds every live message to a [`RankProcessor`]; when the processor
 //!   reports a gap (including the slow-joiner loss right after connecting)
 //!   and the rank has a replay endpoint, it asks for the missing batches over
@@ -137,6 +139,7 @@ async fn run_rank<S: EventSink>(
             }
             Ok((mut sub, mut monitor)) => {
                 metrics.connected();
+                proc.on_connected();
                 tracing::info!(%target, endpoint = %eps.endpoint, "subscribed to engine KV events");
                 backoff.reset();
                 let why = session(&mut proc, &mut sub, &mut monitor, &eps, &s, &cancel).await;

@@ -606,3 +606,76 @@ fn config_endpoints() {
     );
     assert_eq!(c.validate(), Ok(()));
 }
+
+// --- sequence defects: duplicates, step backs and absurd jumps never wipe ---
+
+/// Applies batches `seqs` live, in order, each storing one block chained to
+/// the previous one (block `s + 1`, tokens `2s, 2s + 1`).
+fn feed_chain(p: &mut RankProcessor<KvIndex>, seqs: std::ops::RangeInclusive<u8>) {
+    for s in seqs {
+        assert_eq!(block_on(p.on_live(u64::from(s))), None, "seq {s}");
+        let parent = s.checked_sub(1).map(|q| q + 1);
+        block_on(p.apply_batch(u64::from(s), &stored_batch(s + 1, parent, 2 * s)));
+    }
+}
+
+#[test]
+fn processor_live_duplicate_does_not_wipe_the_rank() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=3);
+    assert_eq!(idx.worker_blocks(p.target()), 4);
+    // the same batch again (e.g. overlap with a replay): skipped, not a restart
+    let missing = block_on(p.on_live(3));
+    block_on(p.apply_batch(3, &stored_batch(4, Some(3), 6)));
+    assert_eq!(idx.worker_blocks(p.target()), 4);
+    assert_eq!(missing, None);
+    let snap = m.snapshot();
+    assert_eq!((snap.restarts, snap.batches, snap.batches_lost), (0, 4, 0));
+    assert_eq!(snap.skipped_duplicates, 1);
+    // and the stream goes on
+    assert_eq!(block_on(p.on_live(4)), None);
+    block_on(p.apply_batch(4, &stored_batch(5, Some(4), 8)));
+    assert_eq!(idx.worker_blocks(p.target()), 5);
+}
+
+#[test]
+fn processor_small_step_back_is_not_a_restart() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=40);
+    assert_eq!(idx.worker_blocks(p.target()), 41);
+    // 30 is neither near zero nor far back: already applied, skipped
+    let missing = block_on(p.on_live(30));
+    block_on(p.apply_batch(30, &stored_batch(31, Some(30), 60)));
+    assert_eq!(idx.worker_blocks(p.target()), 41);
+    assert_eq!(missing, None);
+    assert_eq!(
+        (m.snapshot().restarts, m.snapshot().skipped_duplicates),
+        (0, 1)
+    );
+    // back to near zero is a restart
+    assert_eq!(block_on(p.on_live(0)), None);
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+    assert_eq!(m.snapshot().restarts, 1);
+}
+
+#[test]
+fn processor_absurd_jump_is_one_anomaly_and_never_wipes() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=3);
+    let absurd = 1u64 << 63;
+    let missing = block_on(p.on_live(absurd));
+    block_on(p.apply_batch(absurd, &stored_batch(50, None, 100)));
+    let snap = m.snapshot();
+    assert!(snap.batches_lost < 1_000, "{}", snap.batches_lost);
+    assert_eq!(missing, None, "no replay of 2^63 batches");
+    // the engine's next real sequence continues; nothing is wiped
+    assert_eq!(block_on(p.on_live(4)), None);
+    block_on(p.apply_batch(4, &stored_batch(5, Some(4), 8)));
+    let snap = m.snapshot();
+    assert_eq!(
+        (snap.restarts, snap.batches_lost, snap.skipped_jumps),
+        (0, 0, 1)
+    );
+    assert_eq!(idx.worker_blocks(p.target()), 5);
+    assert_eq!(snap.last_seq, Some(4));
+}
