@@ -60,6 +60,8 @@ pub struct EngineEventFamilies {
     pub restarts: IntCounterVec,
     /// `worker`, `reason` (duplicate, jump)
     pub skipped_batches: IntCounterVec,
+    /// `worker`: dp ranks whose index may differ from the engine's cache
+    pub unsynced_ranks: IntGaugeVec,
     /// `worker`, `reason` (`DecodeReason::label`)
     pub decode_errors: IntCounterVec,
     /// `worker`, `event` (connected, disconnected, failed)
@@ -338,6 +340,16 @@ impl EngineEventFamilies {
                         "Engine batches not applied: already applied (duplicate) or an absurd sequence jump",
                     ),
                     &["worker", "reason"],
+                )?,
+            )?,
+            unsynced_ranks: registered(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "engine_event_unsynced_ranks",
+                        "Dp ranks whose blocks may differ from the engine's cache (lost batches, a sequence jump) until it reports AllBlocksCleared",
+                    ),
+                    &["worker"],
                 )?,
             )?,
             decode_errors: registered(

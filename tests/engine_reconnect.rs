@@ -201,6 +201,11 @@ async fn engine_events_through_the_service() {
     .await;
     assert!(info.subscription.contains("1 gap,"), "{info:?}");
     assert!(info.subscription.contains("no replay endpoint"), "{info:?}");
+    // The rank can no longer be exact: unsynced until AllBlocksCleared.
+    assert!(info.subscription.contains("unsynced [0]"), "{info:?}");
+    let (_, body) = server.http_get("/metrics").await;
+    let line = r#"kvroute_engine_event_unsynced_ranks{worker="3"} 1"#;
+    assert!(body.contains(line), "missing {line} in\n{body}");
     assert_eq!(select(&server, &[50, 51, 52, 53]).await.worker_id, 3);
 
     // Re-registration with the same endpoint keeps the subscription and blocks.

@@ -54,6 +54,8 @@ pub struct WorkerEventMetrics {
     /// Indexed by [`DecodeReason::index`].
     decode_errors: Vec<IntCounter>,
     connected_ranks: IntGauge,
+    /// Ranks whose blocks may differ from the engine's cache.
+    unsynced_ranks: IntGauge,
     /// The family and this worker's label: the series appears with the
     /// first batch, not at zero before it.
     last_event_age: (GaugeVec, String),
@@ -92,6 +94,8 @@ pub struct MetricsSnapshot {
     pub restarts: u64,
     pub skipped_duplicates: u64,
     pub skipped_jumps: u64,
+    /// Ranks unsynced now.
+    pub unsynced_ranks: u64,
     pub connects: u64,
     pub disconnects: u64,
     pub connect_failures: u64,
@@ -158,6 +162,7 @@ impl WorkerEventMetrics {
                 .map(|r| two(&f.decode_errors, r.label()))
                 .collect(),
             connected_ranks: f.connected_ranks.with_label_values(&[w]),
+            unsynced_ranks: f.unsynced_ranks.with_label_values(&[w]),
             last_event_age: (f.last_event_age.clone(), w.to_string()),
             last_batch_unix_ms: AtomicU64::new(0),
             last_seq_plus_one: AtomicU64::new(0),
@@ -196,6 +201,7 @@ impl WorkerEventMetrics {
             let _ = f.decode_errors.remove_label_values(&[w, reason.label()]);
         }
         let _ = f.connected_ranks.remove_label_values(&[w]);
+        let _ = f.unsynced_ranks.remove_label_values(&[w]);
         let _ = f.last_event_age.remove_label_values(&[w]);
     }
 
@@ -217,6 +223,16 @@ impl WorkerEventMetrics {
     pub fn disconnected(&self) {
         self.disconnects.inc();
         self.connected_ranks.dec();
+    }
+
+    /// A rank became unsynced.
+    pub fn rank_unsynced(&self) {
+        self.unsynced_ranks.inc();
+    }
+
+    /// An unsynced rank is exact again.
+    pub fn rank_resynced(&self) {
+        self.unsynced_ranks.dec();
     }
 
     pub fn decode_error(&self, reason: DecodeReason) {
@@ -262,6 +278,7 @@ impl WorkerEventMetrics {
             restarts: g(&self.restarts),
             skipped_duplicates: g(&self.skipped_duplicates),
             skipped_jumps: g(&self.skipped_jumps),
+            unsynced_ranks: u64::try_from(self.unsynced_ranks.get()).unwrap_or(0),
             connects: g(&self.connects),
             disconnects: g(&self.disconnects),
             connect_failures: g(&self.connect_failures),

@@ -21,6 +21,10 @@
 //! and skipped; it never stops the subscriber and never touches another
 //! worker. A disconnected engine keeps its blocks (its lease or an
 //! `AllBlocksCleared` removes them); a restarted engine's rank is cleared.
+//! A rank whose blocks may no longer match the engine's cache (batches lost
+//! for good, an absurd sequence jump) is *unsynced* until the engine reports
+//! `AllBlocksCleared`: counted, logged once, shown per worker
+//! ([`RankProgress`], `engine_event_unsynced_ranks`).
 
 pub mod metrics;
 pub mod sequence;
@@ -233,6 +237,38 @@ pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
     Some(format!("tcp://{host}:{port}"))
 }
 
+/// What one rank's subscription has reached, shared with whoever reads it
+/// while the subscription runs (summaries, snapshots). Written by the rank's
+/// processor after each batch is done with.
+#[derive(Debug, Default)]
+pub struct RankProgress {
+    state: parking_lot::Mutex<RankState>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct RankState {
+    last_applied: Option<u64>,
+    unsynced: bool,
+}
+
+impl RankProgress {
+    /// The last engine sequence whose events were handed to the sink (and
+    /// the sink finished with), `None` before the first or after a restart.
+    pub fn last_applied(&self) -> Option<u64> {
+        self.state.lock().last_applied
+    }
+
+    /// Whether the rank's blocks may differ from the engine's cache (see
+    /// [`sequence`]).
+    pub fn is_unsynced(&self) -> bool {
+        self.state.lock().unsynced
+    }
+
+    fn set(&self, state: RankState) {
+        *self.state.lock() = state;
+    }
+}
+
 /// The core of one rank's subscription, free of sockets: sequence
 /// decisions, decoding, translation and handing events to the sink, with
 /// every outcome counted. Async only because the sink is. The subscriber
@@ -244,6 +280,9 @@ pub struct RankProcessor<S: EventSink + ?Sized> {
     translator: Translator,
     metrics: Arc<WorkerEventMetrics>,
     sink: Arc<S>,
+    progress: Arc<RankProgress>,
+    /// Whether the metrics and the log know the rank as unsynced.
+    reported_unsynced: bool,
 }
 
 impl<S: EventSink + ?Sized> RankProcessor<S> {
@@ -261,6 +300,8 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             translator: Translator::new(opts),
             metrics,
             sink,
+            progress: Arc::default(),
+            reported_unsynced: false,
         }
     }
 
@@ -270,6 +311,33 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
 
     pub fn tracker(&self) -> &SequenceTracker {
         &self.tracker
+    }
+
+    /// The rank's progress, readable from elsewhere while this runs.
+    pub fn progress(&self) -> &Arc<RankProgress> {
+        &self.progress
+    }
+
+    /// Publishes the tracker's state: progress, the unsynced gauge, and one
+    /// log line when the rank becomes unsynced or exact again.
+    fn sync_status(&mut self) {
+        let why = self.tracker.unsynced();
+        match (self.reported_unsynced, why) {
+            (false, Some(why)) => {
+                self.metrics.rank_unsynced();
+                tracing::warn!(target = %self.target, ?why, "rank unsynced: its blocks may differ from the engine's cache until it reports AllBlocksCleared; routing continues");
+            }
+            (true, None) => {
+                self.metrics.rank_resynced();
+                tracing::info!(target = %self.target, "rank exact again");
+            }
+            _ => {}
+        }
+        self.reported_unsynced = why.is_some();
+        self.progress.set(RankState {
+            last_applied: self.tracker.applied(),
+            unsynced: self.reported_unsynced,
+        });
     }
 
     /// A new connection to the rank's publisher was made (its first live
@@ -293,6 +361,7 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             WorkerEventMetrics::inc(&self.metrics.gaps);
             tracing::info!(target = %self.target, ?missing, "sequence gap");
         }
+        self.sync_status();
         obs.missing
     }
 
@@ -311,7 +380,8 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             }
             Admit::Jump => {
                 WorkerEventMetrics::inc(&self.metrics.skipped_jumps);
-                tracing::warn!(target = %self.target, seq, expected = self.tracker.next_expected(), "engine sequence jumped absurdly far: batch skipped");
+                tracing::debug!(target = %self.target, seq, expected = self.tracker.next_expected(), "engine sequence jumped absurdly far: batch skipped");
+                self.sync_status();
                 return;
             }
             Admit::Apply => {}
@@ -319,16 +389,25 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
                 // At most MAX_JUMP: a larger gap is a jump.
                 let n = lost.end - lost.start;
                 WorkerEventMetrics::add(&self.metrics.batches_lost, n);
-                tracing::warn!(target = %self.target, ?lost, "engine batches lost for good; routing continues");
+                tracing::debug!(target = %self.target, ?lost, "engine batches lost for good");
             }
         }
         WorkerEventMetrics::inc(&self.metrics.batches);
         self.metrics.touch(seq);
+        if self.apply_events(payload).await {
+            self.tracker.cleared();
+        }
+        self.sync_status();
+    }
+
+    /// Decodes and translates an admitted batch and hands its events to the
+    /// sink; returns whether they held an `AllBlocksCleared`.
+    async fn apply_events(&mut self, payload: &[u8]) -> bool {
         let batch = match wire::decode_batch(payload, self.dialect) {
             Ok(b) => b,
             Err(e) => {
                 self.count_error(&e);
-                return;
+                return false;
             }
         };
         if batch
@@ -365,10 +444,12 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             }
         }
         if translated.is_empty() {
-            return;
+            return false;
         }
+        let cleared = translated.iter().any(|e| matches!(e, KvEvent::Cleared));
         let outcome = self.sink.apply(self.target, translated).await;
         WorkerEventMetrics::add(&self.metrics.index_rejected, u64::from(outcome.rejected));
+        cleared
     }
 }
 

@@ -38,13 +38,15 @@ use zeromq::{
 use super::wire::{self, ReplayFrame};
 use super::{
     Backoff, ConfigError, EngineEventsConfig, EventSink, RankEndpoints, RankProcessor,
-    WorkerEventMetrics,
+    RankProgress, WorkerEventMetrics,
 };
-use crate::types::WorkerRank;
+use crate::types::{DpRank, WorkerRank};
 
 /// The running subscription of one worker (one task per dp rank).
 pub struct WorkerSubscription {
     metrics: Arc<WorkerEventMetrics>,
+    /// Each dp rank's progress, in configuration order.
+    ranks: Vec<(DpRank, Arc<RankProgress>)>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -52,6 +54,20 @@ pub struct WorkerSubscription {
 impl WorkerSubscription {
     pub fn metrics(&self) -> &Arc<WorkerEventMetrics> {
         &self.metrics
+    }
+
+    /// The dp ranks whose blocks may differ from the engine's cache (lost
+    /// batches, a sequence jump) until the engine reports `AllBlocksCleared`,
+    /// ascending.
+    pub fn unsynced_ranks(&self) -> Vec<DpRank> {
+        let mut ranks: Vec<DpRank> = self
+            .ranks
+            .iter()
+            .filter(|(_, p)| p.is_unsynced())
+            .map(|(r, _)| *r)
+            .collect();
+        ranks.sort_unstable();
+        ranks
     }
 
     /// Stop every rank's task and wait for them.
@@ -94,6 +110,7 @@ pub fn spawn_worker<S: EventSink>(
         reconnect_max: cfg.reconnect_max,
     };
     let mut tasks = Vec::with_capacity(cfg.dp_ranks.len());
+    let mut ranks = Vec::with_capacity(cfg.dp_ranks.len());
     for rank in &cfg.dp_ranks {
         let eps = cfg.endpoints_for(*rank)?;
         let proc = RankProcessor::new(
@@ -103,6 +120,7 @@ pub fn spawn_worker<S: EventSink>(
             Arc::clone(&metrics),
             Arc::clone(&sink),
         );
+        ranks.push((*rank, Arc::clone(proc.progress())));
         let rank_cancel = cancel.child_token();
         let run = run_rank(proc, eps, settings.clone(), rank_cancel.clone());
         tasks.push(tracker.spawn(async move {
@@ -114,6 +132,7 @@ pub fn spawn_worker<S: EventSink>(
     }
     Ok(WorkerSubscription {
         metrics,
+        ranks,
         cancel,
         tasks,
     })

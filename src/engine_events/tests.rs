@@ -679,3 +679,64 @@ fn processor_absurd_jump_is_one_anomaly_and_never_wipes() {
     assert_eq!(idx.worker_blocks(p.target()), 5);
     assert_eq!(snap.last_seq, Some(4));
 }
+
+// --- unsynced ranks -----------------------------------------------------------
+
+/// `[1.5, [["AllBlocksCleared"]], 0]`
+fn cleared_batch() -> Vec<u8> {
+    cat(&[
+        &[0x93],
+        TS_1_5,
+        &[0x91, 0x91],
+        &s("AllBlocksCleared"),
+        &[0x00],
+    ])
+}
+
+#[test]
+fn processor_lost_batches_unsync_the_rank_until_all_blocks_cleared() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=1);
+    assert!(!p.progress().is_unsynced());
+    // no replay: 2 and 3 are lost for good
+    assert_eq!(block_on(p.on_live(4)), Some(2..4));
+    block_on(p.apply_batch(4, &stored_batch(9, None, 40)));
+    assert!(p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 1);
+    // a further loss keeps it unsynced, counted once in the gauge
+    block_on(p.on_live(6));
+    block_on(p.apply_batch(6, &stored_batch(10, Some(9), 42)));
+    assert_eq!(
+        (m.snapshot().unsynced_ranks, m.snapshot().batches_lost),
+        (1, 3)
+    );
+    // a duplicate changes nothing
+    block_on(p.on_live(6));
+    block_on(p.apply_batch(6, &stored_batch(10, Some(9), 42)));
+    assert!(p.progress().is_unsynced());
+    // AllBlocksCleared: exact again (and then the batch's own stores count)
+    block_on(p.on_live(7));
+    block_on(p.apply_batch(7, &cleared_batch()));
+    assert!(!p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 0);
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+    assert_eq!(p.progress().last_applied(), Some(7));
+}
+
+#[test]
+fn processor_jump_unsyncs_and_restart_resyncs() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=2);
+    block_on(p.on_live(u64::MAX));
+    block_on(p.apply_batch(u64::MAX, &stored_batch(50, None, 100)));
+    assert!(p.progress().is_unsynced());
+    assert_eq!(p.progress().last_applied(), Some(2));
+    assert_eq!(m.snapshot().unsynced_ranks, 1);
+    assert_eq!(idx.worker_blocks(p.target()), 3);
+    // the engine restarts: the rank is cleared and starts exact
+    assert_eq!(block_on(p.on_live(0)), None);
+    assert!(!p.progress().is_unsynced());
+    assert_eq!(p.progress().last_applied(), None);
+    assert_eq!(m.snapshot().unsynced_ranks, 0);
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+}

@@ -31,7 +31,7 @@ use crate::{
     ingest::{EngineBatch, IngestError, IngestHandle},
     metrics::Metrics,
     registry::WorkerRecord,
-    types::{WorkerId, WorkerRank},
+    types::{DpRank, WorkerId, WorkerRank},
 };
 
 /// The [`EventSink`] of one registration: the ingest writer, with the
@@ -232,13 +232,29 @@ impl Subscriptions {
 
     /// A one-line summary of a worker's subscription, empty when it has none,
     /// e.g. `vllm tcp://10.0.0.5:5557 connected, last seq 812, 3 gaps,
-    /// 2 replays, last event 0.4s ago`.
+    /// 2 replays, last event 0.4s ago`; ranks whose blocks may differ from
+    /// the engine's cache show as `unsynced [0, 2]`.
     pub fn summary(&self, worker_id: WorkerId) -> String {
         let running = self.running.lock();
         let Some(r) = running.get(&worker_id) else {
             return String::new();
         };
-        summarize(r, &r.subscription.metrics().snapshot())
+        summarize(
+            r,
+            &r.subscription.metrics().snapshot(),
+            &r.subscription.unsynced_ranks(),
+        )
+    }
+
+    /// The dp ranks of a worker's subscription whose blocks may differ from
+    /// the engine's cache (see `engine_events::sequence`), ascending; empty
+    /// when it has no subscription.
+    pub fn unsynced_ranks(&self, worker_id: WorkerId) -> Vec<DpRank> {
+        self.running
+            .lock()
+            .get(&worker_id)
+            .map(|r| r.subscription.unsynced_ranks())
+            .unwrap_or_default()
     }
 
     /// Sets each subscription's last-batch age gauge from the clock (the
@@ -267,7 +283,7 @@ impl Subscriptions {
     }
 }
 
-fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
+fn summarize(r: &Running, m: &MetricsSnapshot, unsynced: &[DpRank]) -> String {
     let connected = m.connects.saturating_sub(m.disconnects);
     let state = if connected >= u64::from(r.ranks) {
         "connected".to_string()
@@ -300,6 +316,15 @@ fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
     }
     if m.restarts > 0 {
         parts.push(plural(m.restarts, "restart", "restarts"));
+    }
+    if m.skipped_duplicates > 0 {
+        parts.push(plural(m.skipped_duplicates, "duplicate", "duplicates"));
+    }
+    if m.skipped_jumps > 0 {
+        parts.push(plural(m.skipped_jumps, "sequence jump", "sequence jumps"));
+    }
+    if !unsynced.is_empty() {
+        parts.push(format!("unsynced {unsynced:?}"));
     }
     let errors = m.decode_errors_total();
     if errors > 0 {
