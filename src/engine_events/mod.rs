@@ -145,6 +145,17 @@ pub struct EngineEventsConfig {
     pub connect_timeout: Duration,
     /// How long one replay may take before it is abandoned.
     pub replay_timeout: Duration,
+    /// Saved last-applied engine sequence per dp rank (from
+    /// [`WorkerSubscription::last_sequences`] before a restart): such a rank
+    /// starts as if it had applied everything up to it, so its first live
+    /// batch above `saved + 1` is a gap replayed from `saved + 1`, and a
+    /// first batch at or below it is judged by the restart / duplicate rules
+    /// of [`sequence`]. Ranks not listed start from nothing; entries for
+    /// ranks not subscribed to are ignored.
+    pub resume_from: HashMap<DpRank, u64>,
+    /// Ranks that were unsynced when `resume_from` was saved
+    /// ([`WorkerSubscription::unsynced_ranks`]): they start unsynced.
+    pub resume_unsynced: Vec<DpRank>,
 }
 
 impl EngineEventsConfig {
@@ -173,6 +184,8 @@ impl EngineEventsConfig {
             reconnect_max: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(2),
             replay_timeout: Duration::from_secs(5),
+            resume_from: HashMap::new(),
+            resume_unsynced: Vec::new(),
         }
     }
 
@@ -245,7 +258,7 @@ pub struct RankProgress {
     state: parking_lot::Mutex<RankState>,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 struct RankState {
     last_applied: Option<u64>,
     unsynced: bool,
@@ -264,8 +277,12 @@ impl RankProgress {
         self.state.lock().unsynced
     }
 
-    fn set(&self, state: RankState) {
-        *self.state.lock() = state;
+    fn set_last_applied(&self, last_applied: Option<u64>) {
+        self.state.lock().last_applied = last_applied;
+    }
+
+    fn set_unsynced(&self, unsynced: bool) {
+        self.state.lock().unsynced = unsynced;
     }
 }
 
@@ -313,13 +330,34 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         &self.tracker
     }
 
+    /// Start from a saved state instead of from nothing: everything up to
+    /// `last_applied` counts as applied (see [`SequenceTracker::resumed`]);
+    /// `unsynced`: the saved rank was unsynced, so this one is too. Call it
+    /// before the first batch.
+    pub fn resume_from(&mut self, last_applied: u64, unsynced: bool) {
+        self.tracker = SequenceTracker::resumed(last_applied);
+        if unsynced {
+            self.tracker.mark_unsynced(Unsynced::Resumed);
+        }
+        tracing::info!(target = %self.target, last_applied, unsynced, "resuming engine events after a saved sequence");
+        self.sync_status();
+        self.publish_applied();
+    }
+
+    /// Marks the rank unsynced (a saved state said so) without a sequence.
+    pub fn mark_unsynced(&mut self, why: Unsynced) {
+        self.tracker.mark_unsynced(why);
+        self.sync_status();
+    }
+
     /// The rank's progress, readable from elsewhere while this runs.
     pub fn progress(&self) -> &Arc<RankProgress> {
         &self.progress
     }
 
-    /// Publishes the tracker's state: progress, the unsynced gauge, and one
-    /// log line when the rank becomes unsynced or exact again.
+    /// Publishes whether the rank is unsynced (at once, so it shows no later
+    /// than the batch that made it so): progress, the gauge, and one log
+    /// line when the rank becomes unsynced or exact again.
     fn sync_status(&mut self) {
         let why = self.tracker.unsynced();
         match (self.reported_unsynced, why) {
@@ -334,10 +372,12 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             _ => {}
         }
         self.reported_unsynced = why.is_some();
-        self.progress.set(RankState {
-            last_applied: self.tracker.applied(),
-            unsynced: self.reported_unsynced,
-        });
+        self.progress.set_unsynced(self.reported_unsynced);
+    }
+
+    /// Publishes the last applied sequence, once the sink is done with it.
+    fn publish_applied(&self) {
+        self.progress.set_last_applied(self.tracker.applied());
     }
 
     /// A new connection to the rank's publisher was made (its first live
@@ -362,6 +402,7 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             tracing::info!(target = %self.target, ?missing, "sequence gap");
         }
         self.sync_status();
+        self.publish_applied();
         obs.missing
     }
 
@@ -390,14 +431,16 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
                 let n = lost.end - lost.start;
                 WorkerEventMetrics::add(&self.metrics.batches_lost, n);
                 tracing::debug!(target = %self.target, ?lost, "engine batches lost for good");
+                self.sync_status();
             }
         }
         WorkerEventMetrics::inc(&self.metrics.batches);
         self.metrics.touch(seq);
         if self.apply_events(payload).await {
             self.tracker.cleared();
+            self.sync_status();
         }
-        self.sync_status();
+        self.publish_applied();
     }
 
     /// Decodes and translates an admitted batch and hands its events to the

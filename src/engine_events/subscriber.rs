@@ -38,7 +38,7 @@ use zeromq::{
 use super::wire::{self, ReplayFrame};
 use super::{
     Backoff, ConfigError, EngineEventsConfig, EventSink, RankEndpoints, RankProcessor,
-    RankProgress, WorkerEventMetrics,
+    RankProgress, Unsynced, WorkerEventMetrics,
 };
 use crate::types::{DpRank, WorkerRank};
 
@@ -54,6 +54,23 @@ pub struct WorkerSubscription {
 impl WorkerSubscription {
     pub fn metrics(&self) -> &Arc<WorkerEventMetrics> {
         &self.metrics
+    }
+
+    /// Each dp rank's last applied engine sequence (handed to the sink and
+    /// done with), ascending by rank; ranks that applied nothing yet (or
+    /// since an engine restart) are left out. What a snapshot saves, to
+    /// start again with [`EngineEventsConfig::resume_from`]. A batch may be
+    /// applied right after this is read, so read it before the index: on
+    /// resume such a batch is replayed again, and a resent event is
+    /// harmless to the index, where a skipped one would be lost.
+    pub fn last_sequences(&self) -> Vec<(DpRank, u64)> {
+        let mut seqs: Vec<(DpRank, u64)> = self
+            .ranks
+            .iter()
+            .filter_map(|(r, p)| p.last_applied().map(|s| (*r, s)))
+            .collect();
+        seqs.sort_unstable();
+        seqs
     }
 
     /// The dp ranks whose blocks may differ from the engine's cache (lost
@@ -91,7 +108,8 @@ struct RankSettings {
 }
 
 /// Start one subscriber task per configured dp rank of a worker on
-/// `tracker`, counting into `metrics`. Must be called inside a tokio
+/// `tracker`, counting into `metrics`; ranks in `cfg.resume_from` carry on
+/// from their saved sequence. Must be called inside a tokio
 /// runtime. `cancel` (or [`WorkerSubscription::shutdown`]) stops them.
 pub fn spawn_worker<S: EventSink>(
     cfg: EngineEventsConfig,
@@ -113,13 +131,18 @@ pub fn spawn_worker<S: EventSink>(
     let mut ranks = Vec::with_capacity(cfg.dp_ranks.len());
     for rank in &cfg.dp_ranks {
         let eps = cfg.endpoints_for(*rank)?;
-        let proc = RankProcessor::new(
+        let mut proc = RankProcessor::new(
             WorkerRank::new(cfg.worker_id, *rank),
             cfg.dialect,
             Arc::clone(&opts),
             Arc::clone(&metrics),
             Arc::clone(&sink),
         );
+        match cfg.resume_from.get(rank) {
+            Some(&last) => proc.resume_from(last, cfg.resume_unsynced.contains(rank)),
+            None if cfg.resume_unsynced.contains(rank) => proc.mark_unsynced(Unsynced::Resumed),
+            None => {}
+        }
         ranks.push((*rank, Arc::clone(proc.progress())));
         let rank_cancel = cancel.child_token();
         let run = run_rank(proc, eps, settings.clone(), rank_cancel.clone());

@@ -740,3 +740,48 @@ fn processor_jump_unsyncs_and_restart_resyncs() {
     assert_eq!(m.snapshot().unsynced_ranks, 0);
     assert_eq!(idx.worker_blocks(p.target()), 0);
 }
+
+// --- resume from a saved sequence --------------------------------------------
+
+#[test]
+fn processor_resumed_from_a_saved_sequence() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    p.resume_from(9, false);
+    assert_eq!(p.progress().last_applied(), Some(9));
+    assert!(!p.progress().is_unsynced());
+    // the first live batch after the saved one is 12: 10 and 11 are a gap
+    assert_eq!(block_on(p.on_live(12)), Some(10..12));
+    for s in 9..=12u8 {
+        // the replay starts at 10; 9 (were it sent) is a duplicate
+        block_on(p.apply_batch(u64::from(s), &stored_batch(s, None, 2 * s)));
+    }
+    assert_eq!(idx.worker_blocks(p.target()), 3);
+    let snap = m.snapshot();
+    assert_eq!((snap.batches, snap.batches_lost, snap.restarts), (3, 0, 0));
+    assert_eq!(snap.skipped_duplicates, 1);
+    assert_eq!(p.progress().last_applied(), Some(12));
+    assert!(!p.progress().is_unsynced());
+
+    // a rank saved unsynced starts unsynced, until AllBlocksCleared
+    let (mut p, _, m) = processor(Dialect::Vllm);
+    p.resume_from(9, true);
+    assert!(p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 1);
+    block_on(p.on_live(10));
+    block_on(p.apply_batch(10, &cleared_batch()));
+    assert!(!p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 0);
+
+    // the engine restarted while kvroute was away: back to near zero
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    // a block restored with the saved state
+    let restored = KvEvent::Stored {
+        parent: None,
+        blocks: vec![(1, local(&[10, 11])[0])],
+    };
+    KvIndex::apply(&idx, p.target(), &restored).unwrap();
+    p.resume_from(500, false);
+    assert_eq!(block_on(p.on_live(2)), Some(0..2));
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+    assert_eq!(m.snapshot().restarts, 1);
+}
