@@ -22,7 +22,8 @@
 //! worker. A disconnected engine keeps its blocks (its lease or an
 //! `AllBlocksCleared` removes them); a restarted engine's rank is cleared.
 //! A rank whose blocks may no longer match the engine's cache (batches lost
-//! for good, an absurd sequence jump) is *unsynced* until the engine reports
+//! for good, an absurd sequence jump, a new connection starting below what
+//! was applied) is *unsynced* until the engine reports
 //! `AllBlocksCleared`: counted, logged once, shown per worker
 //! ([`RankProgress`], `engine_event_unsynced_ranks`).
 
@@ -252,7 +253,8 @@ pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
 
 /// What one rank's subscription has reached, shared with whoever reads it
 /// while the subscription runs (summaries, snapshots). Written by the rank's
-/// processor after each batch is done with.
+/// processor: the last applied sequence once the sink is done with its
+/// batch, the unsynced flag as soon as it is decided.
 #[derive(Debug, Default)]
 pub struct RankProgress {
     state: parking_lot::Mutex<RankState>,

@@ -212,6 +212,8 @@ impl SequenceTracker {
                 self.jumped = None;
             } else {
                 self.jumped = Some(seq);
+                // The connection's first real sequence is still to come.
+                self.fresh = fresh;
             }
             return obs;
         }
@@ -522,6 +524,12 @@ mod tests {
         assert_eq!(t.observe_live(j + 1), LiveObservation::default());
         assert_eq!(t.admit(j + 1), Admit::Jump);
         assert_eq!(t.applied(), Some(4));
+        // a skipped jump leaves a new connection's first real batch fresh
+        let mut t = SequenceTracker::resumed(50_000);
+        t.connected();
+        t.observe_live(u64::MAX);
+        assert_eq!(t.admit(u64::MAX), Admit::Jump);
+        assert_eq!(t.observe_live(100).restarted_from, Some(50_000));
         // a first batch far ahead (kvroute meets an old engine) likewise
         let mut t = SequenceTracker::new();
         t.observe_live(j);
