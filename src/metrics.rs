@@ -59,6 +59,10 @@ pub struct EngineEventFamilies {
     pub replayed_batches: IntCounterVec,
     /// `worker`
     pub restarts: IntCounterVec,
+    /// `worker`, `reason` (duplicate, jump)
+    pub skipped_batches: IntCounterVec,
+    /// `worker`: dp ranks whose index may differ from the engine's cache
+    pub unsynced_ranks: IntGaugeVec,
     /// `worker`, `reason` (`DecodeReason::label`)
     pub decode_errors: IntCounterVec,
     /// `worker`, `event` (connected, disconnected, failed)
@@ -325,7 +329,27 @@ impl EngineEventFamilies {
                 IntCounterVec::new(
                     Opts::new(
                         "engine_event_restarts_total",
-                        "Engine restarts detected (sequence went back); the rank was cleared",
+                        "Engine restarts detected (sequence back to near zero, or far back on a new connection); the rank was cleared",
+                    ),
+                    &["worker"],
+                )?,
+            )?,
+            skipped_batches: registered(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "engine_event_skipped_batches_total",
+                        "Engine batches not applied: already applied (duplicate) or an absurd sequence jump",
+                    ),
+                    &["worker", "reason"],
+                )?,
+            )?,
+            unsynced_ranks: registered(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "engine_event_unsynced_ranks",
+                        "Dp ranks whose blocks may differ from the engine's cache (lost batches, a sequence jump) until it reports AllBlocksCleared",
                     ),
                     &["worker"],
                 )?,

@@ -401,6 +401,16 @@ async fn run_case(case: Case) {
         "{body}"
     );
     assert_eq!(m(&format!("engine_event_batches_lost_total{w}")), 0);
+    // Nothing was lost, nor did a sequence jump: the rank is exact, and no
+    // repeat or replay overlap was taken for a restart.
+    assert_eq!(m(&format!("engine_event_unsynced_ranks{w}")), 0, "{body}");
+    assert!(!summary.contains("unsynced"), "{summary}");
+    assert_eq!(m(&format!("engine_event_restarts_total{w}")), 0, "{body}");
+    assert_eq!(
+        m(r#"engine_event_skipped_batches_total{reason="jump",worker="7"}"#),
+        0,
+        "{body}"
+    );
     assert!(
         !body.lines().any(
             |l| l.starts_with("kvroute_engine_event_decode_errors_total") && !l.ends_with(" 0")

@@ -40,8 +40,12 @@ pub struct WorkerEventMetrics {
     pub replay_batches: IntCounter,
     /// Replays that timed out or failed at the socket level.
     pub replay_failures: IntCounter,
-    /// Engine restarts (sequence went backwards); the rank was cleared.
+    /// Engine restarts (see `sequence`); the rank was cleared.
     pub restarts: IntCounter,
+    /// Batches skipped as already applied (replay overlap, repeats, step backs).
+    pub skipped_duplicates: IntCounter,
+    /// Batches skipped for a sequence absurdly far ahead (one per batch).
+    pub skipped_jumps: IntCounter,
     connects: IntCounter,
     disconnects: IntCounter,
     pub connect_failures: IntCounter,
@@ -50,6 +54,8 @@ pub struct WorkerEventMetrics {
     /// Indexed by [`DecodeReason::index`].
     decode_errors: Vec<IntCounter>,
     connected_ranks: IntGauge,
+    /// Ranks whose blocks may differ from the engine's cache.
+    unsynced_ranks: IntGauge,
     /// The family and this worker's label: the series appears with the
     /// first batch, not at zero before it.
     last_event_age: (GaugeVec, String),
@@ -67,6 +73,8 @@ const IGNORED_REASONS: [&str; 3] = ["other_medium", "other_group", "index_reject
 const REPLAY_OUTCOMES: [&str; 2] = ["requested", "failed"];
 /// The `event` labels of `engine_event_connections_total`.
 const CONNECTION_EVENTS: [&str; 3] = ["connected", "disconnected", "failed"];
+/// The `reason` labels of `engine_event_skipped_batches_total`.
+const SKIP_REASONS: [&str; 2] = ["duplicate", "jump"];
 
 /// A point-in-time copy of [`WorkerEventMetrics`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -84,6 +92,10 @@ pub struct MetricsSnapshot {
     pub replay_batches: u64,
     pub replay_failures: u64,
     pub restarts: u64,
+    pub skipped_duplicates: u64,
+    pub skipped_jumps: u64,
+    /// Ranks unsynced now.
+    pub unsynced_ranks: u64,
     pub connects: u64,
     pub disconnects: u64,
     pub connect_failures: u64,
@@ -139,6 +151,8 @@ impl WorkerEventMetrics {
             replay_batches: one(&f.replayed_batches),
             replay_failures: two(&f.replays, REPLAY_OUTCOMES[1]),
             restarts: one(&f.restarts),
+            skipped_duplicates: two(&f.skipped_batches, SKIP_REASONS[0]),
+            skipped_jumps: two(&f.skipped_batches, SKIP_REASONS[1]),
             connects: two(&f.connections, CONNECTION_EVENTS[0]),
             disconnects: two(&f.connections, CONNECTION_EVENTS[1]),
             connect_failures: two(&f.connections, CONNECTION_EVENTS[2]),
@@ -148,6 +162,7 @@ impl WorkerEventMetrics {
                 .map(|r| two(&f.decode_errors, r.label()))
                 .collect(),
             connected_ranks: f.connected_ranks.with_label_values(&[w]),
+            unsynced_ranks: f.unsynced_ranks.with_label_values(&[w]),
             last_event_age: (f.last_event_age.clone(), w.to_string()),
             last_batch_unix_ms: AtomicU64::new(0),
             last_seq_plus_one: AtomicU64::new(0),
@@ -175,6 +190,7 @@ impl WorkerEventMetrics {
             (&f.ignored, &IGNORED_REASONS[..]),
             (&f.replays, &REPLAY_OUTCOMES[..]),
             (&f.connections, &CONNECTION_EVENTS[..]),
+            (&f.skipped_batches, &SKIP_REASONS[..]),
         ];
         for (family, labels) in pairs {
             for label in labels {
@@ -185,6 +201,7 @@ impl WorkerEventMetrics {
             let _ = f.decode_errors.remove_label_values(&[w, reason.label()]);
         }
         let _ = f.connected_ranks.remove_label_values(&[w]);
+        let _ = f.unsynced_ranks.remove_label_values(&[w]);
         let _ = f.last_event_age.remove_label_values(&[w]);
     }
 
@@ -206,6 +223,16 @@ impl WorkerEventMetrics {
     pub fn disconnected(&self) {
         self.disconnects.inc();
         self.connected_ranks.dec();
+    }
+
+    /// A rank became unsynced.
+    pub fn rank_unsynced(&self) {
+        self.unsynced_ranks.inc();
+    }
+
+    /// An unsynced rank is exact again.
+    pub fn rank_resynced(&self) {
+        self.unsynced_ranks.dec();
     }
 
     pub fn decode_error(&self, reason: DecodeReason) {
@@ -249,6 +276,9 @@ impl WorkerEventMetrics {
             replay_batches: g(&self.replay_batches),
             replay_failures: g(&self.replay_failures),
             restarts: g(&self.restarts),
+            skipped_duplicates: g(&self.skipped_duplicates),
+            skipped_jumps: g(&self.skipped_jumps),
+            unsynced_ranks: u64::try_from(self.unsynced_ranks.get()).unwrap_or(0),
             connects: g(&self.connects),
             disconnects: g(&self.disconnects),
             connect_failures: g(&self.connect_failures),

@@ -4,7 +4,8 @@
 //! still announce every stored, removed and cleared KV block on a ZeroMQ PUB
 //! socket (one per dp rank), with a ROUTER socket that replays recent batches.
 //! This module subscribes per (worker, dp_rank), keeps the sequence exact
-//! (gap -> replay, backwards -> restart), turns engine events into
+//! (gap -> replay, duplicate -> skip, back to near zero -> restart,
+//! absurd jump -> skip; rules in [`sequence`]), turns engine events into
 //! [`KvEvent`]s with kvroute's local hashes and hands them to an
 //! [`EventSink`], which the service wires to its ingest path.
 //!
@@ -20,6 +21,11 @@
 //! and skipped; it never stops the subscriber and never touches another
 //! worker. A disconnected engine keeps its blocks (its lease or an
 //! `AllBlocksCleared` removes them); a restarted engine's rank is cleared.
+//! A rank whose blocks may no longer match the engine's cache (batches lost
+//! for good, an absurd sequence jump, a new connection starting below what
+//! was applied) is *unsynced* until the engine reports
+//! `AllBlocksCleared`: counted, logged once, shown per worker
+//! ([`RankProgress`], `engine_event_unsynced_ranks`).
 
 pub mod metrics;
 pub mod sequence;
@@ -39,7 +45,10 @@ use crate::index::{KvEvent, KvIndex};
 use crate::types::{DpRank, WorkerId, WorkerRank};
 
 pub use metrics::{MetricsSnapshot, WorkerEventMetrics};
-pub use sequence::{Admit, Backoff, LiveObservation, SequenceTracker};
+pub use sequence::{
+    Admit, Backoff, LiveObservation, MAX_JUMP, REPLAY_WINDOW, RESTART_FLOOR, SequenceTracker,
+    Unsynced,
+};
 pub use source::{EngineSource, EngineSpec, check_endpoint, dialect_name, parse_dialect};
 pub use subscriber::{WorkerSubscription, spawn_worker};
 pub use translate::{MEDIUM_GPU, TranslateOptions, Translated, Translator, mm_identifier_hash};
@@ -137,6 +146,17 @@ pub struct EngineEventsConfig {
     pub connect_timeout: Duration,
     /// How long one replay may take before it is abandoned.
     pub replay_timeout: Duration,
+    /// Saved last-applied engine sequence per dp rank (from
+    /// [`WorkerSubscription::last_sequences`] before a restart): such a rank
+    /// starts as if it had applied everything up to it, so its first live
+    /// batch above `saved + 1` is a gap replayed from `saved + 1`, and a
+    /// first batch at or below it is judged by the restart / duplicate rules
+    /// of [`sequence`]. Ranks not listed start from nothing; entries for
+    /// ranks not subscribed to are ignored.
+    pub resume_from: HashMap<DpRank, u64>,
+    /// Ranks that were unsynced when `resume_from` was saved
+    /// ([`WorkerSubscription::unsynced_ranks`]): they start unsynced.
+    pub resume_unsynced: Vec<DpRank>,
 }
 
 impl EngineEventsConfig {
@@ -165,6 +185,8 @@ impl EngineEventsConfig {
             reconnect_max: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(2),
             replay_timeout: Duration::from_secs(5),
+            resume_from: HashMap::new(),
+            resume_unsynced: Vec::new(),
         }
     }
 
@@ -229,6 +251,43 @@ pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
     Some(format!("tcp://{host}:{port}"))
 }
 
+/// What one rank's subscription has reached, shared with whoever reads it
+/// while the subscription runs (summaries, snapshots). Written by the rank's
+/// processor: the last applied sequence once the sink is done with its
+/// batch, the unsynced flag as soon as it is decided.
+#[derive(Debug, Default)]
+pub struct RankProgress {
+    state: parking_lot::Mutex<RankState>,
+}
+
+#[derive(Debug, Default)]
+struct RankState {
+    last_applied: Option<u64>,
+    unsynced: bool,
+}
+
+impl RankProgress {
+    /// The last engine sequence whose events were handed to the sink (and
+    /// the sink finished with), `None` before the first or after a restart.
+    pub fn last_applied(&self) -> Option<u64> {
+        self.state.lock().last_applied
+    }
+
+    /// Whether the rank's blocks may differ from the engine's cache (see
+    /// [`sequence`]).
+    pub fn is_unsynced(&self) -> bool {
+        self.state.lock().unsynced
+    }
+
+    fn set_last_applied(&self, last_applied: Option<u64>) {
+        self.state.lock().last_applied = last_applied;
+    }
+
+    fn set_unsynced(&self, unsynced: bool) {
+        self.state.lock().unsynced = unsynced;
+    }
+}
+
 /// The core of one rank's subscription, free of sockets: sequence
 /// decisions, decoding, translation and handing events to the sink, with
 /// every outcome counted. Async only because the sink is. The subscriber
@@ -240,6 +299,9 @@ pub struct RankProcessor<S: EventSink + ?Sized> {
     translator: Translator,
     metrics: Arc<WorkerEventMetrics>,
     sink: Arc<S>,
+    progress: Arc<RankProgress>,
+    /// Whether the metrics and the log know the rank as unsynced.
+    reported_unsynced: bool,
 }
 
 impl<S: EventSink + ?Sized> RankProcessor<S> {
@@ -257,6 +319,8 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             translator: Translator::new(opts),
             metrics,
             sink,
+            progress: Arc::default(),
+            reported_unsynced: false,
         }
     }
 
@@ -266,6 +330,62 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
 
     pub fn tracker(&self) -> &SequenceTracker {
         &self.tracker
+    }
+
+    /// Start from a saved state instead of from nothing: everything up to
+    /// `last_applied` counts as applied (see [`SequenceTracker::resumed`]);
+    /// `unsynced`: the saved rank was unsynced, so this one is too. Call it
+    /// before the first batch.
+    pub fn resume_from(&mut self, last_applied: u64, unsynced: bool) {
+        self.tracker = SequenceTracker::resumed(last_applied);
+        if unsynced {
+            self.tracker.mark_unsynced(Unsynced::Resumed);
+        }
+        tracing::info!(target = %self.target, last_applied, unsynced, "resuming engine events after a saved sequence");
+        self.sync_status();
+        self.publish_applied();
+    }
+
+    /// Marks the rank unsynced (a saved state said so) without a sequence.
+    pub fn mark_unsynced(&mut self, why: Unsynced) {
+        self.tracker.mark_unsynced(why);
+        self.sync_status();
+    }
+
+    /// The rank's progress, readable from elsewhere while this runs.
+    pub fn progress(&self) -> &Arc<RankProgress> {
+        &self.progress
+    }
+
+    /// Publishes whether the rank is unsynced (at once, so it shows no later
+    /// than the batch that made it so): progress, the gauge, and one log
+    /// line when the rank becomes unsynced or exact again.
+    fn sync_status(&mut self) {
+        let why = self.tracker.unsynced();
+        match (self.reported_unsynced, why) {
+            (false, Some(why)) => {
+                self.metrics.rank_unsynced();
+                tracing::warn!(target = %self.target, ?why, "rank unsynced: its blocks may differ from the engine's cache until it reports AllBlocksCleared; routing continues");
+            }
+            (true, None) => {
+                self.metrics.rank_resynced();
+                tracing::info!(target = %self.target, "rank exact again");
+            }
+            _ => {}
+        }
+        self.reported_unsynced = why.is_some();
+        self.progress.set_unsynced(self.reported_unsynced);
+    }
+
+    /// Publishes the last applied sequence, once the sink is done with it.
+    fn publish_applied(&self) {
+        self.progress.set_last_applied(self.tracker.applied());
+    }
+
+    /// A new connection to the rank's publisher was made (its first live
+    /// sequence is judged as such, see [`sequence`]).
+    pub fn on_connected(&mut self) {
+        self.tracker.connected();
     }
 
     /// Record a live sequence. Handles a restart (clears the rank) and
@@ -283,6 +403,8 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             WorkerEventMetrics::inc(&self.metrics.gaps);
             tracing::info!(target = %self.target, ?missing, "sequence gap");
         }
+        self.sync_status();
+        self.publish_applied();
         obs.missing
     }
 
@@ -295,21 +417,42 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
     /// Admit and apply one batch (live or replayed).
     pub async fn apply_batch(&mut self, seq: u64, payload: &[u8]) {
         match self.tracker.admit(seq) {
-            Admit::Duplicate => return,
+            Admit::Duplicate => {
+                WorkerEventMetrics::inc(&self.metrics.skipped_duplicates);
+                return;
+            }
+            Admit::Jump => {
+                WorkerEventMetrics::inc(&self.metrics.skipped_jumps);
+                tracing::debug!(target = %self.target, seq, expected = self.tracker.next_expected(), "engine sequence jumped absurdly far: batch skipped");
+                self.sync_status();
+                return;
+            }
             Admit::Apply => {}
             Admit::ApplyAfterLoss(lost) => {
+                // At most MAX_JUMP: a larger gap is a jump.
                 let n = lost.end - lost.start;
                 WorkerEventMetrics::add(&self.metrics.batches_lost, n);
-                tracing::warn!(target = %self.target, ?lost, "engine batches lost for good; routing continues");
+                tracing::debug!(target = %self.target, ?lost, "engine batches lost for good");
+                self.sync_status();
             }
         }
         WorkerEventMetrics::inc(&self.metrics.batches);
         self.metrics.touch(seq);
+        if self.apply_events(payload).await {
+            self.tracker.cleared();
+            self.sync_status();
+        }
+        self.publish_applied();
+    }
+
+    /// Decodes and translates an admitted batch and hands its events to the
+    /// sink; returns whether they held an `AllBlocksCleared`.
+    async fn apply_events(&mut self, payload: &[u8]) -> bool {
         let batch = match wire::decode_batch(payload, self.dialect) {
             Ok(b) => b,
             Err(e) => {
                 self.count_error(&e);
-                return;
+                return false;
             }
         };
         if batch
@@ -346,10 +489,12 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             }
         }
         if translated.is_empty() {
-            return;
+            return false;
         }
+        let cleared = translated.iter().any(|e| matches!(e, KvEvent::Cleared));
         let outcome = self.sink.apply(self.target, translated).await;
         WorkerEventMetrics::add(&self.metrics.index_rejected, u64::from(outcome.rejected));
+        cleared
     }
 }
 

@@ -6,6 +6,8 @@
 //!   topic; on a failed connect or a lost peer it drops the socket and
 //!   reconnects with exponential backoff (the worker's blocks stay: its
 //!   lease or an `AllBlocksCleared` removes them, not a network blip);
+//! * tells the [`RankProcessor`] of each new connection (a new connection's
+//!   first sequence is judged apart: see `sequence`);
 //! * feeds every live message to a [`RankProcessor`]; when the processor
 //!   reports a gap (including the slow-joiner loss right after connecting)
 //!   and the rank has a replay endpoint, it asks for the missing batches over
@@ -36,13 +38,15 @@ use zeromq::{
 use super::wire::{self, ReplayFrame};
 use super::{
     Backoff, ConfigError, EngineEventsConfig, EventSink, RankEndpoints, RankProcessor,
-    WorkerEventMetrics,
+    RankProgress, Unsynced, WorkerEventMetrics,
 };
-use crate::types::WorkerRank;
+use crate::types::{DpRank, WorkerRank};
 
 /// The running subscription of one worker (one task per dp rank).
 pub struct WorkerSubscription {
     metrics: Arc<WorkerEventMetrics>,
+    /// Each dp rank's progress, in configuration order.
+    ranks: Vec<(DpRank, Arc<RankProgress>)>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -50,6 +54,37 @@ pub struct WorkerSubscription {
 impl WorkerSubscription {
     pub fn metrics(&self) -> &Arc<WorkerEventMetrics> {
         &self.metrics
+    }
+
+    /// Each dp rank's last applied engine sequence (handed to the sink and
+    /// done with), ascending by rank; ranks that applied nothing yet (or
+    /// since an engine restart) are left out. What a snapshot saves, to
+    /// start again with [`EngineEventsConfig::resume_from`]. A batch may be
+    /// applied right after this is read, so read it before the index: on
+    /// resume such a batch is replayed again, and a resent event is
+    /// harmless to the index, where a skipped one would be lost.
+    pub fn last_sequences(&self) -> Vec<(DpRank, u64)> {
+        let mut seqs: Vec<(DpRank, u64)> = self
+            .ranks
+            .iter()
+            .filter_map(|(r, p)| p.last_applied().map(|s| (*r, s)))
+            .collect();
+        seqs.sort_unstable();
+        seqs
+    }
+
+    /// The dp ranks whose blocks may differ from the engine's cache (lost
+    /// batches, a sequence jump) until the engine reports `AllBlocksCleared`,
+    /// ascending.
+    pub fn unsynced_ranks(&self) -> Vec<DpRank> {
+        let mut ranks: Vec<DpRank> = self
+            .ranks
+            .iter()
+            .filter(|(_, p)| p.is_unsynced())
+            .map(|(r, _)| *r)
+            .collect();
+        ranks.sort_unstable();
+        ranks
     }
 
     /// Stop every rank's task and wait for them.
@@ -73,7 +108,8 @@ struct RankSettings {
 }
 
 /// Start one subscriber task per configured dp rank of a worker on
-/// `tracker`, counting into `metrics`. Must be called inside a tokio
+/// `tracker`, counting into `metrics`; ranks in `cfg.resume_from` carry on
+/// from their saved sequence. Must be called inside a tokio
 /// runtime. `cancel` (or [`WorkerSubscription::shutdown`]) stops them.
 pub fn spawn_worker<S: EventSink>(
     cfg: EngineEventsConfig,
@@ -92,15 +128,22 @@ pub fn spawn_worker<S: EventSink>(
         reconnect_max: cfg.reconnect_max,
     };
     let mut tasks = Vec::with_capacity(cfg.dp_ranks.len());
+    let mut ranks = Vec::with_capacity(cfg.dp_ranks.len());
     for rank in &cfg.dp_ranks {
         let eps = cfg.endpoints_for(*rank)?;
-        let proc = RankProcessor::new(
+        let mut proc = RankProcessor::new(
             WorkerRank::new(cfg.worker_id, *rank),
             cfg.dialect,
             Arc::clone(&opts),
             Arc::clone(&metrics),
             Arc::clone(&sink),
         );
+        match cfg.resume_from.get(rank) {
+            Some(&last) => proc.resume_from(last, cfg.resume_unsynced.contains(rank)),
+            None if cfg.resume_unsynced.contains(rank) => proc.mark_unsynced(Unsynced::Resumed),
+            None => {}
+        }
+        ranks.push((*rank, Arc::clone(proc.progress())));
         let rank_cancel = cancel.child_token();
         let run = run_rank(proc, eps, settings.clone(), rank_cancel.clone());
         tasks.push(tracker.spawn(async move {
@@ -112,6 +155,7 @@ pub fn spawn_worker<S: EventSink>(
     }
     Ok(WorkerSubscription {
         metrics,
+        ranks,
         cancel,
         tasks,
     })
@@ -137,6 +181,7 @@ async fn run_rank<S: EventSink>(
             }
             Ok((mut sub, mut monitor)) => {
                 metrics.connected();
+                proc.on_connected();
                 tracing::info!(%target, endpoint = %eps.endpoint, "subscribed to engine KV events");
                 backoff.reset();
                 let why = session(&mut proc, &mut sub, &mut monitor, &eps, &s, &cancel).await;

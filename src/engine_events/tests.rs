@@ -606,3 +606,182 @@ fn config_endpoints() {
     );
     assert_eq!(c.validate(), Ok(()));
 }
+
+// --- sequence defects: duplicates, step backs and absurd jumps never wipe ---
+
+/// Applies batches `seqs` live, in order, each storing one block chained to
+/// the previous one (block `s + 1`, tokens `2s, 2s + 1`).
+fn feed_chain(p: &mut RankProcessor<KvIndex>, seqs: std::ops::RangeInclusive<u8>) {
+    for s in seqs {
+        assert_eq!(block_on(p.on_live(u64::from(s))), None, "seq {s}");
+        let parent = s.checked_sub(1).map(|q| q + 1);
+        block_on(p.apply_batch(u64::from(s), &stored_batch(s + 1, parent, 2 * s)));
+    }
+}
+
+#[test]
+fn processor_live_duplicate_does_not_wipe_the_rank() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=3);
+    assert_eq!(idx.worker_blocks(p.target()), 4);
+    // the same batch again (e.g. overlap with a replay): skipped, not a restart
+    let missing = block_on(p.on_live(3));
+    block_on(p.apply_batch(3, &stored_batch(4, Some(3), 6)));
+    assert_eq!(idx.worker_blocks(p.target()), 4);
+    assert_eq!(missing, None);
+    let snap = m.snapshot();
+    assert_eq!((snap.restarts, snap.batches, snap.batches_lost), (0, 4, 0));
+    assert_eq!(snap.skipped_duplicates, 1);
+    // and the stream goes on
+    assert_eq!(block_on(p.on_live(4)), None);
+    block_on(p.apply_batch(4, &stored_batch(5, Some(4), 8)));
+    assert_eq!(idx.worker_blocks(p.target()), 5);
+}
+
+#[test]
+fn processor_small_step_back_is_not_a_restart() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=40);
+    assert_eq!(idx.worker_blocks(p.target()), 41);
+    // 30 is neither near zero nor far back: already applied, skipped
+    let missing = block_on(p.on_live(30));
+    block_on(p.apply_batch(30, &stored_batch(31, Some(30), 60)));
+    assert_eq!(idx.worker_blocks(p.target()), 41);
+    assert_eq!(missing, None);
+    assert_eq!(
+        (m.snapshot().restarts, m.snapshot().skipped_duplicates),
+        (0, 1)
+    );
+    // back to near zero is a restart
+    assert_eq!(block_on(p.on_live(0)), None);
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+    assert_eq!(m.snapshot().restarts, 1);
+}
+
+#[test]
+fn processor_absurd_jump_is_one_anomaly_and_never_wipes() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=3);
+    let absurd = 1u64 << 63;
+    let missing = block_on(p.on_live(absurd));
+    block_on(p.apply_batch(absurd, &stored_batch(50, None, 100)));
+    let snap = m.snapshot();
+    assert!(snap.batches_lost < 1_000, "{}", snap.batches_lost);
+    assert_eq!(missing, None, "no replay of 2^63 batches");
+    // the engine's next real sequence continues; nothing is wiped
+    assert_eq!(block_on(p.on_live(4)), None);
+    block_on(p.apply_batch(4, &stored_batch(5, Some(4), 8)));
+    let snap = m.snapshot();
+    assert_eq!(
+        (snap.restarts, snap.batches_lost, snap.skipped_jumps),
+        (0, 0, 1)
+    );
+    assert_eq!(idx.worker_blocks(p.target()), 5);
+    assert_eq!(snap.last_seq, Some(4));
+}
+
+// --- unsynced ranks -----------------------------------------------------------
+
+/// `[1.5, [["AllBlocksCleared"]], 0]`
+fn cleared_batch() -> Vec<u8> {
+    cat(&[
+        &[0x93],
+        TS_1_5,
+        &[0x91, 0x91],
+        &s("AllBlocksCleared"),
+        &[0x00],
+    ])
+}
+
+#[test]
+fn processor_lost_batches_unsync_the_rank_until_all_blocks_cleared() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=1);
+    assert!(!p.progress().is_unsynced());
+    // no replay: 2 and 3 are lost for good
+    assert_eq!(block_on(p.on_live(4)), Some(2..4));
+    block_on(p.apply_batch(4, &stored_batch(9, None, 40)));
+    assert!(p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 1);
+    // a further loss keeps it unsynced, counted once in the gauge
+    block_on(p.on_live(6));
+    block_on(p.apply_batch(6, &stored_batch(10, Some(9), 42)));
+    assert_eq!(
+        (m.snapshot().unsynced_ranks, m.snapshot().batches_lost),
+        (1, 3)
+    );
+    // a duplicate changes nothing
+    block_on(p.on_live(6));
+    block_on(p.apply_batch(6, &stored_batch(10, Some(9), 42)));
+    assert!(p.progress().is_unsynced());
+    // AllBlocksCleared: exact again (and then the batch's own stores count)
+    block_on(p.on_live(7));
+    block_on(p.apply_batch(7, &cleared_batch()));
+    assert!(!p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 0);
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+    assert_eq!(p.progress().last_applied(), Some(7));
+}
+
+#[test]
+fn processor_jump_unsyncs_and_restart_resyncs() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    feed_chain(&mut p, 0..=2);
+    block_on(p.on_live(u64::MAX));
+    block_on(p.apply_batch(u64::MAX, &stored_batch(50, None, 100)));
+    assert!(p.progress().is_unsynced());
+    assert_eq!(p.progress().last_applied(), Some(2));
+    assert_eq!(m.snapshot().unsynced_ranks, 1);
+    assert_eq!(idx.worker_blocks(p.target()), 3);
+    // the engine restarts: the rank is cleared and starts exact
+    assert_eq!(block_on(p.on_live(0)), None);
+    assert!(!p.progress().is_unsynced());
+    assert_eq!(p.progress().last_applied(), None);
+    assert_eq!(m.snapshot().unsynced_ranks, 0);
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+}
+
+// --- resume from a saved sequence --------------------------------------------
+
+#[test]
+fn processor_resumed_from_a_saved_sequence() {
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    p.resume_from(9, false);
+    assert_eq!(p.progress().last_applied(), Some(9));
+    assert!(!p.progress().is_unsynced());
+    // the first live batch after the saved one is 12: 10 and 11 are a gap
+    assert_eq!(block_on(p.on_live(12)), Some(10..12));
+    for s in 9..=12u8 {
+        // the replay starts at 10; 9 (were it sent) is a duplicate
+        block_on(p.apply_batch(u64::from(s), &stored_batch(s, None, 2 * s)));
+    }
+    assert_eq!(idx.worker_blocks(p.target()), 3);
+    let snap = m.snapshot();
+    assert_eq!((snap.batches, snap.batches_lost, snap.restarts), (3, 0, 0));
+    assert_eq!(snap.skipped_duplicates, 1);
+    assert_eq!(p.progress().last_applied(), Some(12));
+    assert!(!p.progress().is_unsynced());
+
+    // a rank saved unsynced starts unsynced, until AllBlocksCleared
+    let (mut p, _, m) = processor(Dialect::Vllm);
+    p.resume_from(9, true);
+    assert!(p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 1);
+    block_on(p.on_live(10));
+    block_on(p.apply_batch(10, &cleared_batch()));
+    assert!(!p.progress().is_unsynced());
+    assert_eq!(m.snapshot().unsynced_ranks, 0);
+
+    // the engine restarted while kvroute was away: back to near zero
+    let (mut p, idx, m) = processor(Dialect::Vllm);
+    // a block restored with the saved state
+    let restored = KvEvent::Stored {
+        parent: None,
+        blocks: vec![(1, local(&[10, 11])[0])],
+    };
+    KvIndex::apply(&idx, p.target(), &restored).unwrap();
+    p.resume_from(500, false);
+    assert_eq!(block_on(p.on_live(2)), Some(0..2));
+    assert_eq!(idx.worker_blocks(p.target()), 0);
+    assert_eq!(m.snapshot().restarts, 1);
+}

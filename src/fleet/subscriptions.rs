@@ -31,7 +31,7 @@ use crate::{
     ingest::{EngineBatch, IngestError, IngestHandle},
     metrics::Metrics,
     registry::WorkerRecord,
-    types::{WorkerId, WorkerRank},
+    types::{DpRank, WorkerId, WorkerRank},
 };
 
 /// The [`EventSink`] of one registration: the ingest writer, with the
@@ -142,6 +142,25 @@ impl Subscriptions {
         source: Option<EngineSource>,
         configured: bool,
     ) -> Result<(), String> {
+        self.update_resuming(record, source, configured, HashMap::new(), Vec::new())
+            .await
+    }
+
+    /// [`Self::update`], but a subscription it starts carries on from saved
+    /// state: each dp rank in `resume_from` from its last applied engine
+    /// sequence (the batches after it are replayed from the engine's replay
+    /// socket, as any gap is), and the ranks in `resume_unsynced` start
+    /// unsynced. What [`Self::last_sequences`] and [`Self::unsynced_ranks`]
+    /// returned before a restart. A subscription that already runs and
+    /// matches is kept as it is (it is live, and ahead of any saved state).
+    pub async fn update_resuming(
+        &self,
+        record: &WorkerRecord,
+        source: Option<EngineSource>,
+        configured: bool,
+        resume_from: HashMap<DpRank, u64>,
+        resume_unsynced: Vec<DpRank>,
+    ) -> Result<(), String> {
         let r = &record.registration;
         let worker_id = r.worker_id;
         let unchanged = self.running.lock().get(&worker_id).is_some_and(|old| {
@@ -161,13 +180,15 @@ impl Subscriptions {
         let Some(source) = source else {
             return Ok(());
         };
-        let cfg = source.events_config(
+        let mut cfg = source.events_config(
             worker_id,
             &r.model,
             r.block_size,
             r.dp_start_rank,
             r.dp_size,
         )?;
+        cfg.resume_from = resume_from;
+        cfg.resume_unsynced = resume_unsynced;
         let sink = Arc::new(IngestSink {
             ingest: self.ingest.clone(),
             worker_id,
@@ -241,13 +262,42 @@ impl Subscriptions {
 
     /// A one-line summary of a worker's subscription, empty when it has none,
     /// e.g. `vllm tcp://10.0.0.5:5557 connected, last seq 812, 3 gaps,
-    /// 2 replays, last event 0.4s ago`.
+    /// 2 replays, last event 0.4s ago`; ranks whose blocks may differ from
+    /// the engine's cache show as `unsynced [0, 2]`.
     pub fn summary(&self, worker_id: WorkerId) -> String {
         let running = self.running.lock();
         let Some(r) = running.get(&worker_id) else {
             return String::new();
         };
-        summarize(r, &r.subscription.metrics().snapshot())
+        summarize(
+            r,
+            &r.subscription.metrics().snapshot(),
+            &r.subscription.unsynced_ranks(),
+        )
+    }
+
+    /// Each dp rank's last applied engine sequence in a worker's
+    /// subscription, ascending by rank (ranks with nothing applied left
+    /// out); `None` when the worker has no subscription. A snapshot saves
+    /// it, read before the index (see
+    /// [`WorkerSubscription::last_sequences`]), and gives it back to
+    /// [`Self::update_resuming`] after a restart.
+    pub fn last_sequences(&self, worker_id: WorkerId) -> Option<Vec<(DpRank, u64)>> {
+        self.running
+            .lock()
+            .get(&worker_id)
+            .map(|r| r.subscription.last_sequences())
+    }
+
+    /// The dp ranks of a worker's subscription whose blocks may differ from
+    /// the engine's cache (see `engine_events::sequence`), ascending; empty
+    /// when it has no subscription.
+    pub fn unsynced_ranks(&self, worker_id: WorkerId) -> Vec<DpRank> {
+        self.running
+            .lock()
+            .get(&worker_id)
+            .map(|r| r.subscription.unsynced_ranks())
+            .unwrap_or_default()
     }
 
     /// Sets each subscription's last-batch age gauge from the clock (the
@@ -276,7 +326,7 @@ impl Subscriptions {
     }
 }
 
-fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
+fn summarize(r: &Running, m: &MetricsSnapshot, unsynced: &[DpRank]) -> String {
     let connected = m.connects.saturating_sub(m.disconnects);
     let state = if connected >= u64::from(r.ranks) {
         "connected".to_string()
@@ -310,6 +360,15 @@ fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
     if m.restarts > 0 {
         parts.push(plural(m.restarts, "restart", "restarts"));
     }
+    if m.skipped_duplicates > 0 {
+        parts.push(plural(m.skipped_duplicates, "duplicate", "duplicates"));
+    }
+    if m.skipped_jumps > 0 {
+        parts.push(plural(m.skipped_jumps, "sequence jump", "sequence jumps"));
+    }
+    if !unsynced.is_empty() {
+        parts.push(format!("unsynced {unsynced:?}"));
+    }
     let errors = m.decode_errors_total();
     if errors > 0 {
         parts.push(plural(errors, "decode error", "decode errors"));
@@ -318,4 +377,66 @@ fn summarize(r: &Running, m: &MetricsSnapshot) -> String {
         parts.push(format!("last event {:.1}s ago", age.as_secs_f64()));
     }
     parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        engine_events::Dialect,
+        ingest::{EventWriter, start_writer},
+        registry::Registration,
+        router::{RouterConfig, RouterCore},
+        types::WorkerRole,
+    };
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resumed_subscription_reports_its_saved_state_until_stopped() {
+        let metrics = Metrics::new().unwrap_or_else(|e| panic!("metrics: {e}"));
+        let router = Arc::new(RouterCore::new(RouterConfig::default(), metrics.clone()));
+        let ingest = start_writer(Arc::new(EventWriter::new(router.clone())))
+            .unwrap_or_else(|e| panic!("writer: {e}"));
+        let subscriptions = Subscriptions::new(ingest, metrics.clone());
+        let record = router
+            .register_worker(Registration {
+                worker_id: 7,
+                model: "m".into(),
+                role: WorkerRole::Aggregated,
+                endpoint: String::new(),
+                block_size: 16,
+                dp_start_rank: 0,
+                dp_size: 2,
+                total_kv_blocks: 0,
+                max_num_batched_tokens: 8192,
+                taints: Vec::new(),
+                lease_ttl: None,
+            })
+            .unwrap_or_else(|e| panic!("register: {e}"))
+            .record;
+        // Nothing listens there: the subscription keeps retrying, and reports
+        // what it resumed from.
+        let source = EngineSource {
+            dialect: Dialect::Vllm,
+            endpoint: "tcp://127.0.0.1:9".into(),
+            replay_endpoint: None,
+        };
+        let saved = HashMap::from([(0, 41), (1, 7), (5, 3)]);
+        subscriptions
+            .update_resuming(&record, Some(source), false, saved, vec![1])
+            .await
+            .unwrap_or_else(|e| panic!("update: {e}"));
+        assert_eq!(subscriptions.last_sequences(7), Some(vec![(0, 41), (1, 7)]));
+        assert_eq!(subscriptions.unsynced_ranks(7), vec![1]);
+        let summary = subscriptions.summary(7);
+        assert!(summary.contains(", unsynced [1]"), "{summary}");
+        let gauge = r#"kvroute_engine_event_unsynced_ranks{worker="7"} 1"#;
+        assert!(metrics.render().contains(gauge), "{}", metrics.render());
+        assert_eq!(subscriptions.last_sequences(8), None);
+
+        assert!(subscriptions.stop(7).await);
+        assert_eq!(subscriptions.last_sequences(7), None);
+        assert!(subscriptions.unsynced_ranks(7).is_empty());
+        assert!(!metrics.render().contains("engine_event_unsynced_ranks{"));
+        subscriptions.shutdown().await;
+    }
 }
