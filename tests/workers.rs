@@ -133,7 +133,12 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
         .unwrap();
     let gap = replies.message().await.unwrap().unwrap();
     assert_eq!(gap.resend_from_event_id, Some(1));
-    assert_eq!(gap.rejected, 1, "its parent was in the lost events");
+    assert_eq!(
+        (gap.last_applied_event_id, gap.rejected),
+        (0, 0),
+        "3 waits for 1 and 2 (its parent is in them)"
+    );
+    assert_eq!(cached_blocks(&server, 1).await, Some(1));
     // The worker resends 1..=3, with a duplicate of 1.
     tx.send(batch(
         1,
@@ -150,8 +155,11 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
     let resent = replies.message().await.unwrap().unwrap();
     assert_eq!(resent.resend_from_event_id, None);
     assert_eq!(resent.last_applied_event_id, 3);
-    assert_eq!(resent.skipped, 1, "the duplicate of 1");
-    assert_eq!(resent.rejected, 0, "3 applies now that its parent arrived");
+    assert_eq!(
+        resent.skipped, 2,
+        "the duplicate of 1, and the resent 3 (already held)"
+    );
+    assert_eq!(resent.rejected, 0, "3 applies after its parent");
     assert_eq!(cached_blocks(&server, 1).await, Some(4));
     let reply = server
         .router()
@@ -183,8 +191,8 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
         .unwrap()
         .into_inner();
     assert_eq!(info.ranks[0].last_event_id, 5);
-    assert_eq!(info.ranks[0].events_skipped, 1);
-    assert_eq!(info.ranks[0].events_rejected, 1);
+    assert_eq!(info.ranks[0].events_skipped, 2);
+    assert_eq!(info.ranks[0].events_rejected, 0);
 }
 
 #[tokio::test]
@@ -410,4 +418,40 @@ async fn shutdown_drains_an_in_flight_stream() {
     drop(tx);
     assert!(replies.message().await.unwrap().is_none());
     server.stop().await.expect("clean stop");
+}
+
+#[tokio::test]
+async fn a_stream_starts_at_the_first_batch_a_worker_sends() {
+    let server = TestServer::start().await;
+    // Numbering from 1.
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(1, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    let first = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (first.last_applied_event_id, first.resend_from_event_id),
+        (1, None)
+    );
+    tx.send(batch(1, 0, vec![stored(2, Some(11), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let second = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (second.last_applied_event_id, second.resend_from_event_id),
+        (2, None)
+    );
+    // Resuming at 1000 (kvroute restarted while the worker ran on).
+    server.register(registration(2, "m")).await;
+    let reply = server
+        .publish(batch(2, 0, vec![stored(1000, None, &[(21, 1)])]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (reply.last_applied_event_id, reply.resend_from_event_id),
+        (1000, None)
+    );
+    assert_eq!(cached_blocks(&server, 1).await, Some(2));
+    assert_eq!(cached_blocks(&server, 2).await, Some(1));
 }

@@ -2,7 +2,8 @@
 
 Two workers register, heartbeat with load and stream KV events (stored,
 removed, cleared) over the bidirectional PublishEvents stream, including a
-gap the server asks to have resent and a duplicate it skips; then a frontend
+gap the server holds the later event behind and asks to have resent, and a
+duplicate it skips; then a frontend
 asks Router.SelectWorker (QUERY_ONLY) and Admin.ExplainSelection, which must
 agree and follow the resulting overlap. A malformed batch ends its stream with
 INVALID_ARGUMENT.
@@ -124,17 +125,19 @@ def test_worker_events_route_the_frontend(stubs, kvroute_pb):
     assert info.ranks[0].reported_load.kv_blocks_used == 8
 
     # Worker 1: P0 P1 (event 0), then event 2 arrives before event 1: a gap.
+    # Event 2 is held until event 1 arrives.
     s1 = EventStream(workers)
     reply = s1.send(batch(W1, stored(0, P, 0, 2, engine=100)))
     assert reply.last_applied_event_id == 0 and not reply.HasField("resend_from_event_id")
     reply = s1.send(batch(W1, stored(2, Q, 0, 1, engine=900)))
     assert reply.HasField("resend_from_event_id"), reply
     assert reply.resend_from_event_id == 1
-    assert reply.last_applied_event_id == 2
-    assert cached_blocks(W1) == 3
-    # The resend of event 1 (P2 P3 after P1) fills the gap and applies.
+    assert reply.last_applied_event_id == 0
+    assert cached_blocks(W1) == 2
+    # The resend of event 1 (P2 P3 after P1) fills the gap: 1, then 2 apply.
     reply = s1.send(batch(W1, stored(1, P, 2, 2, engine=102, parent=101)))
     assert not reply.HasField("resend_from_event_id"), reply
+    assert reply.last_applied_event_id == 2
     assert (reply.skipped, reply.rejected) == (0, 0)
     assert cached_blocks(W1) == 5
     # Event 3 evicts Q0.
