@@ -134,8 +134,8 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
     let gap = replies.message().await.unwrap().unwrap();
     assert_eq!(gap.resend_from_event_id, Some(1));
     assert_eq!(
-        (gap.last_applied_event_id, gap.rejected),
-        (0, 0),
+        (gap.last_applied_event_id, gap.held_events, gap.rejected),
+        (0, 1, 0),
         "3 waits for 1 and 2 (its parent is in them)"
     );
     assert_eq!(cached_blocks(&server, 1).await, Some(1));
@@ -160,6 +160,7 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
         "the duplicate of 1, and the resent 3 (already held)"
     );
     assert_eq!(resent.rejected, 0, "3 applies after its parent");
+    assert_eq!(resent.held_events, 0);
     assert_eq!(cached_blocks(&server, 1).await, Some(4));
     let reply = server
         .router()
@@ -454,4 +455,98 @@ async fn a_stream_starts_at_the_first_batch_a_worker_sends() {
     );
     assert_eq!(cached_blocks(&server, 1).await, Some(2));
     assert_eq!(cached_blocks(&server, 2).await, Some(1));
+}
+
+#[tokio::test]
+async fn an_absurd_id_jump_asks_for_a_resync_not_a_resend() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    replies.message().await.unwrap().unwrap();
+    tx.send(batch(1, 0, vec![stored(1 << 63, Some(11), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let jump = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        jump.resend_from_event_id, None,
+        "no worker keeps 2^63 events to resend"
+    );
+    assert!(jump.resync_required);
+    assert_eq!((jump.last_applied_event_id, jump.skipped), (0, 1));
+    // Until the worker resynchronises, its events are skipped and every
+    // reply says so.
+    tx.send(batch(1, 0, vec![stored(1, Some(11), &[(13, 3)])]))
+        .await
+        .unwrap();
+    let next = replies.message().await.unwrap().unwrap();
+    assert_eq!(next.resend_from_event_id, None);
+    assert!(next.resync_required);
+    assert_eq!(cached_blocks(&server, 1).await, Some(1));
+    // The resync: cleared, then everything it holds, numbered from 50.
+    tx.send(batch(
+        1,
+        0,
+        vec![cleared(50), stored(51, None, &[(11, 1), (13, 3)])],
+    ))
+    .await
+    .unwrap();
+    let resynced = replies.message().await.unwrap().unwrap();
+    assert!(!resynced.resync_required);
+    assert_eq!(
+        (
+            resynced.last_applied_event_id,
+            resynced.resend_from_event_id
+        ),
+        (51, None)
+    );
+    assert_eq!(cached_blocks(&server, 1).await, Some(2));
+    let (_, body) = server.http_get("/metrics").await;
+    assert!(
+        body.contains(r#"kvroute_kv_events_total{outcome="skipped",reason="resync"} 2"#),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn a_rejected_store_comes_back_with_its_reason() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    replies.message().await.unwrap().unwrap();
+    // Event 2 waits for 1; 1 stores under a block the worker never stored,
+    // so it is rejected when its turn comes, and so is 2, chained on it.
+    tx.send(batch(1, 0, vec![stored(2, Some(12), &[(13, 3)])]))
+        .await
+        .unwrap();
+    let gap = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (gap.rejected, gap.first_rejection.as_str()),
+        (0, ""),
+        "nothing is judged past a gap"
+    );
+    tx.send(batch(1, 0, vec![stored(1, Some(99), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let healed = replies.message().await.unwrap().unwrap();
+    assert_eq!(healed.resend_from_event_id, None);
+    assert_eq!(healed.rejected, 2);
+    assert!(
+        healed.first_rejection.contains("parent engine hash 99"),
+        "{}",
+        healed.first_rejection
+    );
+    let info = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.ranks[0].events_rejected, 2);
+    assert_eq!(info.ranks[0].last_event_id, 2);
 }

@@ -132,12 +132,13 @@ def test_worker_events_route_the_frontend(stubs, kvroute_pb):
     reply = s1.send(batch(W1, stored(2, Q, 0, 1, engine=900)))
     assert reply.HasField("resend_from_event_id"), reply
     assert reply.resend_from_event_id == 1
-    assert reply.last_applied_event_id == 0
+    assert (reply.last_applied_event_id, reply.held_events) == (0, 1)
+    assert not reply.resync_required
     assert cached_blocks(W1) == 2
     # The resend of event 1 (P2 P3 after P1) fills the gap: 1, then 2 apply.
     reply = s1.send(batch(W1, stored(1, P, 2, 2, engine=102, parent=101)))
     assert not reply.HasField("resend_from_event_id"), reply
-    assert reply.last_applied_event_id == 2
+    assert (reply.last_applied_event_id, reply.held_events) == (2, 0)
     assert (reply.skipped, reply.rejected) == (0, 0)
     assert cached_blocks(W1) == 5
     # Event 3 evicts Q0.
