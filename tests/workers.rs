@@ -7,8 +7,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestServer, batch, cleared, registration, removed, select_hashes, stored};
-use kvroute::pb;
+use common::{
+    TestServer, batch, cleared, registration, removed, select_hashes, stored,
+    worker::{Ev, Reply, TestWorker},
+};
+use kvroute::{ingest::cursor, pb};
 use tonic::Code;
 
 async fn cached_blocks(server: &TestServer, worker_id: u64) -> Option<u64> {
@@ -549,4 +552,127 @@ async fn a_rejected_store_comes_back_with_its_reason() {
         .into_inner();
     assert_eq!(info.ranks[0].events_rejected, 2);
     assert_eq!(info.ranks[0].last_event_id, 2);
+}
+
+/// Sends `events` of `worker` as batches of at most 4096 events on an open
+/// stream; returns the last reply.
+async fn send_events(
+    tx: &tokio::sync::mpsc::Sender<pb::KvEventBatch>,
+    replies: &mut tonic::Streaming<pb::PublishEventsReply>,
+    worker: &TestWorker,
+    events: &[(u64, Ev)],
+) -> pb::PublishEventsReply {
+    let mut last = None;
+    for chunk in events.chunks(4096) {
+        tx.send(worker.batch(chunk)).await.unwrap();
+        last = Some(replies.message().await.unwrap().unwrap());
+    }
+    last.expect("at least one event")
+}
+
+#[tokio::test]
+async fn a_worker_told_to_resync_sends_its_cache_and_the_index_holds_exactly_that() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    let mut worker = TestWorker::new(1, 0, 1);
+    // Chains of 10 blocks sharing their first two local hashes, and evictions
+    // at the leaves and in the middle of chains (the blocks below stay held).
+    let mut sent = Vec::new();
+    let mut tips = Vec::new();
+    for chain in 0..8u64 {
+        let (id, event) = worker.store(None, &[1, 2]);
+        let Ev::Stored { blocks, .. } = &event else {
+            unreachable!()
+        };
+        let root_tip = blocks[1].0;
+        sent.push((id, event));
+        let locals: Vec<u64> = (0..8).map(|i| 100 * chain + i).collect();
+        let (id, event) = worker.store(Some(root_tip), &locals);
+        let Ev::Stored { blocks, .. } = &event else {
+            unreachable!()
+        };
+        tips.push(blocks.iter().map(|b| b.0).collect::<Vec<_>>());
+        sent.push((id, event));
+    }
+    sent.push(worker.remove(&[tips[0][7], tips[1][3], tips[2][0]]));
+    let reply = send_events(&tx, &mut replies, &worker, &sent).await;
+    assert_eq!(reply.resend_from_event_id, None);
+    worker.on_reply(Reply::from_pb(&reply), 0);
+    assert_eq!(cached_blocks(&server, 1).await, Some(worker.held_count()));
+
+    // One event is lost, and the worker sends more than kvroute holds.
+    let _lost = worker.store(Some(tips[3][7]), &[900]);
+    let mut after: Vec<(u64, Ev)> = Vec::new();
+    let mut tip = tips[4][7];
+    for i in 0..cursor::MAX_HELD_EVENTS + 1 {
+        let (id, event) = worker.store(Some(tip), &[1000 + i]);
+        if let Ev::Stored { blocks, .. } = &event {
+            tip = blocks[0].0;
+        }
+        after.push((id, event));
+    }
+    after.push(worker.remove(&[tips[5][2]]));
+    let reply = send_events(&tx, &mut replies, &worker, &after).await;
+    assert!(reply.resync_required, "{reply:?}");
+    assert_eq!(reply.resend_from_event_id, None);
+
+    // The worker answers with cleared + everything it holds, numbered from 7.
+    let dump = worker.on_reply(Reply::from_pb(&reply), 7);
+    assert_eq!(dump[0], (7, Ev::Cleared));
+    assert_eq!(worker.resyncs, 1);
+    let reply = send_events(&tx, &mut replies, &worker, &dump).await;
+    assert!(!reply.resync_required, "{reply:?}");
+    assert_eq!(reply.resend_from_event_id, None);
+    assert_eq!(reply.rejected, 0, "{}", reply.first_rejection);
+    assert_eq!(reply.last_applied_event_id, 7 + dump.len() as u64 - 1);
+    worker.on_reply(Reply::from_pb(&reply), 0);
+
+    let held = worker.held_count();
+    assert_eq!(held, 8 * 10 - 3 + 1 + cursor::MAX_HELD_EVENTS + 1 - 1);
+    assert_eq!(cached_blocks(&server, 1).await, Some(held));
+    assert_eq!(index_blocks(&server).await, held);
+    // Blocks below an evicted one keep their path: chain 2 lost its first
+    // block after the shared prefix, so a query along it matches 2 blocks.
+    let along = |chain: u64| -> Vec<u64> {
+        let mut q = vec![1, 2];
+        q.extend((0..8).map(|i| 100 * chain + i));
+        q
+    };
+    let overlap = |q: Vec<u64>| {
+        let mut router = server.router();
+        let mut request = select_hashes("q", "m", &q);
+        request.mode = pb::SelectionMode::QueryOnly.into();
+        async move {
+            router
+                .select_worker(request)
+                .await
+                .unwrap()
+                .into_inner()
+                .overlap_blocks
+        }
+    };
+    assert_eq!(overlap(along(6)).await, 10);
+    assert_eq!(overlap(along(2)).await, 2);
+    assert_eq!(overlap(along(1)).await, 5);
+
+    // The stream goes on after the dump, numbered on from it.
+    let (id, event) = worker.store(Some(tips[6][7]), &[5000]);
+    assert_eq!(id, 7 + dump.len() as u64);
+    let reply = send_events(&tx, &mut replies, &worker, &[(id, event)]).await;
+    assert_eq!((reply.last_applied_event_id, reply.rejected), (id, 0));
+    assert_eq!(cached_blocks(&server, 1).await, Some(held + 1));
+    let info = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.ranks[0].events_rejected, 0);
+    assert_eq!(
+        info.ranks[0].events_skipped,
+        cursor::MAX_HELD_EVENTS + 2,
+        "the held events and the one past the bound (dropped for the resync), \
+         and the removal after it"
+    );
 }
