@@ -26,20 +26,23 @@
 //! * **Barrier.** A `cleared` at or past the next id applies at once: the
 //!   events before it no longer matter, so its gap is forgotten and held
 //!   events before it are dropped (skipped as superseded).
-//! * **New start.** A batch whose FIRST event is `cleared` starts the
-//!   stream anew at that event's id, whatever the id, when the id is
-//!   before the next one or a resync was asked for: everything held is
-//!   dropped and the stream goes on from there. This is how a worker
-//!   answers a resync request (and how one whose engine restarted, numbering
-//!   from 0 again, starts over).
 //! * **Resync.** When an event would be held more than [`MAX_HELD_EVENTS`]
 //!   ids past the next one (a gap no worker can be expected to fill: an id
 //!   jump, or a hole the worker never filled while it sent that many events
 //!   after it), or would make the held events' blocks exceed
 //!   [`MAX_HELD_BLOCKS`], the cursor drops what it holds and asks the worker
 //!   to resynchronise: every reply says so, and every event is skipped,
-//!   until a batch that starts with `cleared` (a new start) arrives. The
-//!   index keeps what was applied in order until then.
+//!   until the answer, a batch whose FIRST event is `cleared`. The index
+//!   keeps what was applied in order until then.
+//! * **New start.** That answer starts the stream anew at its `cleared`'s
+//!   id, whatever the id: the worker may renumber.
+//! * **Cleared behind.** A batch whose first event is a `cleared` at an id
+//!   already passed, while no resync was asked for, is either a late copy
+//!   of an old batch or a worker that renumbered (its engine restarted).
+//!   The cursor cannot tell which: applying it could take the index back
+//!   to an old state with nobody asked to correct it, skipping it could
+//!   ignore a restarted worker. So it asks for a resync (the batch is
+//!   skipped), which is right in both cases.
 //!
 //! Counters: `applied` and `rejected` count events applied to the index or
 //! rejected by it; `skipped` counts every event not applied, for any
@@ -71,10 +74,11 @@ pub struct IngestEvent {
 pub enum SkipReason {
     /// An id already passed or already held.
     Duplicate,
-    /// A held event that a later `cleared` (barrier or new start) made moot.
+    /// A held event that a later `cleared` made moot.
     Superseded,
     /// Dropped because the cursor asked for a resync: the events it held
-    /// then, the event that overflowed, and every event until the answer.
+    /// then, the event that overflowed (or the batch starting with a
+    /// `cleared` behind), and every event until the answer.
     Resync,
 }
 
@@ -127,7 +131,7 @@ enum Next {
     Unstarted,
     /// This id applies next.
     At(u64),
-    /// `u64::MAX` was passed: only a new start can follow.
+    /// `u64::MAX` was passed: only a resync can follow.
     Exhausted,
 }
 
@@ -209,10 +213,13 @@ impl EventCursor {
         let Some(first) = events.first() else {
             return receipt;
         };
-        if matches!(first.event, KvEvent::Cleared) && self.starts_anew(first.event_id) {
-            self.drop_held(SkipReason::Superseded, &mut receipt);
+        let leading_clear = matches!(first.event, KvEvent::Cleared);
+        if leading_clear && (self.resync_required || self.next == Next::Unstarted) {
+            // A new start (the cursor holds nothing during a resync).
             self.resync_required = false;
             self.next = Next::At(first.event_id);
+        } else if leading_clear && self.passed(first.event_id) {
+            self.ask_resync(&mut receipt);
         } else if self.next == Next::Unstarted {
             let start = events.iter().map(|e| e.event_id).min().unwrap_or(0);
             self.next = Next::At(start);
@@ -226,14 +233,20 @@ impl EventCursor {
         receipt
     }
 
-    /// Whether a batch starting with a `cleared` at `id` is a new start
-    /// rather than a plain barrier or a duplicate.
-    fn starts_anew(&self, id: u64) -> bool {
-        self.resync_required
-            || match self.next {
-                Next::Unstarted | Next::Exhausted => true,
-                Next::At(next) => id < next,
-            }
+    /// Whether the stream has gone past `id`.
+    fn passed(&self, id: u64) -> bool {
+        match self.next {
+            Next::Unstarted => false,
+            Next::At(next) => id < next,
+            Next::Exhausted => true,
+        }
+    }
+
+    /// Drops what is held and asks the worker to resynchronise.
+    fn ask_resync(&mut self, receipt: &mut Receipt) {
+        self.drop_held(SkipReason::Resync, receipt);
+        self.resync_required = true;
+        self.resyncs += 1;
     }
 
     fn receive_one<F>(&mut self, id: u64, event: KvEvent, apply: &mut F, receipt: &mut Receipt)
@@ -274,9 +287,7 @@ impl EventCursor {
     fn hold(&mut self, id: u64, next: u64, event: KvEvent, receipt: &mut Receipt) {
         let blocks = event_blocks(&event);
         if id - next > MAX_HELD_EVENTS || self.held_blocks + blocks > MAX_HELD_BLOCKS {
-            self.drop_held(SkipReason::Resync, receipt);
-            self.resync_required = true;
-            self.resyncs += 1;
+            self.ask_resync(receipt);
             receipt.skip(SkipReason::Resync, 1);
             return;
         }

@@ -174,20 +174,32 @@ fn a_cleared_past_a_gap_is_a_barrier() {
 }
 
 #[test]
-fn a_batch_starting_with_cleared_before_the_next_id_starts_anew() {
+fn a_batch_starting_with_a_cleared_already_passed_asks_for_a_resync() {
     let mut h = Harness::default();
     h.send((0..10).map(ev).collect());
     h.send(vec![ev(12)]);
     assert_eq!(h.cursor.resend_from(), Some(10));
-    // The worker's engine restarted and numbers from 0 again.
+    // A late copy of an old batch, or an engine that restarted and numbers
+    // from 0 again: either way nothing of it applies, and a resync is asked.
     let receipt = h.send(vec![clear(0), ev(1)]);
-    assert_eq!(receipt.skipped(SkipReason::Superseded), 1, "the held 12");
-    assert_eq!(h.seen(), "0 1 2 3 4 5 6 7 8 9 C 1");
+    assert_eq!(
+        receipt.skipped(SkipReason::Resync),
+        3,
+        "the held 12 and the batch"
+    );
+    assert!(h.cursor.resync_required());
+    assert_eq!(h.seen(), "0 1 2 3 4 5 6 7 8 9");
+    assert_eq!(h.cursor.last_applied(), Some(9));
+    // The answer starts the stream anew, at any id.
+    h.send(vec![clear(0), ev(1)]);
+    assert!(!h.cursor.resync_required());
+    assert_eq!(h.seen(), "C 1");
     assert_eq!(h.cursor.last_applied(), Some(1));
-    assert_eq!(h.cursor.resend_from(), None);
-    // A cleared below the next id inside a batch is only a duplicate.
+    // A cleared already passed that is not first in its batch is only a
+    // duplicate.
     let receipt = h.send(vec![ev(2), clear(0)]);
     assert_eq!(receipt.skipped(SkipReason::Duplicate), 1);
+    assert!(!h.cursor.resync_required());
     assert_eq!(h.seen(), "2");
 }
 
@@ -250,13 +262,15 @@ fn the_blocks_of_held_events_are_bounded() {
 }
 
 #[test]
-fn the_last_id_can_be_passed_and_a_new_start_follows() {
+fn the_last_id_can_be_passed_and_a_resync_follows() {
     let mut h = Harness::default();
     h.send(vec![ev(u64::MAX - 1), ev(u64::MAX)]);
     assert_eq!(h.cursor.last_applied(), Some(u64::MAX));
     let receipt = h.send(vec![ev(u64::MAX), ev(3)]);
     assert_eq!(receipt.skipped(SkipReason::Duplicate), 2);
     assert_eq!(EventCursor::resumed(Some(u64::MAX)).resend_from(), None);
+    h.send(vec![clear(0), ev(1)]);
+    assert!(h.cursor.resync_required());
     h.send(vec![clear(0), ev(1)]);
     assert_eq!(h.cursor.last_applied(), Some(1));
     assert_eq!(h.seen(), format!("{} {} C 1", u64::MAX - 1, u64::MAX));
