@@ -207,6 +207,12 @@ impl TestWorker {
         self.record(Ev::Removed(engine_hashes.to_vec()))
     }
 
+    /// Skips `n` event ids, as a worker whose numbering jumped would: the
+    /// ids were never used, so it cannot resend them.
+    pub fn skip_ids(&mut self, n: u64) {
+        self.next_event_id += n;
+    }
+
     /// Drops its whole cache.
     pub fn clear(&mut self) -> (u64, Ev) {
         self.blocks.clear();
@@ -238,8 +244,8 @@ impl TestWorker {
     }
 
     /// Takes a reply to heart: forgets what it acknowledges and returns the
-    /// events to send in answer (a resend, a resync numbered from
-    /// `resync_from`, or nothing).
+    /// events to send in answer: a resend, a resync (numbered from
+    /// `resync_from` when kvroute asked for it), or nothing.
     pub fn on_reply(&mut self, reply: Reply, resync_from: u64) -> Vec<(u64, Ev)> {
         if reply.resync_required {
             return self.resync(resync_from);
@@ -253,7 +259,7 @@ impl TestWorker {
             }
         }
         match reply.resend_from {
-            Some(from) => self.resend(from, resync_from),
+            Some(from) => self.resend(from),
             None => Vec::new(),
         }
     }
@@ -266,12 +272,16 @@ impl TestWorker {
         }
     }
 
-    /// Every unacknowledged event from `from` on; a resync numbered from
-    /// `resync_from` instead when it no longer has `from` (what a worker
-    /// does when it cannot resend).
-    pub fn resend(&mut self, from: u64, resync_from: u64) -> Vec<(u64, Ev)> {
-        if from < self.kept_from {
-            return self.resync(resync_from);
+    /// Every unacknowledged event from `from` on; a resync instead when it
+    /// does not have `from` (what a worker does when it cannot resend). A
+    /// resync kvroute did not ask for keeps the worker's numbering: kvroute
+    /// is not dropping events meanwhile, so renumbered events could be
+    /// taken for old ones should the resync batch be lost.
+    pub fn resend(&mut self, from: u64) -> Vec<(u64, Ev)> {
+        let has_it = from >= self.kept_from
+            && (from == self.next_event_id || self.unacked.contains_key(&from));
+        if !has_it {
+            return self.resync(self.next_event_id);
         }
         self.resends += 1;
         self.unacked
@@ -280,11 +290,10 @@ impl TestWorker {
             .collect()
     }
 
-    /// The answer to a resync request: a `cleared`, then stores of every
-    /// block it holds (and of the evicted blocks above them, removed again
-    /// at the end, so each held block hangs at its own path), numbered
-    /// from `from`. Earlier unacknowledged events are forgotten: the resync
-    /// replaces them.
+    /// A resync: a `cleared`, then stores of every block it holds (and of
+    /// the evicted blocks above them, removed again at the end, so each
+    /// held block hangs at its own path), numbered from `from`. Earlier
+    /// unacknowledged events are forgotten: the resync replaces them.
     pub fn resync(&mut self, from: u64) -> Vec<(u64, Ev)> {
         self.resyncs += 1;
         self.unacked.clear();
