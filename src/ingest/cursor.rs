@@ -48,7 +48,7 @@
 //! rejected by it; `skipped` counts every event not applied, for any
 //! [`SkipReason`]. Held events are counted once their fate is known.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use crate::index::KvEvent;
 
@@ -141,8 +141,10 @@ pub struct EventCursor {
     next: Next,
     /// The last id the cursor passed in order (applied or rejected).
     last_applied: Option<u64>,
-    /// Events past a gap, by id, waiting for it to fill.
-    held: BTreeMap<u64, KvEvent>,
+    /// Events past a gap, by id, waiting for it to fill. Shared, so that a
+    /// copy of the cursor for the Admin API costs nothing; the writer copies
+    /// the map only if such a copy is alive when it changes it.
+    held: Arc<BTreeMap<u64, KvEvent>>,
     /// Blocks of the held events (see [`MAX_HELD_BLOCKS`]).
     held_blocks: usize,
     /// A resync was asked for and not yet answered.
@@ -269,8 +271,9 @@ impl EventCursor {
         }
         if id > next && matches!(event, KvEvent::Cleared) {
             // A barrier: what came before it no longer matters.
-            let kept = self.held.split_off(&id);
-            let superseded = std::mem::replace(&mut self.held, kept);
+            let held = Arc::make_mut(&mut self.held);
+            let kept = held.split_off(&id);
+            let superseded = std::mem::replace(held, kept);
             let blocks: usize = superseded.values().map(event_blocks).sum();
             self.held_blocks -= blocks;
             receipt.skip(SkipReason::Superseded, count(superseded.len()));
@@ -295,7 +298,7 @@ impl EventCursor {
             self.gaps += 1;
         }
         self.held_blocks += blocks;
-        self.held.insert(id, event);
+        Arc::make_mut(&mut self.held).insert(id, event);
         receipt.held += 1;
     }
 
@@ -319,7 +322,10 @@ impl EventCursor {
         F: FnMut(KvEvent) -> bool,
     {
         while let Next::At(next) = self.next {
-            let Some(event) = self.held.remove(&next) else {
+            if !self.held.contains_key(&next) {
+                break;
+            }
+            let Some(event) = Arc::make_mut(&mut self.held).remove(&next) else {
                 break;
             };
             self.held_blocks -= event_blocks(&event);
@@ -330,7 +336,7 @@ impl EventCursor {
 
     fn drop_held(&mut self, reason: SkipReason, receipt: &mut Receipt) {
         receipt.skip(reason, count(self.held.len()));
-        self.held.clear();
+        self.held = Arc::default();
         self.held_blocks = 0;
     }
 }
