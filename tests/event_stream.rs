@@ -235,6 +235,9 @@ fn answer() -> impl Strategy<Value = Answer> {
         .prop_map(|(heeds, renumber)| Answer { heeds, renumber })
 }
 
+/// A batch's events with their ids.
+type Events = Vec<(u64, Ev)>;
+
 /// A worker, the network between it and the writer, and the writer.
 struct Sim {
     stream: Stream,
@@ -243,11 +246,11 @@ struct Sim {
     answers: Vec<Answer>,
     turn: usize,
     /// Batches to send, tagged with their epoch (see `epoch`).
-    outbox: VecDeque<(u32, Vec<(u64, Ev)>)>,
+    outbox: VecDeque<(u32, Events)>,
     /// Batches on their way, with the step they arrive at.
-    delayed: Vec<(usize, u32, Vec<(u64, Ev)>)>,
+    delayed: Vec<(usize, u32, Events)>,
     /// Batches sent so far, for late copies.
-    sent: Vec<(u32, Vec<(u64, Ev)>)>,
+    sent: Vec<(u32, Events)>,
     step: usize,
     /// Raised when the worker renumbers in a resync: it opens a new stream
     /// then, so nothing numbered before it arrives afterwards (batches of
