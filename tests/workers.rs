@@ -7,8 +7,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestServer, batch, cleared, registration, removed, select_hashes, stored};
-use kvroute::pb;
+use common::{
+    TestServer, batch, cleared, registration, removed, select_hashes, stored,
+    worker::{Ev, Reply, TestWorker},
+};
+use kvroute::{ingest::cursor, pb};
 use tonic::Code;
 
 async fn cached_blocks(server: &TestServer, worker_id: u64) -> Option<u64> {
@@ -133,7 +136,12 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
         .unwrap();
     let gap = replies.message().await.unwrap().unwrap();
     assert_eq!(gap.resend_from_event_id, Some(1));
-    assert_eq!(gap.rejected, 1, "its parent was in the lost events");
+    assert_eq!(
+        (gap.last_applied_event_id, gap.held_events, gap.rejected),
+        (0, 1, 0),
+        "3 waits for 1 and 2 (its parent is in them)"
+    );
+    assert_eq!(cached_blocks(&server, 1).await, Some(1));
     // The worker resends 1..=3, with a duplicate of 1.
     tx.send(batch(
         1,
@@ -150,8 +158,12 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
     let resent = replies.message().await.unwrap().unwrap();
     assert_eq!(resent.resend_from_event_id, None);
     assert_eq!(resent.last_applied_event_id, 3);
-    assert_eq!(resent.skipped, 1, "the duplicate of 1");
-    assert_eq!(resent.rejected, 0, "3 applies now that its parent arrived");
+    assert_eq!(
+        resent.skipped, 2,
+        "the duplicate of 1, and the resent 3 (already held)"
+    );
+    assert_eq!(resent.rejected, 0, "3 applies after its parent");
+    assert_eq!(resent.held_events, 0);
     assert_eq!(cached_blocks(&server, 1).await, Some(4));
     let reply = server
         .router()
@@ -183,8 +195,8 @@ async fn a_gap_asks_for_a_resend_and_the_resent_events_apply() {
         .unwrap()
         .into_inner();
     assert_eq!(info.ranks[0].last_event_id, 5);
-    assert_eq!(info.ranks[0].events_skipped, 1);
-    assert_eq!(info.ranks[0].events_rejected, 1);
+    assert_eq!(info.ranks[0].events_skipped, 2);
+    assert_eq!(info.ranks[0].events_rejected, 0);
 }
 
 #[tokio::test]
@@ -410,4 +422,257 @@ async fn shutdown_drains_an_in_flight_stream() {
     drop(tx);
     assert!(replies.message().await.unwrap().is_none());
     server.stop().await.expect("clean stop");
+}
+
+#[tokio::test]
+async fn a_stream_starts_at_the_first_batch_a_worker_sends() {
+    let server = TestServer::start().await;
+    // Numbering from 1.
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(1, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    let first = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (first.last_applied_event_id, first.resend_from_event_id),
+        (1, None)
+    );
+    tx.send(batch(1, 0, vec![stored(2, Some(11), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let second = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (second.last_applied_event_id, second.resend_from_event_id),
+        (2, None)
+    );
+    // Resuming at 1000 (kvroute restarted while the worker ran on).
+    server.register(registration(2, "m")).await;
+    let reply = server
+        .publish(batch(2, 0, vec![stored(1000, None, &[(21, 1)])]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (reply.last_applied_event_id, reply.resend_from_event_id),
+        (1000, None)
+    );
+    assert_eq!(cached_blocks(&server, 1).await, Some(2));
+    assert_eq!(cached_blocks(&server, 2).await, Some(1));
+}
+
+#[tokio::test]
+async fn an_absurd_id_jump_asks_for_a_resync_not_a_resend() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    replies.message().await.unwrap().unwrap();
+    tx.send(batch(1, 0, vec![stored(1 << 63, Some(11), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let jump = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        jump.resend_from_event_id, None,
+        "no worker keeps 2^63 events to resend"
+    );
+    assert!(jump.resync_required);
+    assert_eq!((jump.last_applied_event_id, jump.skipped), (0, 1));
+    // Until the worker resynchronises, its events are skipped and every
+    // reply says so.
+    tx.send(batch(1, 0, vec![stored(1, Some(11), &[(13, 3)])]))
+        .await
+        .unwrap();
+    let next = replies.message().await.unwrap().unwrap();
+    assert_eq!(next.resend_from_event_id, None);
+    assert!(next.resync_required);
+    assert_eq!(cached_blocks(&server, 1).await, Some(1));
+    // The resync: cleared, then everything it holds, numbered from 50.
+    tx.send(batch(
+        1,
+        0,
+        vec![cleared(50), stored(51, None, &[(11, 1), (13, 3)])],
+    ))
+    .await
+    .unwrap();
+    let resynced = replies.message().await.unwrap().unwrap();
+    assert!(!resynced.resync_required);
+    assert_eq!(
+        (
+            resynced.last_applied_event_id,
+            resynced.resend_from_event_id
+        ),
+        (51, None)
+    );
+    assert_eq!(cached_blocks(&server, 1).await, Some(2));
+    let (_, body) = server.http_get("/metrics").await;
+    assert!(
+        body.contains(r#"kvroute_kv_events_total{outcome="skipped",reason="resync"} 2"#),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn a_rejected_store_comes_back_with_its_reason() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(0, None, &[(11, 1)])]))
+        .await
+        .unwrap();
+    replies.message().await.unwrap().unwrap();
+    // Event 2 waits for 1; 1 stores under a block the worker never stored,
+    // so it is rejected when its turn comes, and so is 2, chained on it.
+    tx.send(batch(1, 0, vec![stored(2, Some(12), &[(13, 3)])]))
+        .await
+        .unwrap();
+    let gap = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (gap.rejected, gap.first_rejection.as_str()),
+        (0, ""),
+        "nothing is judged past a gap"
+    );
+    tx.send(batch(1, 0, vec![stored(1, Some(99), &[(12, 2)])]))
+        .await
+        .unwrap();
+    let healed = replies.message().await.unwrap().unwrap();
+    assert_eq!(healed.resend_from_event_id, None);
+    assert_eq!(healed.rejected, 2);
+    assert!(
+        healed.first_rejection.contains("parent engine hash 99"),
+        "{}",
+        healed.first_rejection
+    );
+    let info = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.ranks[0].events_rejected, 2);
+    assert_eq!(info.ranks[0].last_event_id, 2);
+}
+
+/// Sends `events` of `worker` as batches of at most 4096 events on an open
+/// stream; returns the last reply.
+async fn send_events(
+    tx: &tokio::sync::mpsc::Sender<pb::KvEventBatch>,
+    replies: &mut tonic::Streaming<pb::PublishEventsReply>,
+    worker: &TestWorker,
+    events: &[(u64, Ev)],
+) -> pb::PublishEventsReply {
+    let mut last = None;
+    for chunk in events.chunks(4096) {
+        tx.send(worker.batch(chunk)).await.unwrap();
+        last = Some(replies.message().await.unwrap().unwrap());
+    }
+    last.expect("at least one event")
+}
+
+#[tokio::test]
+async fn a_worker_told_to_resync_sends_its_cache_and_the_index_holds_exactly_that() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let (tx, mut replies) = server.open_events().await;
+    let mut worker = TestWorker::new(1, 0, 1);
+    // Chains of 10 blocks sharing their first two local hashes, and evictions
+    // at the leaves and in the middle of chains (the blocks below stay held).
+    let mut sent = Vec::new();
+    let mut tips = Vec::new();
+    for chain in 0..8u64 {
+        let (id, event) = worker.store(None, &[1, 2]);
+        let Ev::Stored { blocks, .. } = &event else {
+            unreachable!()
+        };
+        let root_tip = blocks[1].0;
+        sent.push((id, event));
+        let locals: Vec<u64> = (0..8).map(|i| 100 * chain + i).collect();
+        let (id, event) = worker.store(Some(root_tip), &locals);
+        let Ev::Stored { blocks, .. } = &event else {
+            unreachable!()
+        };
+        tips.push(blocks.iter().map(|b| b.0).collect::<Vec<_>>());
+        sent.push((id, event));
+    }
+    sent.push(worker.remove(&[tips[0][7], tips[1][3], tips[2][0]]));
+    let reply = send_events(&tx, &mut replies, &worker, &sent).await;
+    assert_eq!(reply.resend_from_event_id, None);
+    worker.on_reply(Reply::from_pb(&reply), 0);
+    assert_eq!(cached_blocks(&server, 1).await, Some(worker.held_count()));
+
+    // One event is lost, and the worker sends more than kvroute holds.
+    let _lost = worker.store(Some(tips[3][7]), &[900]);
+    let mut after: Vec<(u64, Ev)> = Vec::new();
+    let mut tip = tips[4][7];
+    for i in 0..cursor::MAX_HELD_EVENTS + 1 {
+        let (id, event) = worker.store(Some(tip), &[1000 + i]);
+        if let Ev::Stored { blocks, .. } = &event {
+            tip = blocks[0].0;
+        }
+        after.push((id, event));
+    }
+    after.push(worker.remove(&[tips[5][2]]));
+    let reply = send_events(&tx, &mut replies, &worker, &after).await;
+    assert!(reply.resync_required, "{reply:?}");
+    assert_eq!(reply.resend_from_event_id, None);
+
+    // The worker answers with cleared + everything it holds, numbered from 7.
+    let dump = worker.on_reply(Reply::from_pb(&reply), 7);
+    assert_eq!(dump[0], (7, Ev::Cleared));
+    assert_eq!(worker.resyncs, 1);
+    let reply = send_events(&tx, &mut replies, &worker, &dump).await;
+    assert!(!reply.resync_required, "{reply:?}");
+    assert_eq!(reply.resend_from_event_id, None);
+    assert_eq!(reply.rejected, 0, "{}", reply.first_rejection);
+    assert_eq!(reply.last_applied_event_id, 7 + dump.len() as u64 - 1);
+    worker.on_reply(Reply::from_pb(&reply), 0);
+
+    let held = worker.held_count();
+    assert_eq!(held, 8 * 10 - 3 + 1 + cursor::MAX_HELD_EVENTS + 1 - 1);
+    assert_eq!(cached_blocks(&server, 1).await, Some(held));
+    assert_eq!(index_blocks(&server).await, held);
+    // Blocks below an evicted one keep their path: chain 2 lost its first
+    // block after the shared prefix, so a query along it matches 2 blocks.
+    let along = |chain: u64| -> Vec<u64> {
+        let mut q = vec![1, 2];
+        q.extend((0..8).map(|i| 100 * chain + i));
+        q
+    };
+    let overlap = |q: Vec<u64>| {
+        let mut router = server.router();
+        let mut request = select_hashes("q", "m", &q);
+        request.mode = pb::SelectionMode::QueryOnly.into();
+        async move {
+            router
+                .select_worker(request)
+                .await
+                .unwrap()
+                .into_inner()
+                .overlap_blocks
+        }
+    };
+    assert_eq!(overlap(along(6)).await, 10);
+    assert_eq!(overlap(along(2)).await, 2);
+    assert_eq!(overlap(along(1)).await, 5);
+
+    // The stream goes on after the dump, numbered on from it.
+    let (id, event) = worker.store(Some(tips[6][7]), &[5000]);
+    assert_eq!(id, 7 + dump.len() as u64);
+    let reply = send_events(&tx, &mut replies, &worker, &[(id, event)]).await;
+    assert_eq!((reply.last_applied_event_id, reply.rejected), (id, 0));
+    assert_eq!(cached_blocks(&server, 1).await, Some(held + 1));
+    let info = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.ranks[0].events_rejected, 0);
+    assert_eq!(
+        info.ranks[0].events_skipped,
+        cursor::MAX_HELD_EVENTS + 2,
+        "the held events and the one past the bound (dropped for the resync), \
+         and the removal after it"
+    );
 }

@@ -11,7 +11,7 @@ use crate::{
     grpc::status::InvalidInput,
     hashing::{HashOptions, compute_block_hashes},
     index::KvEvent,
-    ingest::{IngestEvent, ValidatedBatch},
+    ingest::{BatchOutcome, IngestEvent, ValidatedBatch},
     pb,
     registry::{EventTarget, Registration},
     router::{Admitted, PreparedRequest, now},
@@ -169,6 +169,24 @@ pub fn batch_from_pb(
         dp_rank,
         events,
     })
+}
+
+/// The reply to one `PublishEvents` batch (see `PublishEventsReply`).
+pub fn publish_reply_to_pb(outcome: &BatchOutcome) -> pb::PublishEventsReply {
+    pb::PublishEventsReply {
+        dp_rank: outcome.dp_rank,
+        last_applied_event_id: outcome.last_applied.unwrap_or(0),
+        resend_from_event_id: outcome.resend_from,
+        skipped: outcome.skipped,
+        rejected: outcome.rejected,
+        first_rejection: outcome
+            .first_rejection
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default(),
+        resync_required: outcome.resync_required,
+        held_events: outcome.held,
+    }
 }
 
 /// Where an event sits, for error messages (formatted only on error).

@@ -178,12 +178,9 @@ impl WorkersService {
         if let Some(rejection) = &outcome.first_rejection {
             tracing::debug!(worker_id, %rejection, rejected = outcome.rejected, "events rejected");
         }
-        Ok(pb::PublishEventsReply {
-            dp_rank: outcome.dp_rank,
-            last_applied_event_id: outcome.last_applied.unwrap_or(0),
-            resend_from_event_id: outcome.resend_from,
-            skipped: outcome.skipped,
-            rejected: outcome.rejected,
-        })
+        if outcome.resync_required {
+            tracing::debug!(worker_id, dp_rank = outcome.dp_rank, "resync required");
+        }
+        Ok(convert::publish_reply_to_pb(&outcome))
     }
 }

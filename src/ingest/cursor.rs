@@ -1,266 +1,359 @@
-//! The event cursor of one (worker, dp_rank): decides, for each incoming
-//! `event_id`, whether to apply it, skip it, or apply it and ask for a resend.
+//! The event cursor of one (worker, dp_rank): puts the worker's events
+//! into id order before they reach the index, so that once every gap is
+//! healed the index holds exactly what the worker holds, whatever order
+//! the events arrived in.
 //!
-//! Rules:
-//! * the next id after the last applied one applies;
-//! * an id already applied, or older than the last `cleared` barrier, is a
-//!   duplicate or stale: skipped and counted;
-//! * an id beyond the next one opens a gap: the event applies (routing keeps
-//!   working on what arrived) and the ids in between are remembered as holes;
-//!   replies ask the worker to resend from the first hole for as long as one
-//!   is open. Resent events that fill a hole apply.
-//! * an event the index rejects while an earlier one is missing becomes a
-//!   hole itself, so the resend that brings its parent brings it again;
-//! * a `cleared` event is a barrier: every hole before it is forgotten (the
-//!   cache they described is gone) and older ids become stale.
+//! Why events wait: an event applied past a gap can meet the wrong state.
+//! A removal of a block that a missing event stored does nothing; when the
+//! missing store is resent, the block comes back and stays. So an event is
+//! applied only when every id before it has been: events past a gap are
+//! HELD, in id order, and applied as soon as the gap fills.
 //!
-//! Holes are kept as at most `MAX_HOLES` ranges; when more open, the oldest
-//! are given up (counted) rather than growing without bound.
+//! Rules, per (worker, dp_rank):
+//! * **Start.** The first batch after the cursor is created (the worker's
+//!   registration, or the cursor's reset when the worker was removed) sets
+//!   where the stream starts: its lowest id. No resend is ever asked for an
+//!   id before the start.
+//! * **In order.** The next id applies; so do the held events that follow
+//!   it without a gap. An event the index rejects (its parent unknown, an
+//!   engine hash conflict) is rejected for good and counted; the cursor
+//!   moves past it.
+//! * **Gap.** An id beyond the next one is held, and replies ask the worker
+//!   to resend from the next id (the first missing one) for as long as
+//!   anything is held. That id is always one after the last acknowledged,
+//!   so a worker that keeps what was not acknowledged can always resend it.
+//! * **Duplicate.** An id already passed, or already held, is skipped.
+//! * **Barrier.** A `cleared` at or past the next id applies at once: the
+//!   events before it no longer matter, so its gap is forgotten and held
+//!   events before it are dropped (skipped as superseded).
+//! * **Resync.** When an event would be held more than [`MAX_HELD_EVENTS`]
+//!   ids past the next one (a gap no worker can be expected to fill: an id
+//!   jump, or a hole the worker never filled while it sent that many events
+//!   after it), or would make the held events' blocks exceed
+//!   [`MAX_HELD_BLOCKS`], the cursor drops what it holds and asks the worker
+//!   to resynchronise: every reply says so, and every event is skipped,
+//!   until the answer, a batch whose FIRST event is `cleared`. The index
+//!   keeps what was applied in order until then.
+//! * **New start.** That answer starts the stream anew at its `cleared`'s
+//!   id, whatever the id: the worker may renumber.
+//! * **Cleared behind.** A batch whose first event is a `cleared` at an id
+//!   already passed, while no resync was asked for, is either a late copy
+//!   of an old batch or a worker that renumbered (its engine restarted).
+//!   The cursor cannot tell which: applying it could take the index back
+//!   to an old state with nobody asked to correct it, skipping it could
+//!   ignore a restarted worker. So it asks for a resync (the batch is
+//!   skipped), which is right in both cases.
+//!
+//! Counters: `applied` and `rejected` count events applied to the index or
+//! rejected by it; `skipped` counts every event not applied, for any
+//! [`SkipReason`]. Held events are counted once their fate is known.
 
-use std::ops::Range;
+use std::{collections::BTreeMap, sync::Arc};
 
-/// Most hole ranges remembered per cursor.
-pub const MAX_HOLES: usize = 64;
+use crate::index::KvEvent;
 
-/// What to do with one event.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Apply it.
-    Apply,
-    /// Apply it; events from `resend_from` are missing.
-    ApplyAfterGap { resend_from: u64 },
-    /// Skip it: already applied, or older than a barrier.
-    Skip,
+/// Ids past the next expected one that may be held: at most this many
+/// events wait per (worker, rank). A full batch (4096 events, the default
+/// `max_events_per_batch`) that arrives right after a lost one still fits.
+pub const MAX_HELD_EVENTS: u64 = 4096;
+
+/// Blocks (stored blocks and removed engine hashes) the held events of one
+/// (worker, rank) may carry: 65536 blocks, four of the largest events the
+/// default `max_blocks_per_event` allows, about 1 MiB.
+pub const MAX_HELD_BLOCKS: usize = 65_536;
+
+/// One validated event: its id and what it does to the index.
+#[derive(Clone, Debug)]
+pub struct IngestEvent {
+    pub event_id: u64,
+    pub event: KvEvent,
+}
+
+/// Why an event was skipped (not applied, not rejected by the index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SkipReason {
+    /// An id already passed or already held.
+    Duplicate,
+    /// A held event that a later `cleared` made moot.
+    Superseded,
+    /// Dropped because the cursor asked for a resync: the events it held
+    /// then, the event that overflowed (or the batch starting with a
+    /// `cleared` behind), and every event until the answer.
+    Resync,
+}
+
+impl SkipReason {
+    pub const ALL: [SkipReason; 3] = [Self::Duplicate, Self::Superseded, Self::Resync];
+
+    /// The `reason` label of `kv_events_total{outcome="skipped"}`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Duplicate => "duplicate",
+            Self::Superseded => "superseded",
+            Self::Resync => "resync",
+        }
+    }
+}
+
+/// What one batch did, as seen from the cursor. Events of earlier batches
+/// applied or dropped now are counted here too.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Receipt {
+    pub applied: u32,
+    pub rejected: u32,
+    /// Events of this batch now held.
+    pub held: u32,
+    /// Skipped events by reason, in the order of [`SkipReason::ALL`].
+    skipped: [u32; 3],
+}
+
+impl Receipt {
+    pub fn skipped(&self, reason: SkipReason) -> u32 {
+        self.skipped[reason as usize]
+    }
+
+    /// Skipped events of every reason.
+    pub fn skipped_total(&self) -> u32 {
+        self.skipped.iter().sum()
+    }
+
+    fn skip(&mut self, reason: SkipReason, count: u32) {
+        self.skipped[reason as usize] += count;
+    }
+}
+
+/// Where the stream stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Next {
+    /// Nothing received since the cursor was made: the next batch sets the
+    /// start.
+    #[default]
+    Unstarted,
+    /// This id applies next.
+    At(u64),
+    /// `u64::MAX` was passed: only a resync can follow.
+    Exhausted,
 }
 
 /// Cursor state and counters of one (worker, dp_rank).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EventCursor {
-    /// The highest event id seen and applied (None before the first).
+    next: Next,
+    /// The last id the cursor passed in order (applied or rejected).
     last_applied: Option<u64>,
-    /// Ids below this are stale (before the last `cleared`).
-    barrier: u64,
-    /// Missing id ranges below `last_applied`, oldest first.
-    holes: Vec<Range<u64>>,
+    /// Events past a gap, by id, waiting for it to fill. Shared, so that a
+    /// copy of the cursor for the Admin API costs nothing; the writer copies
+    /// the map only if such a copy is alive when it changes it.
+    held: Arc<BTreeMap<u64, KvEvent>>,
+    /// Blocks of the held events (see [`MAX_HELD_BLOCKS`]).
+    held_blocks: usize,
+    /// A resync was asked for and not yet answered.
+    resync_required: bool,
     pub applied: u64,
     pub skipped: u64,
     pub rejected: u64,
+    /// Times events started to be held behind a gap.
     pub gaps: u64,
-    pub holes_given_up: u64,
+    /// Times a resync was asked for.
+    pub resyncs: u64,
 }
 
 impl EventCursor {
     /// A cursor restored from a snapshot: the next expected id is
-    /// `last_applied + 1`; nothing is missing.
-    pub fn resumed(last_applied: Option<u64>) -> Self {
-        Self {
+    /// `last_applied + 1`, nothing held, nothing missing. `None`: nothing
+    /// was applied yet, so the next batch sets the start.
+    pub fn resumed(last_applied: Option<u64>) -> EventCursor {
+        let next = match last_applied {
+            None => Next::Unstarted,
+            Some(last) => last.checked_add(1).map_or(Next::Exhausted, Next::At),
+        };
+        EventCursor {
+            next,
             last_applied,
-            ..Self::default()
+            ..EventCursor::default()
         }
     }
 
+    /// The last id passed in order: every event up to it was applied or
+    /// rejected (None before the first).
     pub fn last_applied(&self) -> Option<u64> {
         self.last_applied
     }
 
-    /// The first missing id, if any event is missing.
-    pub fn first_missing(&self) -> Option<u64> {
-        self.holes.first().map(|h| h.start)
+    /// The id to ask the worker to resend from: the first missing one,
+    /// while events are held behind it (never during a resync).
+    pub fn resend_from(&self) -> Option<u64> {
+        match self.next {
+            Next::At(next) if !self.held.is_empty() && !self.resync_required => Some(next),
+            _ => None,
+        }
     }
 
-    /// Classifies `event_id` and advances the cursor as if it will be applied
-    /// (the caller applies every `Apply*` verdict). `is_clear` marks a
-    /// `cleared` event, which becomes a barrier.
-    pub fn admit(&mut self, event_id: u64, is_clear: bool) -> Verdict {
-        if event_id < self.barrier {
-            self.skipped += 1;
-            return Verdict::Skip;
-        }
-        let verdict = match self.last_applied {
-            None if event_id == self.barrier => Verdict::Apply,
-            // A first event past 0 means earlier ones never arrived (a worker
-            // that started before it connected): ask for them.
-            None => {
-                self.open_hole(self.barrier..event_id);
-                self.gaps += 1;
-                Verdict::ApplyAfterGap {
-                    resend_from: self.barrier,
-                }
-            }
-            Some(last) if Some(event_id) == last.checked_add(1) => Verdict::Apply,
-            Some(last) if event_id > last => {
-                // last < event_id, so last + 1 cannot overflow.
-                self.open_hole(last + 1..event_id);
-                self.gaps += 1;
-                Verdict::ApplyAfterGap {
-                    resend_from: self.first_missing().unwrap_or(last + 1),
-                }
-            }
-            Some(_) => {
-                if self.fill_hole(event_id) {
-                    Verdict::Apply
-                } else {
-                    self.skipped += 1;
-                    return Verdict::Skip;
-                }
-            }
+    /// A resync was asked for and not yet answered (see the module docs).
+    pub fn resync_required(&self) -> bool {
+        self.resync_required
+    }
+
+    /// Events held behind a gap.
+    pub fn held_events(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Blocks of the events held behind a gap.
+    pub fn held_blocks(&self) -> usize {
+        self.held_blocks
+    }
+
+    /// Runs one batch through the cursor. `apply` is called for every
+    /// event that is due, in id order (this batch's and held ones), and
+    /// returns false when the index rejected it.
+    pub fn receive<F>(&mut self, events: Vec<IngestEvent>, mut apply: F) -> Receipt
+    where
+        F: FnMut(KvEvent) -> bool,
+    {
+        let mut receipt = Receipt::default();
+        let Some(first) = events.first() else {
+            return receipt;
         };
-        if self.last_applied.is_none_or(|last| event_id > last) {
-            self.last_applied = Some(event_id);
+        let leading_clear = matches!(first.event, KvEvent::Cleared);
+        if leading_clear && (self.resync_required || self.next == Next::Unstarted) {
+            // A new start (the cursor holds nothing during a resync).
+            self.resync_required = false;
+            self.next = Next::At(first.event_id);
+        } else if leading_clear && self.passed(first.event_id) {
+            self.ask_resync(&mut receipt);
+        } else if self.next == Next::Unstarted {
+            let start = events.iter().map(|e| e.event_id).min().unwrap_or(0);
+            self.next = Next::At(start);
         }
-        if is_clear {
-            self.barrier = event_id;
-            self.holes.clear();
+        for IngestEvent { event_id, event } in events {
+            self.receive_one(event_id, event, &mut apply, &mut receipt);
         }
-        self.applied += 1;
-        verdict
+        self.applied += u64::from(receipt.applied);
+        self.rejected += u64::from(receipt.rejected);
+        self.skipped += u64::from(receipt.skipped_total());
+        receipt
     }
 
-    /// Counts an event that was admitted but then rejected by the index. When
-    /// an earlier event is still missing, the rejection is likely caused by
-    /// that gap (a parent in the lost events), so the id becomes a hole again
-    /// and a resend of it applies; with nothing missing it stays rejected.
-    pub fn record_rejected(&mut self, event_id: u64) {
-        self.rejected += 1;
-        self.applied = self.applied.saturating_sub(1);
-        if self.holes.iter().any(|h| h.start < event_id) {
-            self.open_hole(event_id..event_id.saturating_add(1));
+    /// Whether the stream has gone past `id`.
+    fn passed(&self, id: u64) -> bool {
+        match self.next {
+            Next::Unstarted => false,
+            Next::At(next) => id < next,
+            Next::Exhausted => true,
         }
     }
 
-    fn open_hole(&mut self, range: Range<u64>) {
-        if range.is_empty() {
+    /// Drops what is held and asks the worker to resynchronise.
+    fn ask_resync(&mut self, receipt: &mut Receipt) {
+        self.drop_held(SkipReason::Resync, receipt);
+        self.resync_required = true;
+        self.resyncs += 1;
+    }
+
+    fn receive_one<F>(&mut self, id: u64, event: KvEvent, apply: &mut F, receipt: &mut Receipt)
+    where
+        F: FnMut(KvEvent) -> bool,
+    {
+        if self.resync_required {
+            receipt.skip(SkipReason::Resync, 1);
             return;
         }
-        let at = self.holes.partition_point(|h| h.start < range.start);
-        self.holes.insert(at, range);
-        while self.holes.len() > MAX_HOLES {
-            self.holes.remove(0);
-            self.holes_given_up += 1;
+        let Next::At(next) = self.next else {
+            // Exhausted: every id has been passed. (Unstarted cannot be
+            // seen here: the batch set the start.)
+            receipt.skip(SkipReason::Duplicate, 1);
+            return;
+        };
+        if id < next || self.held.contains_key(&id) {
+            receipt.skip(SkipReason::Duplicate, 1);
+            return;
+        }
+        if id > next && matches!(event, KvEvent::Cleared) {
+            // A barrier: what came before it no longer matters.
+            let held = Arc::make_mut(&mut self.held);
+            let kept = held.split_off(&id);
+            let superseded = std::mem::replace(held, kept);
+            let blocks: usize = superseded.values().map(event_blocks).sum();
+            self.held_blocks -= blocks;
+            receipt.skip(SkipReason::Superseded, count(superseded.len()));
+        } else if id > next {
+            self.hold(id, next, event, receipt);
+            return;
+        }
+        self.pass(id, event, apply, receipt);
+        self.release(apply, receipt);
+    }
+
+    /// Holds `event` past the gap before it, or asks for a resync when it
+    /// does not fit.
+    fn hold(&mut self, id: u64, next: u64, event: KvEvent, receipt: &mut Receipt) {
+        let blocks = event_blocks(&event);
+        if id - next > MAX_HELD_EVENTS || self.held_blocks + blocks > MAX_HELD_BLOCKS {
+            self.ask_resync(receipt);
+            receipt.skip(SkipReason::Resync, 1);
+            return;
+        }
+        if self.held.is_empty() {
+            self.gaps += 1;
+        }
+        self.held_blocks += blocks;
+        Arc::make_mut(&mut self.held).insert(id, event);
+        receipt.held += 1;
+    }
+
+    /// Applies the event with the next id and moves past it.
+    fn pass<F>(&mut self, id: u64, event: KvEvent, apply: &mut F, receipt: &mut Receipt)
+    where
+        F: FnMut(KvEvent) -> bool,
+    {
+        if apply(event) {
+            receipt.applied += 1;
+        } else {
+            receipt.rejected += 1;
+        }
+        self.last_applied = Some(id);
+        self.next = id.checked_add(1).map_or(Next::Exhausted, Next::At);
+    }
+
+    /// Applies the held events that now follow without a gap.
+    fn release<F>(&mut self, apply: &mut F, receipt: &mut Receipt)
+    where
+        F: FnMut(KvEvent) -> bool,
+    {
+        while let Next::At(next) = self.next {
+            if !self.held.contains_key(&next) {
+                break;
+            }
+            let Some(event) = Arc::make_mut(&mut self.held).remove(&next) else {
+                break;
+            };
+            self.held_blocks -= event_blocks(&event);
+            // A held event was counted as held by its own batch.
+            self.pass(next, event, apply, receipt);
         }
     }
 
-    fn fill_hole(&mut self, id: u64) -> bool {
-        let Some(index) = self.holes.iter().position(|h| h.contains(&id)) else {
-            return false;
-        };
-        let hole = self.holes.remove(index);
-        let mut pieces = Vec::with_capacity(2);
-        if hole.start < id {
-            pieces.push(hole.start..id);
-        }
-        if id + 1 < hole.end {
-            pieces.push(id + 1..hole.end);
-        }
-        for (offset, piece) in pieces.into_iter().enumerate() {
-            self.holes.insert(index + offset, piece);
-        }
-        true
+    fn drop_held(&mut self, reason: SkipReason, receipt: &mut Receipt) {
+        receipt.skip(reason, count(self.held.len()));
+        self.held = Arc::default();
+        self.held_blocks = 0;
     }
+}
+
+/// What an event weighs in the held buffer: its stored blocks or removed
+/// engine hashes.
+fn event_blocks(event: &KvEvent) -> usize {
+    match event {
+        KvEvent::Stored { blocks, .. } => blocks.len(),
+        KvEvent::Removed { blocks } => blocks.len(),
+        KvEvent::Cleared => 0,
+    }
+}
+
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn contiguous_events_apply() {
-        let mut cursor = EventCursor::default();
-        for id in 0..5 {
-            assert_eq!(cursor.admit(id, false), Verdict::Apply);
-        }
-        assert_eq!(cursor.last_applied(), Some(4));
-        assert_eq!(cursor.applied, 5);
-    }
-
-    #[test]
-    fn a_first_event_past_zero_asks_for_the_earlier_ones() {
-        let mut cursor = EventCursor::default();
-        assert_eq!(
-            cursor.admit(3, false),
-            Verdict::ApplyAfterGap { resend_from: 0 }
-        );
-        assert_eq!(cursor.admit(0, false), Verdict::Apply);
-        assert_eq!(cursor.first_missing(), Some(1));
-    }
-
-    #[test]
-    fn duplicates_and_stale_ids_are_skipped() {
-        let mut cursor = EventCursor::default();
-        cursor.admit(0, false);
-        cursor.admit(1, false);
-        assert_eq!(cursor.admit(1, false), Verdict::Skip);
-        assert_eq!(cursor.admit(0, false), Verdict::Skip);
-        assert_eq!(cursor.skipped, 2);
-        assert_eq!(cursor.admit(2, false), Verdict::Apply);
-    }
-
-    #[test]
-    fn a_gap_applies_asks_for_a_resend_and_accepts_the_resent_events() {
-        let mut cursor = EventCursor::default();
-        cursor.admit(0, false);
-        assert_eq!(
-            cursor.admit(3, false),
-            Verdict::ApplyAfterGap { resend_from: 1 }
-        );
-        assert_eq!(cursor.first_missing(), Some(1));
-        // Resent 1 fills part of the hole; 2 is still missing.
-        assert_eq!(cursor.admit(1, false), Verdict::Apply);
-        assert_eq!(cursor.first_missing(), Some(2));
-        assert_eq!(cursor.admit(2, false), Verdict::Apply);
-        assert_eq!(cursor.first_missing(), None);
-        // The resent 3 is now a duplicate.
-        assert_eq!(cursor.admit(3, false), Verdict::Skip);
-        assert_eq!(cursor.admit(4, false), Verdict::Apply);
-        assert_eq!(cursor.gaps, 1);
-    }
-
-    #[test]
-    fn a_rejection_behind_a_gap_is_asked_for_again() {
-        let mut cursor = EventCursor::default();
-        cursor.admit(0, false);
-        cursor.admit(3, false);
-        cursor.record_rejected(3);
-        assert_eq!(cursor.first_missing(), Some(1));
-        cursor.admit(1, false);
-        cursor.admit(2, false);
-        assert_eq!(cursor.first_missing(), Some(3));
-        assert_eq!(cursor.admit(3, false), Verdict::Apply);
-        assert_eq!(cursor.first_missing(), None);
-        // Without a gap before it, a rejection is final.
-        cursor.admit(4, false);
-        cursor.record_rejected(4);
-        assert_eq!(cursor.first_missing(), None);
-        assert_eq!(cursor.admit(4, false), Verdict::Skip);
-        assert_eq!(cursor.rejected, 2);
-    }
-
-    #[test]
-    fn cleared_is_a_barrier() {
-        let mut cursor = EventCursor::default();
-        cursor.admit(0, false);
-        cursor.admit(5, false); // holes 1..5
-        assert_eq!(cursor.admit(6, true), Verdict::Apply);
-        assert_eq!(cursor.first_missing(), None);
-        assert_eq!(cursor.admit(2, false), Verdict::Skip);
-        assert_eq!(cursor.admit(7, false), Verdict::Apply);
-    }
-
-    #[test]
-    fn holes_are_bounded() {
-        let mut cursor = EventCursor::default();
-        cursor.admit(0, false);
-        for i in 1..=(MAX_HOLES as u64 + 10) {
-            cursor.admit(i * 2, false);
-        }
-        assert_eq!(cursor.holes.len(), MAX_HOLES);
-        assert_eq!(cursor.holes_given_up, 10);
-        assert_eq!(
-            cursor.admit(u64::MAX, false),
-            Verdict::ApplyAfterGap {
-                resend_from: cursor.first_missing().unwrap()
-            }
-        );
-        assert_eq!(cursor.admit(u64::MAX, false), Verdict::Skip);
-    }
-}
+mod tests;

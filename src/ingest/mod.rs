@@ -12,11 +12,14 @@
 //! HTTP/2 flow control fills up), and with N streams the writer serves them
 //! round-robin through the channel's FIFO.
 //!
-//! Each (worker, dp_rank) has an [`cursor::EventCursor`]. The cursors belong
-//! to this module's [`EventWriter`]: the writer thread is their only writer,
-//! the Admin API reads them through [`IngestHandle::cursor`]. Lock order:
-//! the cursor table, then an index's own lock (an event is applied while its
-//! rank's cursor is held); the registry is read and released before either.
+//! Each (worker, dp_rank) has an [`cursor::EventCursor`], which puts its
+//! events in id order: events past a gap wait in the cursor until the gap
+//! fills, or are dropped when the cursor asks the worker to resynchronise
+//! (see the cursor's module docs). The cursors belong to this module's
+//! [`EventWriter`]: the writer thread is their only writer, the Admin API
+//! reads them through [`IngestHandle::cursor`]. Lock order: the cursor
+//! table, then an index's own lock (an event is applied while its rank's
+//! cursor is held); the registry is read and released before either.
 //!
 //! Engine-native subscriptions (`engine_events`, `fleet::subscriptions`) write
 //! through here too, as [`EngineBatch`] jobs: their events carry no event
@@ -35,17 +38,12 @@ use crate::{
     router::RouterCore,
     types::{DpRank, WorkerId, WorkerRank, WorkerSnapshot},
 };
-use cursor::{EventCursor, Verdict};
+use cursor::{EventCursor, SkipReason};
+
+pub use cursor::IngestEvent;
 
 /// Jobs the writer can hold before senders wait.
 pub const WRITE_QUEUE_CAPACITY: usize = 1024;
-
-/// One validated event: its id and what it does to the index.
-#[derive(Clone, Debug)]
-pub struct IngestEvent {
-    pub event_id: u64,
-    pub event: KvEvent,
-}
 
 /// A batch checked for shape and limits, with local hashes computed.
 #[derive(Clone, Debug)]
@@ -58,16 +56,24 @@ pub struct ValidatedBatch {
     pub events: Vec<IngestEvent>,
 }
 
-/// What the writer did with a batch.
+/// What the writer did with a batch. The counts are of the events handled
+/// while the batch was: its own, and held events of earlier batches that
+/// were applied or dropped.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BatchOutcome {
     pub dp_rank: DpRank,
+    /// Every event up to this id was applied or rejected, in order.
     pub last_applied: Option<u64>,
+    /// Events past a gap are held: the worker should resend from this id.
     pub resend_from: Option<u64>,
+    /// The cursor gave up on a gap: the worker must resynchronise.
+    pub resync_required: bool,
     pub applied: u32,
     pub skipped: u32,
     pub rejected: u32,
-    /// The first rejection, for logs.
+    /// Events the cursor holds after this batch.
+    pub held: u32,
+    /// The first rejection, for logs and the reply.
     pub first_rejection: Option<IndexError>,
 }
 
@@ -375,10 +381,17 @@ impl EventWriter {
     }
 
     /// Drops every block and cursor of a worker; returns the blocks dropped.
+    /// Events its cursors still held are counted as rejected (worker gone).
     pub fn remove_worker(&self, worker_id: WorkerId, model: &str) -> u64 {
-        self.cursors
-            .lock()
-            .retain(|rank, _| rank.worker_id != worker_id);
+        let mut held = 0;
+        self.cursors.lock().retain(|rank, cursor| {
+            let keep = rank.worker_id != worker_id;
+            if !keep {
+                held += cursor.held_events() as u64;
+            }
+            keep
+        });
+        self.count_events("rejected", "worker_gone", held);
         self.router
             .index_of(model)
             .map(|index| index.remove_worker(worker_id))
@@ -404,7 +417,9 @@ impl EventWriter {
             })
     }
 
-    /// Applies one validated batch through its rank's cursor.
+    /// Applies one validated batch through its rank's cursor: events in
+    /// id order apply, events past a gap wait in the cursor (see
+    /// [`cursor`]).
     pub fn apply_batch(&self, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
         let worker_id = batch.worker_id;
         let index = self.current_index(
@@ -414,39 +429,26 @@ impl EventWriter {
             batch.events.len(),
         )?;
         let target = WorkerRank::new(worker_id, batch.dp_rank);
-        let mut outcome = BatchOutcome {
-            dp_rank: batch.dp_rank,
-            ..BatchOutcome::default()
-        };
         let mut tally = Tally::default();
         let mut cursors = self.cursors.lock();
         let cursor = cursors.entry(target).or_default();
-        for IngestEvent { event_id, event } in batch.events {
-            let verdict = cursor.admit(event_id, matches!(event, KvEvent::Cleared));
-            match verdict {
-                Verdict::Skip => {
-                    outcome.skipped += 1;
-                    *tally.reasons.entry("duplicate").or_default() += 1;
-                    continue;
-                }
-                Verdict::ApplyAfterGap { resend_from } => {
-                    outcome.resend_from = Some(resend_from);
-                }
-                Verdict::Apply => {}
-            }
-            if !tally.apply(&index, target, event) {
-                cursor.record_rejected(event_id);
-            }
-        }
-        outcome.last_applied = cursor.last_applied();
-        if outcome.resend_from.is_none() {
-            // Still missing events from an earlier gap: keep asking.
-            outcome.resend_from = cursor.first_missing();
-        }
+        let receipt = cursor.receive(batch.events, |event| tally.apply(&index, target, event));
+        let mut outcome = BatchOutcome {
+            dp_rank: batch.dp_rank,
+            last_applied: cursor.last_applied(),
+            resend_from: cursor.resend_from(),
+            resync_required: cursor.resync_required(),
+            held: u32::try_from(cursor.held_events()).unwrap_or(u32::MAX),
+            ..BatchOutcome::default()
+        };
         drop(cursors);
+        for reason in SkipReason::ALL {
+            tally.skip(reason.label(), u64::from(receipt.skipped(reason)));
+        }
         let counts = tally.finish(self);
         outcome.applied = counts.applied;
         outcome.rejected = counts.rejected;
+        outcome.skipped = receipt.skipped_total();
         outcome.first_rejection = counts.first_rejection;
         Ok(outcome)
     }
@@ -485,9 +487,10 @@ impl EventWriter {
 #[derive(Default)]
 struct Tally {
     outcome: EngineOutcome,
-    /// Events not applied, by reason; "duplicate" ones were skipped, the
-    /// others rejected by the index.
-    reasons: HashMap<&'static str, u64>,
+    /// Events the index rejected, by reason.
+    rejected: HashMap<&'static str, u64>,
+    /// Events the cursor skipped, by reason.
+    skipped: HashMap<&'static str, u64>,
 }
 
 impl Tally {
@@ -501,23 +504,28 @@ impl Tally {
             }
             Err(error) => {
                 self.outcome.rejected += 1;
-                *self.reasons.entry(rejection_reason(&error)).or_default() += 1;
+                *self.rejected.entry(rejection_reason(&error)).or_default() += 1;
                 self.outcome.first_rejection.get_or_insert(error);
                 false
             }
         }
     }
 
+    /// Counts `count` events skipped for `reason`.
+    fn skip(&mut self, reason: &'static str, count: u64) {
+        if count > 0 {
+            *self.skipped.entry(reason).or_default() += count;
+        }
+    }
+
     /// Counts everything in the events metrics.
     fn finish(self, writer: &EventWriter) -> EngineOutcome {
         writer.count_events("applied", "ok", u64::from(self.outcome.applied));
-        for (reason, count) in self.reasons {
-            let kind = if reason == "duplicate" {
-                "skipped"
-            } else {
-                "rejected"
-            };
-            writer.count_events(kind, reason, count);
+        for (reason, count) in self.rejected {
+            writer.count_events("rejected", reason, count);
+        }
+        for (reason, count) in self.skipped {
+            writer.count_events("skipped", reason, count);
         }
         self.outcome
     }

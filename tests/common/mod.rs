@@ -1,6 +1,9 @@
 //! TestServer: the real kvroute app on `127.0.0.1:0`, with typed gRPC clients
 //! and a shutdown handle. Every integration test talks to it over the network.
+//! `worker::TestWorker` is a worker's side of the KV event protocol.
 #![allow(dead_code)]
+
+pub mod worker;
 
 use std::{net::SocketAddr, time::Duration};
 

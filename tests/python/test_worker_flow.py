@@ -2,10 +2,12 @@
 
 Two workers register, heartbeat with load and stream KV events (stored,
 removed, cleared) over the bidirectional PublishEvents stream, including a
-gap the server asks to have resent and a duplicate it skips; then a frontend
+gap the server holds the later event behind and asks to have resent, and a
+duplicate it skips; then a frontend
 asks Router.SelectWorker (QUERY_ONLY) and Admin.ExplainSelection, which must
 agree and follow the resulting overlap. A malformed batch ends its stream with
-INVALID_ARGUMENT.
+INVALID_ARGUMENT. A worker whose numbering jumps is told to resynchronise and
+answers with a cleared and stores of everything it holds.
 """
 import queue
 
@@ -124,17 +126,20 @@ def test_worker_events_route_the_frontend(stubs, kvroute_pb):
     assert info.ranks[0].reported_load.kv_blocks_used == 8
 
     # Worker 1: P0 P1 (event 0), then event 2 arrives before event 1: a gap.
+    # Event 2 is held until event 1 arrives.
     s1 = EventStream(workers)
     reply = s1.send(batch(W1, stored(0, P, 0, 2, engine=100)))
     assert reply.last_applied_event_id == 0 and not reply.HasField("resend_from_event_id")
     reply = s1.send(batch(W1, stored(2, Q, 0, 1, engine=900)))
     assert reply.HasField("resend_from_event_id"), reply
     assert reply.resend_from_event_id == 1
-    assert reply.last_applied_event_id == 2
-    assert cached_blocks(W1) == 3
-    # The resend of event 1 (P2 P3 after P1) fills the gap and applies.
+    assert (reply.last_applied_event_id, reply.held_events) == (0, 1)
+    assert not reply.resync_required
+    assert cached_blocks(W1) == 2
+    # The resend of event 1 (P2 P3 after P1) fills the gap: 1, then 2 apply.
     reply = s1.send(batch(W1, stored(1, P, 2, 2, engine=102, parent=101)))
     assert not reply.HasField("resend_from_event_id"), reply
+    assert (reply.last_applied_event_id, reply.held_events) == (2, 0)
     assert (reply.skipped, reply.rejected) == (0, 0)
     assert cached_blocks(W1) == 5
     # Event 3 evicts Q0.
@@ -196,3 +201,70 @@ def test_worker_events_route_the_frontend(stubs, kvroute_pb):
     # QUERY_ONLY booked nothing.
     info = admin.GetWorker(pb.admin_pb2.GetWorkerRequest(worker_id=W1), timeout=TIMEOUT)
     assert info.ranks[0].booked_load.active_requests == 0
+
+
+def test_a_worker_told_to_resync_sends_its_cache(stubs, kvroute_pb):
+    """An id jump no worker could fill gets resync_required; the worker
+    answers with a cleared and stores of everything it holds (re-storing the
+    evicted block its held ones hang below, and removing it again), and the
+    index then holds exactly that."""
+    pb = kvroute_pb
+    workers, router, admin = stubs
+    w, c = pb.workers_pb2, pb.common_pb2
+    W = 21
+
+    def stored(event_id, first, count, engine, parent=None):
+        blocks = [
+            w.StoredBlock(engine_hash=engine + i, token_ids=c.TokenIds(ids=block_tokens(P, first + i)))
+            for i in range(count)
+        ]
+        kwargs = {} if parent is None else {"parent_engine_hash": parent}
+        return w.KvEvent(event_id=event_id, stored=w.BlocksStored(blocks=blocks, **kwargs))
+
+    def batch(*events):
+        return w.KvEventBatch(worker_id=W, dp_rank=0, events=list(events))
+
+    def overlap(blocks):
+        request = pb.router_pb2.SelectWorkerRequest(
+            request_id=f"resync-{blocks}", model=MODEL,
+            prompt=pb.router_pb2.Prompt(token_ids=c.TokenIds(ids=prompt_tokens(P, blocks))),
+            mode=pb.router_pb2.SELECTION_MODE_QUERY_ONLY,
+        )
+        return router.SelectWorker(request, timeout=TIMEOUT).overlap_blocks
+
+    workers.RegisterWorker(
+        w.RegisterWorkerRequest(
+            worker_id=W, model=MODEL, block_size=BLOCK, dp_size=1,
+            total_kv_blocks=10_000, max_num_batched_tokens=8192,
+        ),
+        timeout=TIMEOUT,
+    )
+    s = EventStream(workers)
+    # It numbers from 1: P0..P3 (engine 500..503), then evicts P1.
+    reply = s.send(batch(stored(1, 0, 4, engine=500),
+                         w.KvEvent(event_id=2, removed=w.BlocksRemoved(engine_hashes=[501]))))
+    assert reply.last_applied_event_id == 2 and not reply.HasField("resend_from_event_id"), reply
+    # Its numbering jumps far past anything kvroute would hold.
+    reply = s.send(batch(stored(1_000_000, 4, 1, engine=504, parent=503)))
+    assert reply.resync_required and not reply.HasField("resend_from_event_id"), reply
+    assert reply.skipped == 1
+    # Until it resyncs, its events are skipped.
+    reply = s.send(batch(stored(3, 4, 1, engine=504, parent=503)))
+    assert reply.resync_required and reply.skipped == 1, reply
+    # The answer, numbered from 0: cleared, then what it holds (P2 P3 P4
+    # below the evicted P1, so P0 P1 are stored and P1 removed again).
+    reply = s.send(batch(
+        w.KvEvent(event_id=0, cleared=w.CacheCleared()),
+        stored(1, 0, 2, engine=500),
+        stored(2, 2, 3, engine=502, parent=501),
+        w.KvEvent(event_id=3, removed=w.BlocksRemoved(engine_hashes=[501])),
+    ))
+    assert not reply.resync_required, reply
+    assert (reply.last_applied_event_id, reply.skipped, reply.rejected) == (3, 0, 0), reply
+    assert reply.first_rejection == ""
+    info = admin.GetWorker(pb.admin_pb2.GetWorkerRequest(worker_id=W), timeout=TIMEOUT)
+    assert info.ranks[0].cached_blocks == 4
+    stats = admin.GetIndexStats(pb.admin_pb2.GetIndexStatsRequest(), timeout=TIMEOUT)
+    assert stats.blocks == 4
+    assert overlap(5) == 1, "P1 is evicted: the prefix ends after P0"
+    s.close()
