@@ -302,6 +302,11 @@ pub struct RankProcessor<S: EventSink + ?Sized> {
     progress: Arc<RankProgress>,
     /// Whether the metrics and the log know the rank as unsynced.
     reported_unsynced: bool,
+    /// The first sequence to ask the replay socket for once connected (from
+    /// 0 when new, after the saved sequence when resumed), so batches
+    /// published while kvroute did not listen arrive without waiting for
+    /// the engine's next live one.
+    catch_up_from: Option<u64>,
 }
 
 impl<S: EventSink + ?Sized> RankProcessor<S> {
@@ -321,6 +326,10 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             sink,
             progress: Arc::default(),
             reported_unsynced: false,
+            // What the engine published before kvroute subscribed is asked
+            // of its replay socket at once (it may publish nothing else for
+            // a while), as a live batch after a gap would ask.
+            catch_up_from: Some(0),
         }
     }
 
@@ -338,6 +347,7 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
     /// before the first batch.
     pub fn resume_from(&mut self, last_applied: u64, unsynced: bool) {
         self.tracker = SequenceTracker::resumed(last_applied);
+        self.catch_up_from = last_applied.checked_add(1);
         if unsynced {
             self.tracker.mark_unsynced(Unsynced::Resumed);
         }
@@ -386,6 +396,12 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
     /// sequence is judged as such, see [`sequence`]).
     pub fn on_connected(&mut self) {
         self.tracker.connected();
+    }
+
+    /// Once, at the first connection: where to ask the replay socket to
+    /// start.
+    pub fn take_catch_up(&mut self) -> Option<u64> {
+        self.catch_up_from.take()
     }
 
     /// Record a live sequence. Handles a restart (clears the rank) and

@@ -184,6 +184,12 @@ async fn run_rank<S: EventSink>(
                 proc.on_connected();
                 tracing::info!(%target, endpoint = %eps.endpoint, "subscribed to engine KV events");
                 backoff.reset();
+                // First connection: fetch what was published before (or,
+                // resumed from a snapshot, since) at once; an idle engine
+                // sends no live batch to reveal the gap.
+                if let (Some(start), Some(replay)) = (proc.take_catch_up(), &eps.replay_endpoint) {
+                    replay_from(&mut proc, replay, start, s.replay_timeout).await;
+                }
                 let why = session(&mut proc, &mut sub, &mut monitor, &eps, &s, &cancel).await;
                 drop(sub);
                 if cancel.is_cancelled() {
