@@ -22,7 +22,7 @@
 pub mod state;
 pub mod subscriptions;
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use dashmap::DashMap;
 use tokio::sync::{Mutex, OwnedMutexGuard};
@@ -91,7 +91,14 @@ pub struct Fleet {
     ingest: IngestHandle,
     subscriptions: Subscriptions,
     turns: DashMap<WorkerId, Arc<Mutex<()>>>,
+    /// Saved engine sequences (and unsynced ranks) of configured engines,
+    /// restored from a snapshot, for when the configuration starts them.
+    configured_resume: parking_lot::Mutex<HashMap<WorkerId, Resume>>,
 }
+
+/// Where an engine subscription resumes: the last sequence applied per
+/// rank, and the ranks that were unsynced.
+type Resume = (HashMap<DpRank, u64>, Vec<DpRank>);
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -126,6 +133,7 @@ impl Fleet {
             ingest,
             subscriptions,
             turns: DashMap::new(),
+            configured_resume: parking_lot::Mutex::new(HashMap::new()),
         }
     }
 
@@ -211,8 +219,16 @@ impl Fleet {
             );
         }
         self.ingest.reserve(&record.snapshot()).await;
+        let (resume_from, unsynced) = if configured {
+            self.configured_resume
+                .lock()
+                .remove(&worker_id)
+                .unwrap_or_default()
+        } else {
+            Resume::default()
+        };
         self.subscriptions
-            .update(record, source, configured)
+            .update_resuming(record, source, configured, resume_from, unsynced)
             .await
             .map_err(|message| FleetError::InvalidSource { worker_id, message })?;
         tracing::info!(worker_id, created = outcome.created, "worker registered");

@@ -19,7 +19,7 @@ use crate::{
     ingest::{CapturedTarget, RankRegistration},
     registry::SavedWorker,
     select::affinity::SavedSession,
-    types::{WorkerId, WorkerRank},
+    types::{DpRank, WorkerId, WorkerRank},
 };
 
 /// A worker as a snapshot keeps it.
@@ -40,6 +40,9 @@ pub struct FleetTarget {
     pub captured: CapturedTarget,
     /// The last engine publisher sequence applied, for ZeroMQ engines.
     pub engine_sequence: Option<u64>,
+    /// The engine's events for it were lost for good (it stays unsynced
+    /// until the engine reports `AllBlocksCleared`).
+    pub engine_unsynced: bool,
 }
 
 /// Everything a snapshot keeps.
@@ -89,6 +92,15 @@ impl Fleet {
         for record in &records {
             let r = &record.registration;
             let (source, configured) = self.subscriptions.source_of(r.worker_id).unzip();
+            // Read before the blocks: a batch applied in between is then
+            // replayed again on resume (harmless), never skipped.
+            let sequences: HashMap<DpRank, u64> = self
+                .subscriptions
+                .last_sequences(r.worker_id)
+                .unwrap_or_default()
+                .into_iter()
+                .collect();
+            let unsynced = self.subscriptions.unsynced_ranks(r.worker_id);
             for dp_rank in r.dp_start_rank..r.dp_start_rank.saturating_add(r.dp_size) {
                 let target = WorkerRank::new(r.worker_id, dp_rank);
                 let rank = RankRegistration {
@@ -104,7 +116,8 @@ impl Fleet {
                 state.targets.push(FleetTarget {
                     target,
                     captured,
-                    engine_sequence: None,
+                    engine_sequence: sequences.get(&dp_rank).copied(),
+                    engine_unsynced: unsynced.contains(&dp_rank),
                 });
             }
             state.workers.push(FleetWorker {
@@ -126,6 +139,7 @@ impl Fleet {
         let mut report = RestoreReport::default();
         let mut generations: HashMap<WorkerId, (u64, String)> = HashMap::new();
         let mut sources = Vec::new();
+        let mut configured = std::collections::HashSet::new();
         for saved in state.workers {
             let worker_id = saved.worker.registration.worker_id;
             let _turn = self.turn(worker_id).await;
@@ -134,15 +148,27 @@ impl Fleet {
                     let r = &outcome.record;
                     generations.insert(worker_id, (r.generation, r.registration.model.clone()));
                     self.ingest.reserve(&r.snapshot()).await;
-                    if let (Some(source), false) = (saved.source, saved.configured) {
-                        sources.push((outcome.record, source));
+                    match (saved.source, saved.configured) {
+                        (Some(source), false) => sources.push((outcome.record, source)),
+                        (_, true) => {
+                            configured.insert(worker_id);
+                        }
+                        (None, false) => {}
                     }
                     report.workers += 1;
                 }
                 Err(error) => report.workers_refused.push((worker_id, error.to_string())),
             }
         }
+        let mut resume: HashMap<WorkerId, (HashMap<DpRank, u64>, Vec<DpRank>)> = HashMap::new();
         for saved in state.targets {
+            let entry = resume.entry(saved.target.worker_id).or_default();
+            if let Some(sequence) = saved.engine_sequence {
+                entry.0.insert(saved.target.dp_rank, sequence);
+            }
+            if saved.engine_unsynced {
+                entry.1.push(saved.target.dp_rank);
+            }
             let Some((generation, model)) = generations.get(&saved.target.worker_id) else {
                 report.targets_refused += 1;
                 continue;
@@ -165,6 +191,12 @@ impl Fleet {
             }
         }
         report.bookings_refused = self.router.restore_routing(state.sessions, state.bookings);
+        // Configured engines restart from the configuration, resuming here.
+        self.configured_resume.lock().extend(
+            resume
+                .drain()
+                .filter(|(worker_id, _)| configured.contains(worker_id)),
+        );
         for (record, source) in sources {
             let worker_id = record.registration.worker_id;
             let _turn = self.turn(worker_id).await;

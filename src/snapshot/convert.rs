@@ -118,6 +118,7 @@ fn target_to_pb(t: &FleetTarget) -> pb::SnapshotTarget {
         dp_rank: t.target.dp_rank,
         last_event_id: t.captured.last_event_id,
         engine_sequence: t.engine_sequence,
+        engine_unsynced: t.engine_unsynced,
         ..Default::default()
     };
     out.locals.reserve(content.nodes.len());
@@ -287,5 +288,6 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
             last_event_id: t.last_event_id,
         },
         engine_sequence: t.engine_sequence,
+        engine_unsynced: t.engine_unsynced,
     })
 }
