@@ -13,7 +13,9 @@ use std::{
     process::{Child, Command, Stdio},
 };
 
-use common::{TestServer, batch, connect, registration, removed, select_hashes, stored};
+use common::{
+    TestServer, batch, connect, registration, removed, select_hashes, stored, wait_serving,
+};
 use kvroute::pb::{
     self, admin_client::AdminClient, router_client::RouterClient, workers_client::WorkersClient,
 };
@@ -62,7 +64,7 @@ impl Process {
             .spawn()
             .expect("spawn kvroute");
         let channel = connect(grpc).await;
-        serving(&channel).await;
+        wait_serving(&channel).await;
         Self {
             child,
             grpc,
@@ -87,24 +89,6 @@ impl Drop for Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// Waits until health says SERVING (the snapshot is loaded; until then
-/// every other call is UNAVAILABLE).
-async fn serving(channel: &Channel) {
-    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
-    for _ in 0..500 {
-        let status = health
-            .check(tonic_health::pb::HealthCheckRequest::default())
-            .await
-            .map(|r| r.into_inner().status)
-            .ok();
-        if status == Some(tonic_health::pb::health_check_response::ServingStatus::Serving as i32) {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("kvroute never said SERVING");
 }
 
 /// A worker's whole event history (ids from 0), which it keeps to resend.

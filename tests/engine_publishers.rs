@@ -39,6 +39,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{TestServer, registration};
+use kvroute::config::ServeConfig;
 use kvroute::{engine_events::mm_identifier_hash, pb, trace};
 use serde_json::{Value, json};
 
@@ -249,8 +250,21 @@ fn metric(body: &str, series: &str) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-async fn run_case(case: Case) {
-    let Some(py) = python() else { return };
+/// A running driver.py over the engine's real kv_events.py, with the
+/// endpoints kvroute connects to.
+struct Publisher {
+    driver: Driver,
+    /// Batches published before kvroute subscribed.
+    phase1: u64,
+    pub_ep: String,
+    replay_ep: String,
+    work: PathBuf,
+    fetched: Duration,
+}
+
+/// Fetches the engine's kv_events.py and starts the driver, which
+/// publishes its first phase at once and waits for "go".
+fn start_publisher(py: &str, case: &Case) -> Publisher {
     let started = Instant::now();
     let work = std::env::temp_dir().join(format!(
         "kvroute-publisher-{}-{}-{}",
@@ -259,7 +273,7 @@ async fn run_case(case: Case) {
         std::process::id()
     ));
     std::fs::create_dir_all(&work).unwrap();
-    let out = Command::new(&py)
+    let out = Command::new(py)
         .arg(harness().join("fetch.py"))
         .args(["--engine", case.engine, "--version", case.version])
         .arg("--cache")
@@ -290,7 +304,7 @@ async fn run_case(case: Case) {
         };
         (ipc("pub"), ipc("replay"))
     };
-    let mut child = Command::new(&py)
+    let mut child = Command::new(py)
         .arg(harness().join("driver.py"))
         .args(["--engine", case.engine, "--kv-events", &kv_events])
         .args(["--endpoint", &pub_bind, "--replay", &replay_bind])
@@ -308,10 +322,19 @@ async fn run_case(case: Case) {
         child,
     };
     let phase1: u64 = driver.read_line("PHASE1").parse().unwrap();
+    Publisher {
+        driver,
+        phase1,
+        pub_ep,
+        replay_ep,
+        work,
+        fetched,
+    }
+}
 
-    // kvroute subscribes only now, when the first batches are gone from
-    // the PUB socket: they must come through the replay socket.
-    let server = TestServer::start().await;
+/// Registers the plain worker and the publisher's worker (kvroute then
+/// subscribes to it) and waits until the subscription is connected.
+async fn register_workers(server: &TestServer, case: &Case, publisher: &Publisher) {
     let plain_worker = pb::RegisterWorkerRequest {
         block_size: BLOCK_SIZE,
         lease_ttl_secs: 600,
@@ -320,16 +343,20 @@ async fn run_case(case: Case) {
     server.register(plain_worker).await;
     server
         .register(pb::RegisterWorkerRequest {
-            events_endpoint: pub_ep.clone(),
+            events_endpoint: publisher.pub_ep.clone(),
             events_dialect: case.engine.into(),
-            replay_endpoint: replay_ep.clone(),
+            replay_endpoint: publisher.replay_ep.clone(),
             lease_ttl_secs: 600,
             ..registration(WORKER, "m")
         })
         .await;
+    wait_connected(server).await;
+}
+
+async fn wait_connected(server: &TestServer) {
     let t0 = Instant::now();
     loop {
-        let info = worker_info(&server).await;
+        let info = worker_info(server).await;
         if info.subscription.contains(" connected,") {
             break;
         }
@@ -341,15 +368,34 @@ async fn run_case(case: Case) {
     }
     // Let the subscription reach the publisher (anything lost is replayed).
     tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// Waits until kvroute holds the expected state; the last mismatch if not.
+async fn settle(server: &TestServer, case: &Case, expected: &Value) -> Option<String> {
+    let t0 = Instant::now();
+    let mut mismatch = check(server, case, expected).await;
+    while mismatch.is_some() && t0.elapsed() < Duration::from_secs(15) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        mismatch = check(server, case, expected).await;
+    }
+    mismatch
+}
+
+async fn run_case(case: Case) {
+    let Some(py) = python() else { return };
+    let started = Instant::now();
+    let mut publisher = start_publisher(&py, &case);
+    let (phase1, fetched) = (publisher.phase1, publisher.fetched);
+    let pub_ep = publisher.pub_ep.clone();
+    // kvroute subscribes only now, when the first batches are gone from
+    // the PUB socket: they must come through the replay socket.
+    let server = TestServer::start().await;
+    register_workers(&server, &case, &publisher).await;
+    let driver = &mut publisher.driver;
     driver.send("go");
     let expected: Value = serde_json::from_str(&driver.read_line("DONE")).unwrap();
 
-    let t0 = Instant::now();
-    let mut mismatch = check(&server, &case, &expected).await;
-    while mismatch.is_some() && t0.elapsed() < Duration::from_secs(15) {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        mismatch = check(&server, &case, &expected).await;
-    }
+    let mismatch = settle(&server, &case, &expected).await;
     let info = worker_info(&server).await;
     let (_, body) = server.http_get("/metrics").await;
     let m = |name: &str| metric(&body, &format!("kvroute_{name}"));
@@ -435,7 +481,105 @@ async fn run_case(case: Case) {
     driver.send("quit");
     let _ = driver.child.wait();
     server.stop().await.unwrap();
-    let _ = std::fs::remove_dir_all(&work);
+    let _ = std::fs::remove_dir_all(&publisher.work);
+}
+
+/// kvroute goes down after a snapshot; the engine publishes the rest of
+/// its conversations meanwhile; the restarted kvroute loads the snapshot,
+/// resumes from the saved publisher sequence and gets what it missed
+/// through the engine's replay socket, ending exact.
+async fn run_restart_case(case: Case) {
+    let Some(py) = python() else { return };
+    let mut publisher = start_publisher(&py, &case);
+    let state = std::env::temp_dir().join(format!(
+        "kvroute-publisher-state-{}-{}-{}",
+        case.engine,
+        case.version,
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&state);
+    let config = || ServeConfig {
+        state_dir: Some(state.clone()),
+        snapshot_interval: Duration::from_secs(3600),
+        ..ServeConfig::for_tests()
+    };
+    let server = TestServer::start_with(config()).await;
+    register_workers(&server, &case, &publisher).await;
+    // Phase 1 came through the replay socket; snapshot that state.
+    let t0 = Instant::now();
+    while cached_blocks(&server).await == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "phase 1 never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let taken = server
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    server.stop().await.unwrap();
+    // As if killed right after that snapshot: keep it alone.
+    for entry in std::fs::read_dir(&state).unwrap().flatten() {
+        if entry.path().to_string_lossy() != taken.path {
+            std::fs::remove_file(entry.path()).unwrap();
+        }
+    }
+    // The engine goes on while kvroute is down: nobody hears these batches live.
+    let driver = &mut publisher.driver;
+    driver.send("go");
+    let expected: Value = serde_json::from_str(&driver.read_line("DONE")).unwrap();
+
+    let server = TestServer::start_with(config()).await;
+    wait_connected(&server).await;
+    let mismatch = settle(&server, &case, &expected).await;
+    let info = worker_info(&server).await;
+    let (_, body) = server.http_get("/metrics").await;
+    let m = |name: &str| metric(&body, &format!("kvroute_{name}"));
+    assert_eq!(mismatch, None, "after the restart: {}", info.subscription);
+    let w = r#"{worker="7"}"#;
+    let missed = expected["batches"].as_u64().unwrap() - publisher.phase1;
+    assert!(
+        m(&format!("engine_event_replayed_batches_total{w}")) >= missed,
+        "the batches published while down came through the replay socket\n{body}"
+    );
+    assert_eq!(
+        m(&format!("engine_event_batches_lost_total{w}")),
+        0,
+        "{body}"
+    );
+    assert_eq!(m(&format!("engine_event_restarts_total{w}")), 0, "{body}");
+    assert_eq!(m(&format!("engine_event_unsynced_ranks{w}")), 0, "{body}");
+    assert_eq!(m("snapshots_total{outcome=\"loaded\"}"), 1, "{body}");
+    driver.send("quit");
+    let _ = driver.child.wait();
+    server.stop().await.unwrap();
+    let _ = std::fs::remove_dir_all(&state);
+    let _ = std::fs::remove_dir_all(&publisher.work);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_0_24_resumes_through_the_replay_socket_after_a_restart() {
+    run_restart_case(Case {
+        engine: "vllm",
+        version: "0.24.0",
+        hash_kind: "bytes",
+        tcp: true,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_0_5_20_resumes_through_the_replay_socket_after_a_restart() {
+    run_restart_case(Case {
+        engine: "sglang",
+        version: "0.5.20",
+        hash_kind: "signed",
+        tcp: true,
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

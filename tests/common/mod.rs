@@ -40,6 +40,7 @@ impl TestServer {
             let _ = rx.await;
         }));
         let channel = connect(grpc_addr).await;
+        wait_serving(&channel).await;
         Self {
             grpc_addr,
             metrics_addr,
@@ -107,6 +108,25 @@ impl Drop for TestServer {
     fn drop(&mut self) {
         self.begin_shutdown();
     }
+}
+
+/// Waits until health says SERVING: with a state directory, every other
+/// call is UNAVAILABLE while the snapshot loads.
+pub async fn wait_serving(channel: &Channel) {
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    for _ in 0..1000 {
+        let status = health
+            .check(HealthCheckRequest::default())
+            .await
+            .map(|r| r.into_inner().status)
+            .ok();
+        if status == Some(ServingStatus::Serving as i32) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("kvroute never said SERVING");
 }
 
 pub async fn connect(addr: SocketAddr) -> Channel {
