@@ -82,6 +82,14 @@ async fn reflection_lists_the_three_kvroute_services() {
 #[tokio::test]
 async fn metrics_endpoint_counts_rpcs_by_method_and_code() {
     let server = TestServer::start().await;
+    // TestServer::start waited for SERVING with health checks of its own.
+    let ok = r#"kvroute_rpc_requests_total{code="OK",method="/grpc.health.v1.Health/Check"}"#;
+    let count = |body: &str| -> u64 {
+        body.lines()
+            .find_map(|l| l.strip_prefix(ok)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let (_, before) = server.http_get("/metrics").await;
     health_status(&server, "").await;
     let _ = server
         .health()
@@ -91,12 +99,7 @@ async fn metrics_endpoint_counts_rpcs_by_method_and_code() {
         .await;
     let (status, body) = server.http_get("/metrics").await;
     assert_eq!(status, 200);
-    assert!(
-        body.contains(
-            r#"kvroute_rpc_requests_total{code="OK",method="/grpc.health.v1.Health/Check"} 1"#
-        ),
-        "{body}"
-    );
+    assert_eq!(count(&body), count(&before) + 1, "{body}");
     assert!(
         body.contains(r#"kvroute_rpc_requests_total{code="NOT_FOUND",method="/grpc.health.v1.Health/Check"} 1"#),
         "{body}"
