@@ -15,6 +15,7 @@ use std::{
 
 use common::{
     TestServer, batch, connect, registration, removed, select_hashes, stored, wait_serving,
+    worker::{Ev, Reply, TestWorker},
 };
 use kvroute::pb::{
     self, admin_client::AdminClient, router_client::RouterClient, workers_client::WorkersClient,
@@ -234,18 +235,21 @@ async fn sigkill_after_a_snapshot_comes_back_exact_with_cordons_sessions_and_lea
     let saved: Vec<usize> = workers.iter().map(|w| w.events.len()).collect();
 
     // After the snapshot, events the durable server sees before it dies.
-    for w in workers.iter_mut() {
-        w.store_chain(None, &[9, 10, 11]);
-    }
+    let late: Vec<Vec<u64>> = workers
+        .iter_mut()
+        .map(|w| w.store_chain(None, &[9, 10, 11]))
+        .collect();
     for w in &workers {
         publish_and_heal(&durable.channel, w, saved[(w.worker_id - 1) as usize]).await;
         publish_and_heal(&reference.channel, w, saved[(w.worker_id - 1) as usize]).await;
     }
     let addr = durable.kill_9();
 
-    // While it is down, the workers go on.
-    for w in workers.iter_mut() {
+    // While it is down, the workers go on, evicting blocks it saw stored.
+    for (w, late) in workers.iter_mut().zip(&late) {
         w.store_chain(None, &[12, 13]);
+        w.remove(&[late[2]]);
+        w.remove(&[late[0]]);
     }
     for w in &workers {
         publish_and_heal(&reference.channel, w, 0).await;
@@ -276,6 +280,88 @@ async fn sigkill_after_a_snapshot_comes_back_exact_with_cordons_sessions_and_lea
         route_session(&restarted.channel, "r-2", "conversation", &[9, 10]).await,
         pinned[0],
         "the HARD session still pins"
+    );
+    drop(restarted);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Delivers `worker`'s unacknowledged events to the server on `channel` and
+/// answers its replies (resends, resyncs) until it is asked for nothing.
+async fn deliver(channel: &Channel, worker: &mut TestWorker) {
+    let mut client = WorkersClient::new(channel.clone());
+    let mut events = worker.unacked();
+    for _ in 0..10 {
+        if events.is_empty() {
+            return;
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let mut replies = client
+            .publish_events(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("open stream")
+            .into_inner();
+        tx.send(worker.batch(&events)).await.expect("send");
+        let reply = replies.message().await.expect("reply").expect("a reply");
+        events = worker.on_reply(Reply::from_pb(&reply), worker.next_event_id());
+    }
+    panic!("the exchange does not converge");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_can_no_longer_resend_resynchronises_with_a_full_dump() {
+    let dir = state_dir("resync");
+    let durable = Process::start(&dir, free_addr(), &[]).await;
+    let reference = TestServer::start().await;
+    for channel in [&durable.channel, &reference.channel] {
+        let mut r = registration(4, MODEL);
+        r.lease_ttl_secs = 120;
+        WorkersClient::new(channel.clone())
+            .register_worker(r)
+            .await
+            .expect("register");
+    }
+    // The same history for both servers, from two copies of the worker.
+    let mut worker = TestWorker::new(4, 0, 0);
+    let mut tips = Vec::new();
+    for chain in 0..4u64 {
+        let (_, event) = worker.store(None, &[1, 2, 100 + chain, 200 + chain]);
+        if let Ev::Stored { blocks, .. } = event {
+            tips.push(blocks.iter().map(|b| b.0).collect::<Vec<_>>());
+        }
+    }
+    worker.remove(&[tips[0][1]]);
+    let mut seen_by_reference = worker.clone();
+    deliver(&durable.channel, &mut worker).await;
+    deliver(&reference.channel, &mut seen_by_reference).await;
+    durable
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .expect("snapshot");
+
+    // After the snapshot: acknowledged by the durable kvroute, so the
+    // worker forgets them; then it dies.
+    for w in [&mut worker, &mut seen_by_reference] {
+        w.store(Some(tips[1][3]), &[300, 301]);
+        w.remove(&[tips[2][3]]);
+    }
+    deliver(&durable.channel, &mut worker).await;
+    deliver(&reference.channel, &mut seen_by_reference).await;
+    let addr = durable.kill_9();
+    let restarted = Process::start(&dir, addr, &[]).await;
+
+    // Its next events: the restored cursor asks for what followed the
+    // snapshot, which the worker no longer has: it resyncs.
+    for w in [&mut worker, &mut seen_by_reference] {
+        w.store(Some(tips[3][3]), &[400]);
+    }
+    deliver(&restarted.channel, &mut worker).await;
+    deliver(&reference.channel, &mut seen_by_reference).await;
+    assert_eq!(worker.resyncs, 1, "the worker resynchronised once");
+    assert_eq!(
+        digest(&restarted.channel).await,
+        digest(&reference.channel).await,
+        "after the resync the index holds exactly what the worker holds"
     );
     drop(restarted);
     let _ = std::fs::remove_dir_all(&dir);
