@@ -35,6 +35,9 @@ pub struct Metrics {
     pub input_rejected: IntCounterVec,
     pub engine: EngineEventFamilies,
     pub snapshot: SnapshotFamilies,
+    /// `source`: grpc (events applied by batches answering a resend). An
+    /// engine's catch-up is `engine_event_replayed_batches_total{worker}`.
+    pub catchup_events: IntCounterVec,
 }
 
 /// Engine-native KV event subscriptions, per worker (`subscriptions`).
@@ -207,6 +210,16 @@ impl Metrics {
             )?,
             engine: EngineEventFamilies::register(&registry)?,
             snapshot: SnapshotFamilies::register(&registry)?,
+            catchup_events: registered(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "catchup_events_total",
+                        "Events applied while catching up after a gap or a restart, by source",
+                    ),
+                    &["source"],
+                )?,
+            )?,
             registry,
         }))
     }

@@ -41,15 +41,17 @@ fn state_dir(name: &str) -> PathBuf {
 struct Process {
     child: Child,
     grpc: SocketAddr,
+    metrics: SocketAddr,
     channel: Channel,
 }
 
 impl Process {
     async fn start(dir: &Path, grpc: SocketAddr, extra: &[&str]) -> Self {
+        let metrics = free_addr();
         let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .arg("serve")
             .args(["--grpc-addr", &grpc.to_string()])
-            .args(["--metrics-addr", &free_addr().to_string()])
+            .args(["--metrics-addr", &metrics.to_string()])
             .args(["--state-dir", &dir.display().to_string()])
             .args([
                 "--snapshot-interval",
@@ -69,8 +71,24 @@ impl Process {
         Self {
             child,
             grpc,
+            metrics,
             channel,
         }
+    }
+
+    /// The value of one series of its Prometheus endpoint (0 when absent).
+    fn metric(&self, series: &str) -> f64 {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(self.metrics).expect("metrics");
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: kvroute\r\n\r\n")
+            .expect("request");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).expect("response");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
     }
 
     fn admin(&self) -> AdminClient<Channel> {
@@ -264,6 +282,15 @@ async fn sigkill_after_a_snapshot_comes_back_exact_with_cordons_sessions_and_lea
         digest(&reference.channel).await,
         "index after restart and resends"
     );
+    assert_eq!(
+        restarted.metric(r#"kvroute_snapshots_total{outcome="loaded"}"#),
+        1.0
+    );
+    assert_eq!(
+        restarted.metric("kvroute_snapshot_entries_restored"),
+        written.entries as f64
+    );
+    assert!(restarted.metric(r#"kvroute_catchup_events_total{source="grpc"}"#) >= 9.0);
     let cordoned = restarted
         .admin()
         .get_worker(pb::GetWorkerRequest { worker_id: 2 })

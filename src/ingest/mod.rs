@@ -432,6 +432,9 @@ impl EventWriter {
         let mut tally = Tally::default();
         let mut cursors = self.cursors.lock();
         let cursor = cursors.entry(target).or_default();
+        // A batch that answers a resend request is catch-up (after a gap,
+        // or after a restart from a snapshot).
+        let catching_up = cursor.resend_from().is_some();
         let receipt = cursor.receive(batch.events, |event| tally.apply(&index, target, event));
         let mut outcome = BatchOutcome {
             dp_rank: batch.dp_rank,
@@ -446,6 +449,13 @@ impl EventWriter {
             tally.skip(reason.label(), u64::from(receipt.skipped(reason)));
         }
         let counts = tally.finish(self);
+        if catching_up && counts.applied > 0 {
+            self.router
+                .metrics()
+                .catchup_events
+                .with_label_values(&["grpc"])
+                .inc_by(u64::from(counts.applied));
+        }
         outcome.applied = counts.applied;
         outcome.rejected = counts.rejected;
         outcome.skipped = receipt.skipped_total();
