@@ -59,12 +59,35 @@ impl LocalServer {
         let handle = tokio::spawn(app::run(config, grpc, metrics, async move {
             let _ = stopped.await;
         }));
-        Ok(Self {
+        let server = Self {
             addr,
             metrics_addr,
             stop: Some(stop),
             handle,
-        })
+        };
+        server.wait_serving().await?;
+        Ok(server)
+    }
+
+    /// Waits until health says SERVING (with a state directory, every other
+    /// call is UNAVAILABLE while the snapshot loads).
+    async fn wait_serving(&self) -> Result<(), BenchError> {
+        use tonic_health::pb::{
+            HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+        };
+        let mut health = HealthClient::new(connect(&self.addr.to_string()).await?);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        while tokio::time::Instant::now() < deadline {
+            let status = health
+                .check(HealthCheckRequest::default())
+                .await
+                .map(|r| r.into_inner().status);
+            if matches!(status, Ok(s) if s == ServingStatus::Serving as i32) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Err(BenchError::Setup("the server never said SERVING".into()))
     }
 
     /// The text of its `GET /metrics`, if it answers.
