@@ -258,11 +258,13 @@ impl Default for ServeConfig {
 
 impl ServeConfig {
     fn fallback() -> Self {
+        // The router's own defaults are the flags' defaults.
+        let r = RouterConfig::default();
         Self {
             config: None,
             grpc_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
-            block_size: 16,
+            block_size: r.default_block_size,
             log_format: LogFormat::Pretty,
             log_level: "info".into(),
             max_message_bytes: 16 * 1024 * 1024,
@@ -270,18 +272,18 @@ impl ServeConfig {
             concurrency_limit: 4096,
             shutdown_grace: Duration::from_secs(10),
             drain_delay: Duration::ZERO,
-            lease_ttl: Duration::from_secs(10),
-            booking_ttl: Duration::from_secs(300),
-            overlap_weight: DEFAULT_OVERLAP_WEIGHT,
-            overlap_credit: DEFAULT_OVERLAP_CREDIT,
-            temperature: 0.0,
-            busy_threshold: 4.0,
-            kv_busy_fraction: 0.98,
-            queue_capacity: 1024,
-            session_ttl: Duration::from_secs(600),
-            max_events_per_batch: 4096,
-            max_blocks_per_event: 16384,
-            seed: 0,
+            lease_ttl: r.lease_ttl,
+            booking_ttl: r.booking_ttl,
+            overlap_weight: r.overlap_weight,
+            overlap_credit: r.overlap_credit,
+            temperature: r.temperature,
+            busy_threshold: r.busy_threshold,
+            kv_busy_fraction: r.kv_busy_fraction,
+            queue_capacity: r.queue_capacity,
+            session_ttl: r.session_ttl,
+            max_events_per_batch: r.limits.max_events_per_batch,
+            max_blocks_per_event: r.limits.max_blocks_per_event,
+            seed: r.seed,
             state_dir: None,
             snapshot_interval: Duration::from_secs(30),
             require_snapshot: false,
@@ -435,6 +437,12 @@ fn parse_log_filter(text: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_flags_defaults_are_the_routers_defaults() {
+        assert_eq!(ServeConfig::default().router_config(), RouterConfig::default());
+        assert_eq!(ServeConfig::fallback().router_config(), RouterConfig::default());
+    }
     use crate::engine_events::Dialect;
 
     #[test]
