@@ -440,8 +440,14 @@ mod tests {
 
     #[test]
     fn the_flags_defaults_are_the_routers_defaults() {
-        assert_eq!(ServeConfig::default().router_config(), RouterConfig::default());
-        assert_eq!(ServeConfig::fallback().router_config(), RouterConfig::default());
+        assert_eq!(
+            ServeConfig::default().router_config(),
+            RouterConfig::default()
+        );
+        assert_eq!(
+            ServeConfig::fallback().router_config(),
+            RouterConfig::default()
+        );
     }
     use crate::engine_events::Dialect;
 

@@ -42,7 +42,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::index::{KvEvent, KvIndex};
-use crate::types::{DpRank, WorkerId, WorkerRank};
+use crate::types::{DpRank, EngineHash, WorkerId, WorkerRank};
 
 pub use metrics::{MetricsSnapshot, WorkerEventMetrics};
 pub use sequence::{
@@ -157,6 +157,9 @@ pub struct EngineEventsConfig {
     /// Ranks that were unsynced when `resume_from` was saved
     /// ([`WorkerSubscription::unsynced_ranks`]): they start unsynced.
     pub resume_unsynced: Vec<DpRank>,
+    /// The cache salts of salted blocks each resumed rank holds (see
+    /// [`RankProgress::salts`]).
+    pub resume_salts: HashMap<DpRank, SavedSalts>,
 }
 
 impl EngineEventsConfig {
@@ -187,6 +190,7 @@ impl EngineEventsConfig {
             replay_timeout: Duration::from_secs(5),
             resume_from: HashMap::new(),
             resume_unsynced: Vec::new(),
+            resume_salts: HashMap::new(),
         }
     }
 
@@ -251,6 +255,21 @@ pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
     Some(format!("tcp://{host}:{port}"))
 }
 
+/// The cache salts of one rank's salted blocks: (engine hash, salt).
+pub type SavedSalts = Vec<(EngineHash, Arc<str>)>;
+
+/// Where a worker's subscription carries on after a restart: what its
+/// ranks had reached when the snapshot was taken.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResumePoint {
+    /// The last applied engine sequence per rank.
+    pub sequences: HashMap<DpRank, u64>,
+    /// Ranks that were unsynced.
+    pub unsynced: Vec<DpRank>,
+    /// The cache salts of salted blocks per rank.
+    pub salts: HashMap<DpRank, SavedSalts>,
+}
+
 /// What one rank's subscription has reached, shared with whoever reads it
 /// while the subscription runs (summaries, snapshots). Written by the rank's
 /// processor: the last applied sequence once the sink is done with its
@@ -258,6 +277,8 @@ pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
 #[derive(Debug, Default)]
 pub struct RankProgress {
     state: parking_lot::Mutex<RankState>,
+    /// The rank's translator's salts (see [`translate::Salts`]).
+    salts: translate::Salts,
 }
 
 #[derive(Debug, Default)]
@@ -267,6 +288,18 @@ struct RankState {
 }
 
 impl RankProgress {
+    /// The cache salt of each salted block the rank holds.
+    pub fn salts(&self) -> SavedSalts {
+        let mut salts: SavedSalts = self
+            .salts
+            .lock()
+            .iter()
+            .map(|(&h, s)| (h, Arc::clone(s)))
+            .collect();
+        salts.sort_unstable_by_key(|&(h, _)| h);
+        salts
+    }
+
     /// The last engine sequence whose events were handed to the sink (and
     /// the sink finished with), `None` before the first or after a restart.
     pub fn last_applied(&self) -> Option<u64> {
@@ -317,14 +350,19 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         metrics: Arc<WorkerEventMetrics>,
         sink: Arc<S>,
     ) -> Self {
+        let translator = Translator::new(opts);
+        let progress = Arc::new(RankProgress {
+            salts: Arc::clone(translator.salts()),
+            ..RankProgress::default()
+        });
         Self {
             target,
             dialect,
             tracker: SequenceTracker::new(),
-            translator: Translator::new(opts),
+            translator,
             metrics,
             sink,
-            progress: Arc::default(),
+            progress,
             reported_unsynced: false,
             // What the engine published before kvroute subscribed is asked
             // of its replay socket at once (it may publish nothing else for
@@ -354,6 +392,12 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         tracing::info!(target = %self.target, last_applied, unsynced, "resuming engine events after a saved sequence");
         self.sync_status();
         self.publish_applied();
+    }
+
+    /// Takes back the salts of the rank's salted blocks saved with its
+    /// sequence, so chains continued after the resume hash with their salt.
+    pub fn restore_salts(&mut self, salts: impl IntoIterator<Item = (EngineHash, Arc<str>)>) {
+        self.translator.restore_salts(salts);
     }
 
     /// Marks the rank unsynced (a saved state said so) without a sequence.

@@ -38,7 +38,7 @@ use zeromq::{
 use super::wire::{self, ReplayFrame};
 use super::{
     Backoff, ConfigError, EngineEventsConfig, EventSink, RankEndpoints, RankProcessor,
-    RankProgress, Unsynced, WorkerEventMetrics,
+    RankProgress, SavedSalts, Unsynced, WorkerEventMetrics,
 };
 use crate::types::{DpRank, WorkerRank};
 
@@ -85,6 +85,16 @@ impl WorkerSubscription {
             .collect();
         ranks.sort_unstable();
         ranks
+    }
+
+    /// Each dp rank's salted blocks (see [`RankProgress::salts`]), for ranks
+    /// that have any.
+    pub fn salts(&self) -> Vec<(DpRank, SavedSalts)> {
+        self.ranks
+            .iter()
+            .map(|(r, p)| (*r, p.salts()))
+            .filter(|(_, salts)| !salts.is_empty())
+            .collect()
     }
 
     /// Stop every rank's task and wait for them.
@@ -138,6 +148,9 @@ pub fn spawn_worker<S: EventSink>(
             Arc::clone(&metrics),
             Arc::clone(&sink),
         );
+        if let Some(salts) = cfg.resume_salts.get(rank) {
+            proc.restore_salts(salts.iter().cloned());
+        }
         match cfg.resume_from.get(rank) {
             Some(&last) => proc.resume_from(last, cfg.resume_unsynced.contains(rank)),
             None if cfg.resume_unsynced.contains(rank) => proc.mark_unsynced(Unsynced::Resumed),

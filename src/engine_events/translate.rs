@@ -72,20 +72,36 @@ pub struct TranslateOptions {
 #[derive(Debug)]
 pub struct Translator {
     opts: Arc<TranslateOptions>,
-    salts: HashMap<EngineHash, Arc<str>>,
+    /// The cache salt of each salted block the rank holds: a block stored
+    /// under a salted parent inherits it. Shared, so a snapshot can save it
+    /// (a chain continued after a restart must hash with its salt).
+    salts: Salts,
 }
+
+/// Engine hash -> cache salt, of one rank's salted blocks.
+pub type Salts = Arc<parking_lot::Mutex<HashMap<EngineHash, Arc<str>>>>;
 
 impl Translator {
     pub fn new(opts: Arc<TranslateOptions>) -> Self {
         Self {
             opts,
-            salts: HashMap::new(),
+            salts: Salts::default(),
         }
+    }
+
+    /// The salts, shared with whoever saves them.
+    pub fn salts(&self) -> &Salts {
+        &self.salts
+    }
+
+    /// Takes saved salts back (a resume from a snapshot).
+    pub fn restore_salts(&mut self, saved: impl IntoIterator<Item = (EngineHash, Arc<str>)>) {
+        self.salts.lock().extend(saved);
     }
 
     /// Forget all per-rank state (engine restart or cache cleared).
     pub fn reset(&mut self) {
-        self.salts.clear();
+        self.salts.lock().clear();
     }
 
     fn counts_medium(&self, medium: Option<&str>) -> bool {
@@ -106,7 +122,7 @@ impl Translator {
     pub fn translate(&mut self, event: EngineEvent) -> Result<Translated, DecodeError> {
         match event {
             EngineEvent::Cleared => {
-                self.salts.clear();
+                self.salts.lock().clear();
                 Ok(Translated::Apply(KvEvent::Cleared))
             }
             EngineEvent::Removed(r) => {
@@ -119,9 +135,11 @@ impl Translator {
                 if r.block_hashes.is_empty() {
                     return Ok(Translated::Nothing);
                 }
+                let mut salts = self.salts.lock();
                 for h in &r.block_hashes {
-                    self.salts.remove(h);
+                    salts.remove(h);
                 }
+                drop(salts);
                 Ok(Translated::Apply(KvEvent::Removed {
                     blocks: r.block_hashes,
                 }))
@@ -173,7 +191,7 @@ impl Translator {
                     .or(salt_from_keys.map(Arc::from))
                     .or_else(|| {
                         s.parent_block_hash
-                            .and_then(|p| self.salts.get(&p).cloned())
+                            .and_then(|p| self.salts.lock().get(&p).cloned())
                     });
                 let opts = HashOptions {
                     lora_name: lora_name.as_deref(),
@@ -181,8 +199,9 @@ impl Translator {
                 };
                 let locals = compute_block_hashes(&s.token_ids, bs, &opts, mm.as_deref());
                 if let Some(ns) = &namespace {
+                    let mut salts = self.salts.lock();
                     for h in &s.block_hashes {
-                        self.salts.insert(*h, Arc::clone(ns));
+                        salts.insert(*h, Arc::clone(ns));
                     }
                 }
                 Ok(Translated::Apply(KvEvent::Stored {

@@ -28,7 +28,7 @@ use dashmap::DashMap;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::{
-    engine_events::{EngineSource, EngineSpec},
+    engine_events::{EngineSource, EngineSpec, ResumePoint},
     index::{IndexDigest, IndexStats},
     ingest::{BatchOutcome, IngestError, IngestHandle, ValidatedBatch, cursor::EventCursor},
     registry::{EventTarget, RegisterOutcome, Registration, RegistryError, WorkerRecord},
@@ -93,12 +93,8 @@ pub struct Fleet {
     turns: DashMap<WorkerId, Arc<Mutex<()>>>,
     /// Saved engine sequences (and unsynced ranks) of configured engines,
     /// restored from a snapshot, for when the configuration starts them.
-    configured_resume: parking_lot::Mutex<HashMap<WorkerId, Resume>>,
+    configured_resume: parking_lot::Mutex<HashMap<WorkerId, ResumePoint>>,
 }
-
-/// Where an engine subscription resumes: the last sequence applied per
-/// rank, and the ranks that were unsynced.
-type Resume = (HashMap<DpRank, u64>, Vec<DpRank>);
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -219,16 +215,16 @@ impl Fleet {
             );
         }
         self.ingest.reserve(&record.snapshot()).await;
-        let (resume_from, unsynced) = if configured {
+        let resume = if configured {
             self.configured_resume
                 .lock()
                 .remove(&worker_id)
                 .unwrap_or_default()
         } else {
-            Resume::default()
+            ResumePoint::default()
         };
         self.subscriptions
-            .update_resuming(record, source, configured, resume_from, unsynced)
+            .update_resuming(record, source, configured, resume)
             .await
             .map_err(|message| FleetError::InvalidSource { worker_id, message })?;
         tracing::info!(worker_id, created = outcome.created, "worker registered");

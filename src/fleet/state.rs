@@ -10,16 +10,16 @@
 //! one job between the others, so its blocks and cursor agree with each
 //! other without holding up any other target's events.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
 use super::Fleet;
 use crate::{
     admission::bookings::SavedBooking,
-    engine_events::EngineSource,
+    engine_events::{EngineSource, ResumePoint},
     ingest::{CapturedTarget, RankRegistration},
     registry::SavedWorker,
     select::affinity::SavedSession,
-    types::{DpRank, WorkerId, WorkerRank},
+    types::{EngineHash, WorkerId, WorkerRank},
 };
 
 /// A worker as a snapshot keeps it.
@@ -43,6 +43,9 @@ pub struct FleetTarget {
     /// The engine's events for it were lost for good (it stays unsynced
     /// until the engine reports `AllBlocksCleared`).
     pub engine_unsynced: bool,
+    /// The engine's cache salt of each salted block the rank holds (a chain
+    /// continued after the restart hashes with it).
+    pub engine_salts: Vec<(EngineHash, Arc<str>)>,
 }
 
 /// Everything a snapshot keeps.
@@ -94,13 +97,7 @@ impl Fleet {
             let (source, configured) = self.subscriptions.source_of(r.worker_id).unzip();
             // Read before the blocks: a batch applied in between is then
             // replayed again on resume (harmless), never skipped.
-            let sequences: HashMap<DpRank, u64> = self
-                .subscriptions
-                .last_sequences(r.worker_id)
-                .unwrap_or_default()
-                .into_iter()
-                .collect();
-            let unsynced = self.subscriptions.unsynced_ranks(r.worker_id);
+            let mut resume = self.subscriptions.resume_point(r.worker_id);
             for dp_rank in r.dp_start_rank..r.dp_start_rank.saturating_add(r.dp_size) {
                 let target = WorkerRank::new(r.worker_id, dp_rank);
                 let rank = RankRegistration {
@@ -116,8 +113,9 @@ impl Fleet {
                 state.targets.push(FleetTarget {
                     target,
                     captured,
-                    engine_sequence: sequences.get(&dp_rank).copied(),
-                    engine_unsynced: unsynced.contains(&dp_rank),
+                    engine_sequence: resume.sequences.get(&dp_rank).copied(),
+                    engine_unsynced: resume.unsynced.contains(&dp_rank),
+                    engine_salts: resume.salts.remove(&dp_rank).unwrap_or_default(),
                 });
             }
             state.workers.push(FleetWorker {
@@ -160,14 +158,18 @@ impl Fleet {
                 Err(error) => report.workers_refused.push((worker_id, error.to_string())),
             }
         }
-        let mut resume: HashMap<WorkerId, (HashMap<DpRank, u64>, Vec<DpRank>)> = HashMap::new();
+        let mut resume: HashMap<WorkerId, ResumePoint> = HashMap::new();
         for saved in state.targets {
             let entry = resume.entry(saved.target.worker_id).or_default();
+            let rank = saved.target.dp_rank;
             if let Some(sequence) = saved.engine_sequence {
-                entry.0.insert(saved.target.dp_rank, sequence);
+                entry.sequences.insert(rank, sequence);
             }
             if saved.engine_unsynced {
-                entry.1.push(saved.target.dp_rank);
+                entry.unsynced.push(rank);
+            }
+            if !saved.engine_salts.is_empty() {
+                entry.salts.insert(rank, saved.engine_salts);
             }
             let Some((generation, model)) = generations.get(&saved.target.worker_id) else {
                 report.targets_refused += 1;
@@ -191,20 +193,20 @@ impl Fleet {
             }
         }
         report.bookings_refused = self.router.restore_routing(state.sessions, state.bookings);
-        // Configured engines restart from the configuration, resuming here.
-        self.configured_resume.lock().extend(
-            resume
-                .drain()
-                .filter(|(worker_id, _)| configured.contains(worker_id)),
-        );
+        // Configured engines restart from the configuration, resuming there.
+        let (configured_resume, mut resume): (HashMap<_, _>, HashMap<_, _>) = resume
+            .into_iter()
+            .partition(|(worker_id, _)| configured.contains(worker_id));
+        self.configured_resume.lock().extend(configured_resume);
         for (record, source) in sources {
             let worker_id = record.registration.worker_id;
+            let saved = resume.remove(&worker_id).unwrap_or_default();
             let _turn = self.turn(worker_id).await;
-            if let Err(message) = self
+            let started = self
                 .subscriptions
-                .update(&record, Some(source), false)
-                .await
-            {
+                .update_resuming(&record, Some(source), false, saved)
+                .await;
+            if let Err(message) = started {
                 tracing::warn!(worker_id, %message, "saved engine subscription not restarted");
             }
         }

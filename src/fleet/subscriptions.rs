@@ -24,7 +24,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
     engine_events::{
-        EngineSource, EventSink, MetricsSnapshot, SinkOutcome, WorkerEventMetrics,
+        EngineSource, EventSink, MetricsSnapshot, ResumePoint, SinkOutcome, WorkerEventMetrics,
         WorkerSubscription, dialect_name, spawn_worker,
     },
     index::KvEvent,
@@ -142,24 +142,23 @@ impl Subscriptions {
         source: Option<EngineSource>,
         configured: bool,
     ) -> Result<(), String> {
-        self.update_resuming(record, source, configured, HashMap::new(), Vec::new())
+        self.update_resuming(record, source, configured, ResumePoint::default())
             .await
     }
 
     /// [`Self::update`], but a subscription it starts carries on from saved
-    /// state: each dp rank in `resume_from` from its last applied engine
+    /// state: each dp rank in `resume.sequences` from its last applied engine
     /// sequence (the batches after it are replayed from the engine's replay
-    /// socket, as any gap is), and the ranks in `resume_unsynced` start
-    /// unsynced. What [`Self::last_sequences`] and [`Self::unsynced_ranks`]
-    /// returned before a restart. A subscription that already runs and
+    /// socket, as any gap is), the ranks in `resume.unsynced` start
+    /// unsynced, and salted blocks keep their salts. What
+    /// [`Self::resume_point`] returned before a restart. A subscription that already runs and
     /// matches is kept as it is (it is live, and ahead of any saved state).
     pub async fn update_resuming(
         &self,
         record: &WorkerRecord,
         source: Option<EngineSource>,
         configured: bool,
-        resume_from: HashMap<DpRank, u64>,
-        resume_unsynced: Vec<DpRank>,
+        resume: ResumePoint,
     ) -> Result<(), String> {
         let r = &record.registration;
         let worker_id = r.worker_id;
@@ -187,8 +186,9 @@ impl Subscriptions {
             r.dp_start_rank,
             r.dp_size,
         )?;
-        cfg.resume_from = resume_from;
-        cfg.resume_unsynced = resume_unsynced;
+        cfg.resume_from = resume.sequences;
+        cfg.resume_unsynced = resume.unsynced;
+        cfg.resume_salts = resume.salts;
         let sink = Arc::new(IngestSink {
             ingest: self.ingest.clone(),
             worker_id,
@@ -287,6 +287,22 @@ impl Subscriptions {
             .lock()
             .get(&worker_id)
             .map(|r| r.subscription.last_sequences())
+    }
+
+    /// Where a worker's subscription would carry on from after a restart:
+    /// each rank's last applied sequence, its unsynced ranks and the salts
+    /// of its salted blocks. Read before the index (see
+    /// [`WorkerSubscription::last_sequences`]).
+    pub fn resume_point(&self, worker_id: WorkerId) -> ResumePoint {
+        let running = self.running.lock();
+        let Some(r) = running.get(&worker_id) else {
+            return ResumePoint::default();
+        };
+        ResumePoint {
+            sequences: r.subscription.last_sequences().into_iter().collect(),
+            unsynced: r.subscription.unsynced_ranks(),
+            salts: r.subscription.salts().into_iter().collect(),
+        }
     }
 
     /// The dp ranks of a worker's subscription whose blocks may differ from
@@ -420,9 +436,13 @@ mod tests {
             endpoint: "tcp://127.0.0.1:9".into(),
             replay_endpoint: None,
         };
-        let saved = HashMap::from([(0, 41), (1, 7), (5, 3)]);
+        let saved = ResumePoint {
+            sequences: HashMap::from([(0, 41), (1, 7), (5, 3)]),
+            unsynced: vec![1],
+            ..ResumePoint::default()
+        };
         subscriptions
-            .update_resuming(&record, Some(source), false, saved, vec![1])
+            .update_resuming(&record, Some(source), false, saved)
             .await
             .unwrap_or_else(|e| panic!("update: {e}"));
         assert_eq!(subscriptions.last_sequences(7), Some(vec![(0, 41), (1, 7)]));

@@ -119,6 +119,8 @@ fn target_to_pb(t: &FleetTarget) -> pb::SnapshotTarget {
         last_event_id: t.captured.last_event_id,
         engine_sequence: t.engine_sequence,
         engine_unsynced: t.engine_unsynced,
+        salted_blocks: t.engine_salts.iter().map(|(h, _)| *h).collect(),
+        salts: t.engine_salts.iter().map(|(_, s)| s.to_string()).collect(),
         ..Default::default()
     };
     out.locals.reserve(content.nodes.len());
@@ -234,6 +236,9 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
     if t.parent_back.len() != n {
         return Err(invalid(what(), "parent_back and locals differ in length"));
     }
+    if t.salted_blocks.len() != t.salts.len() {
+        return Err(invalid(what(), "salted blocks and salts differ in length"));
+    }
     if t.engines.len() + t.unheld.len() != n || t.more_nodes.len() != t.more_engines.len() {
         return Err(invalid(
             what(),
@@ -289,5 +294,11 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
         },
         engine_sequence: t.engine_sequence,
         engine_unsynced: t.engine_unsynced,
+        engine_salts: t
+            .salted_blocks
+            .into_iter()
+            .zip(t.salts)
+            .map(|(h, s)| (h, std::sync::Arc::from(s)))
+            .collect(),
     })
 }
