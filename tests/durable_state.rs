@@ -489,3 +489,15 @@ async fn a_damaged_snapshot_starts_cold_in_one_line_or_refuses_when_required() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[tokio::test]
+async fn without_a_state_directory_a_snapshot_is_a_failed_precondition() {
+    let server = TestServer::start().await;
+    let refused = server
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .expect_err("no state directory");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(refused.message().contains("--state-dir"), "{refused:?}");
+}

@@ -285,10 +285,15 @@ fn write_atomically(
             source,
         }
     };
-    let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-    file.write_all(bytes).map_err(io(&tmp))?;
-    file.sync_all().map_err(io(&tmp))?;
-    drop(file);
+    let written = std::fs::File::create(&tmp).and_then(|mut file| {
+        file.write_all(bytes)?;
+        file.sync_all()
+    });
+    if let Err(source) = written {
+        // A full disk or a failed sync leaves no half-written file behind.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(&tmp)(source));
+    }
     std::fs::rename(&tmp, &path).map_err(io(&path))?;
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
