@@ -100,25 +100,56 @@ pub fn dialect_name(dialect: Dialect) -> &'static str {
 /// `ipc://PATH`.
 pub fn check_endpoint(field: &str, endpoint: &str) -> Result<(), String> {
     if let Some(rest) = endpoint.strip_prefix("tcp://") {
-        let ok = rest.rsplit_once(':').is_some_and(|(host, port)| {
-            !host.is_empty() && host != "*" && port.parse::<u16>().is_ok_and(|p| p > 0)
-        });
-        if ok {
+        if tcp_host_port(rest).is_some() {
             return Ok(());
         }
         return Err(format!(
-            "{field} {endpoint:?}: expected tcp://HOST:PORT with a connectable host and a port 1-65535"
+            "{field} {endpoint:?}: expected tcp://HOST:PORT with a connectable host (a DNS name, an IPv4 address or a bracketed IPv6 address) and a port 1-65535"
         ));
     }
     if let Some(path) = endpoint.strip_prefix("ipc://") {
-        if !path.is_empty() {
+        if !path.is_empty() && path.len() <= MAX_IPC_PATH && !path.chars().any(char::is_control) {
             return Ok(());
         }
-        return Err(format!("{field} {endpoint:?}: ipc:// needs a socket path"));
+        return Err(format!(
+            "{field} {endpoint:?}: ipc:// needs a socket path of at most {MAX_IPC_PATH} bytes without control characters"
+        ));
     }
     Err(format!(
         "{field} {endpoint:?}: only tcp://HOST:PORT and ipc://PATH endpoints are supported"
     ))
+}
+
+/// Longest `ipc://` path: a Unix socket address holds 108 bytes with the
+/// terminating NUL.
+const MAX_IPC_PATH: usize = 107;
+
+/// `HOST:PORT` of a `tcp://` endpoint, if the host can be connected to and
+/// the port is 1-65535.
+fn tcp_host_port(rest: &str) -> Option<(&str, u16)> {
+    let (host, port) = rest.rsplit_once(':')?;
+    let port: u16 = port.parse().ok().filter(|&p| p > 0)?;
+    let connectable = match host.strip_prefix('[') {
+        Some(inner) => inner
+            .strip_suffix(']')
+            .is_some_and(|ip| ip.parse::<std::net::Ipv6Addr>().is_ok()),
+        None => host.parse::<std::net::Ipv4Addr>().is_ok() || is_dns_name(host),
+    };
+    connectable.then_some((host, port))
+}
+
+/// A host name: dot-separated labels of 1-63 letters, digits and inner
+/// hyphens, 253 bytes at most.
+fn is_dns_name(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        })
 }
 
 /// One `kvroute serve --engine` setting: a worker kvroute registers itself
@@ -131,4 +162,47 @@ pub struct EngineSpec {
     pub dp_start_rank: u32,
     pub dp_size: u32,
     pub source: EngineSource,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_endpoint;
+
+    #[test]
+    fn endpoints_are_checked_whole() {
+        for good in [
+            "tcp://10.0.0.5:5557",
+            "tcp://engine-0.engines.svc.cluster.local:5557",
+            "tcp://localhost:1",
+            "tcp://[::1]:5557",
+            "tcp://[fe80::1]:65535",
+            "ipc:///tmp/kvroute/engine.sock",
+        ] {
+            assert_eq!(check_endpoint("events_endpoint", good), Ok(()), "{good}");
+        }
+        for bad in [
+            "tcp://[::1",
+            "tcp://[::1]",
+            "tcp://[not-an-ip]:5557",
+            "tcp://::1:5557",
+            "tcp://*:5557",
+            "tcp://:5557",
+            "tcp://host:0",
+            "tcp://host:65536",
+            "tcp://ho st:5557",
+            "tcp://host\n:5557",
+            "tcp://-host:5557",
+            "tcp://host..example:5557",
+            "ipc://",
+            "ipc://a\nb",
+            "udp://host:5557",
+        ] {
+            assert!(
+                check_endpoint("events_endpoint", bad).is_err(),
+                "{bad:?} accepted"
+            );
+        }
+        let long = format!("ipc:///{}", "x".repeat(107));
+        assert!(check_endpoint("events_endpoint", &long).is_err());
+    }
 }
