@@ -493,3 +493,25 @@ proptest! {
         run(first_id, &ops, &cuts, nets, answers)?;
     }
 }
+
+#[test]
+fn engine_events_the_index_refuses_count_as_rejected_for_the_rank() {
+    let stream = Stream::new();
+    let outcome = stream
+        .writer
+        .apply_engine_batch(kvroute::ingest::EngineBatch {
+            worker_id: WORKER,
+            generation: stream.generation,
+            model: MODEL.into(),
+            dp_rank: 0,
+            events: vec![KvEvent::Stored {
+                parent: Some(404),
+                blocks: vec![(1, 1)],
+            }],
+        })
+        .unwrap();
+    assert_eq!(outcome.rejected, 1);
+    let cursor = stream.writer.cursor(WorkerRank::new(WORKER, 0)).unwrap();
+    assert_eq!(cursor.rejected, 1);
+    assert_eq!(stream.writer.cursor_totals(), (0, 1));
+}

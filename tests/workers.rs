@@ -676,3 +676,36 @@ async fn a_worker_told_to_resync_sends_its_cache_and_the_index_holds_exactly_tha
          and the removal after it"
     );
 }
+
+#[tokio::test]
+async fn rejected_events_show_in_the_admin_api_as_in_the_metrics() {
+    let server = TestServer::start().await;
+    server.register(registration(3, "m")).await;
+    // A block of 3 token ids where the worker's block size is 16: the whole
+    // batch of two events is refused.
+    let mut bad = stored(0, None, &[(1, 11)]);
+    if let Some(pb::kv_event::Kind::Stored(s)) = &mut bad.kind {
+        s.blocks[0].content = Some(pb::stored_block::Content::TokenIds(pb::TokenIds {
+            ids: vec![1, 2, 3],
+        }));
+    }
+    let refused = server
+        .publish(batch(3, 0, vec![stored(0, None, &[(5, 55)]), bad]))
+        .await
+        .expect_err("malformed");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    // An event the index refuses (its parent is unknown) in a valid batch.
+    let reply = server
+        .publish(batch(3, 0, vec![stored(0, Some(999), &[(6, 66)])]))
+        .await
+        .expect("batch");
+    assert_eq!(reply.rejected, 1);
+    let info = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 3 })
+        .await
+        .expect("worker")
+        .into_inner();
+    assert_eq!(info.ranks[0].events_rejected, 3, "{info:?}");
+    assert_eq!(index_stats(&server).await.events_rejected, 3);
+}

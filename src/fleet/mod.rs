@@ -327,6 +327,13 @@ impl Fleet {
         Ok(self.router.event_target(worker_id, dp_rank)?)
     }
 
+    /// Counts events of a registered rank rejected before reaching the writer
+    /// (a malformed batch), for the Admin API.
+    pub fn count_rejected(&self, target: EventTarget, events: u64) {
+        self.ingest
+            .count_rejected(WorkerRank::new(target.worker_id, target.dp_rank), events);
+    }
+
     /// Applies a validated batch through the index's one writer.
     pub async fn apply_events(&self, batch: ValidatedBatch) -> Result<BatchOutcome, FleetError> {
         Ok(self.ingest.apply(batch).await?)

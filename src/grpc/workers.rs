@@ -149,7 +149,12 @@ impl WorkersService {
             .event_target(batch.worker_id, batch.dp_rank)
             .map_err(Status::from)
             .and_then(|target| {
-                convert::batch_from_pb(batch, &target, limits).map_err(Status::from)
+                convert::batch_from_pb(batch, &target, limits).map_err(|e| {
+                    // A registered rank's malformed batch: its events count
+                    // as rejected in the Admin API too.
+                    self.fleet.count_rejected(target, count);
+                    Status::from(e)
+                })
             });
         let validated = match validated {
             Ok(v) => v,

@@ -177,6 +177,11 @@ impl IngestHandle {
         self.writer.cursor_totals()
     }
 
+    /// See [`EventWriter::count_rejected`].
+    pub fn count_rejected(&self, target: WorkerRank, n: u64) {
+        self.writer.count_rejected(target, n);
+    }
+
     /// Queues a batch and waits for the writer's verdict.
     pub async fn apply(&self, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
         let (reply, answer) = oneshot::channel();
@@ -322,6 +327,15 @@ impl EventWriter {
     /// The cursor of one (worker, rank), if it has seen events.
     pub fn cursor(&self, target: WorkerRank) -> Option<EventCursor> {
         self.cursors.lock().get(&target).cloned()
+    }
+
+    /// Counts `n` events of a registered (worker, rank) rejected outside its
+    /// cursor (a malformed batch, an engine event the index refused), so
+    /// `GetWorker` and `GetIndexStats` report what the metrics count.
+    pub fn count_rejected(&self, target: WorkerRank, n: u64) {
+        if n > 0 {
+            self.cursors.lock().entry(target).or_default().rejected += n;
+        }
     }
 
     /// Events skipped and rejected by every cursor: `(skipped, rejected)`.
@@ -478,6 +492,8 @@ impl EventWriter {
         for event in batch.events {
             tally.apply(&index, target, event);
         }
+        // The Admin API reports them with the gRPC stream's, per rank.
+        self.count_rejected(target, u64::from(tally.outcome.rejected));
         Ok(tally.finish(self))
     }
 
