@@ -10,6 +10,7 @@ use clap::Args;
 use super::{BenchError, connect, target};
 use crate::{
     config::ServeConfig,
+    grpc::convert,
     index::{KvEvent, KvIndex},
     oplog::{Op, OpLog},
     pb::{self, admin_client::AdminClient, workers_client::WorkersClient},
@@ -101,7 +102,7 @@ pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
     let mut ranks: BTreeMap<WorkerId, u32> = BTreeMap::new();
     for (target, event) in events.iter() {
         let id = next_id.entry(*target).or_default();
-        let event = to_pb(*id, event);
+        let event = convert::kv_event_to_pb(*id, event);
         *id += 1;
         let span = ranks.entry(target.worker_id).or_default();
         *span = (*span).max(target.dp_rank + 1);
@@ -261,30 +262,5 @@ impl Round<'_> {
         }
         let slowest = if slowest.is_finite() { slowest } else { 0.0 };
         Ok((secs, rejected, slowest, fastest, mismatches))
-    }
-}
-
-fn to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
-    let kind = match event {
-        KvEvent::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
-            parent_engine_hash: *parent,
-            blocks: blocks
-                .iter()
-                .map(|&(engine, local)| pb::StoredBlock {
-                    engine_hash: engine,
-                    content: Some(pb::stored_block::Content::LocalHash(local)),
-                    mm_info: None,
-                })
-                .collect(),
-            lora_name: String::new(),
-        }),
-        KvEvent::Removed { blocks } => pb::kv_event::Kind::Removed(pb::BlocksRemoved {
-            engine_hashes: blocks.clone(),
-        }),
-        KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::CacheCleared {}),
-    };
-    pb::KvEvent {
-        event_id,
-        kind: Some(kind),
     }
 }

@@ -33,6 +33,8 @@ use clap::Args;
 use super::{BenchError, Latency, LocalServer, connect};
 use crate::{
     config::ServeConfig,
+    grpc::convert,
+    index::KvEvent,
     pb::{
         self, admin_client::AdminClient, router_client::RouterClient, workers_client::WorkersClient,
     },
@@ -121,29 +123,22 @@ fn fill(args: &SnapshotBenchArgs, prompts: &[Vec<u64>]) -> Vec<Vec<pb::KvEvent>>
         let engines = prefix_hashes(chain);
         let known = engines.iter().take_while(|e| held[w].contains(e)).count();
         let room = args.blocks_per_worker - held[w].len();
-        let new: Vec<pb::StoredBlock> = engines[known..]
+        let new: Vec<(u64, u64)> = engines[known..]
             .iter()
-            .zip(&chain[known..])
+            .copied()
+            .zip(chain[known..].iter().copied())
             .take(room)
-            .map(|(&engine, &local)| pb::StoredBlock {
-                engine_hash: engine,
-                content: Some(pb::stored_block::Content::LocalHash(local)),
-                mm_info: None,
-            })
             .collect();
         if new.is_empty() {
             continue;
         }
-        held[w].extend(new.iter().map(|b| b.engine_hash));
+        held[w].extend(new.iter().map(|&(engine, _)| engine));
         let event_id = events[w].len() as u64;
-        events[w].push(pb::KvEvent {
-            event_id,
-            kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
-                parent_engine_hash: known.checked_sub(1).map(|k| engines[k]),
-                blocks: new,
-                lora_name: String::new(),
-            })),
-        });
+        let stored = KvEvent::Stored {
+            parent: known.checked_sub(1).map(|k| engines[k]),
+            blocks: new,
+        };
+        events[w].push(convert::kv_event_to_pb(event_id, &stored));
         if held[w].len() >= args.blocks_per_worker {
             full += 1;
             if full == workers {

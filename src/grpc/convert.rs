@@ -300,6 +300,33 @@ fn stored_from_pb(
     })
 }
 
+/// The wire form of an index event, blocks given by their local hashes: what
+/// a worker that hashes its own blocks sends (benchmarks, test workers).
+pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
+    let kind = match event {
+        KvEvent::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: *parent,
+            blocks: blocks
+                .iter()
+                .map(|&(engine, local)| pb::StoredBlock {
+                    engine_hash: engine,
+                    content: Some(pb::stored_block::Content::LocalHash(local)),
+                    mm_info: None,
+                })
+                .collect(),
+            lora_name: String::new(),
+        }),
+        KvEvent::Removed { blocks } => pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+            engine_hashes: blocks.clone(),
+        }),
+        KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::CacheCleared {}),
+    };
+    pb::KvEvent {
+        event_id,
+        kind: Some(kind),
+    }
+}
+
 /// Converts a SelectWorker request. `block_size` is the model's; prompts over
 /// `max_blocks` blocks are refused.
 pub fn select_request_from_pb(

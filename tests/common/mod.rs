@@ -142,7 +142,7 @@ pub async fn connect(addr: SocketAddr) -> Channel {
     panic!("could not connect to {addr}");
 }
 
-use kvroute::pb;
+use kvroute::{grpc::convert::kv_event_to_pb, index::KvEvent, pb};
 
 /// A registration with sensible defaults for tests.
 pub fn registration(worker_id: u64, model: &str) -> pb::RegisterWorkerRequest {
@@ -201,37 +201,17 @@ impl TestServer {
 
 /// A stored event of blocks given as (engine hash, local hash).
 pub fn stored(event_id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> pb::KvEvent {
-    pb::KvEvent {
-        event_id,
-        kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
-            parent_engine_hash: parent,
-            blocks: blocks
-                .iter()
-                .map(|(engine, local)| pb::StoredBlock {
-                    engine_hash: *engine,
-                    content: Some(pb::stored_block::Content::LocalHash(*local)),
-                    mm_info: None,
-                })
-                .collect(),
-            lora_name: String::new(),
-        })),
-    }
+    let blocks = blocks.to_vec();
+    kv_event_to_pb(event_id, &KvEvent::Stored { parent, blocks })
 }
 
 pub fn removed(event_id: u64, engine_hashes: &[u64]) -> pb::KvEvent {
-    pb::KvEvent {
-        event_id,
-        kind: Some(pb::kv_event::Kind::Removed(pb::BlocksRemoved {
-            engine_hashes: engine_hashes.to_vec(),
-        })),
-    }
+    let blocks = engine_hashes.to_vec();
+    kv_event_to_pb(event_id, &KvEvent::Removed { blocks })
 }
 
 pub fn cleared(event_id: u64) -> pb::KvEvent {
-    pb::KvEvent {
-        event_id,
-        kind: Some(pb::kv_event::Kind::Cleared(pb::CacheCleared {})),
-    }
+    kv_event_to_pb(event_id, &KvEvent::Cleared)
 }
 
 pub fn batch(worker_id: u64, dp_rank: u32, events: Vec<pb::KvEvent>) -> pb::KvEventBatch {

@@ -25,28 +25,7 @@ pub enum Ev {
 
 impl Ev {
     pub fn to_pb(&self, event_id: u64) -> pb::KvEvent {
-        let kind = match self {
-            Ev::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
-                parent_engine_hash: *parent,
-                blocks: blocks
-                    .iter()
-                    .map(|&(engine, local)| pb::StoredBlock {
-                        engine_hash: engine,
-                        content: Some(pb::stored_block::Content::LocalHash(local)),
-                        mm_info: None,
-                    })
-                    .collect(),
-                lora_name: String::new(),
-            }),
-            Ev::Removed(hashes) => pb::kv_event::Kind::Removed(pb::BlocksRemoved {
-                engine_hashes: hashes.clone(),
-            }),
-            Ev::Cleared => pb::kv_event::Kind::Cleared(pb::CacheCleared {}),
-        };
-        pb::KvEvent {
-            event_id,
-            kind: Some(kind),
-        }
+        kvroute::grpc::convert::kv_event_to_pb(event_id, &self.to_index())
     }
 
     pub fn to_index(&self) -> KvEvent {
