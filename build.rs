@@ -10,6 +10,7 @@ const PROTOS: &[&str] = &[
     "proto/kvroute/v1/workers.proto",
     "proto/kvroute/v1/admin.proto",
     "proto/kvroute/v1/snapshot.proto",
+    "proto/kvroute/v1/cluster.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

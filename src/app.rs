@@ -15,10 +15,12 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
 use crate::{
+    cluster::{Cluster, ClusterSettings, ReplicaSlot},
     config::ServeConfig,
     fleet::{Fleet, FleetError},
     grpc::{
         admin::AdminService,
+        replication::Replication,
         router::RouterService,
         rpc_metrics::{RpcMetricsLayer, rpc_paths},
         startup_gate::StartupGate,
@@ -59,6 +61,8 @@ pub enum ServeError {
     Engine(FleetError),
     #[error("{0}")]
     Snapshot(#[from] SnapshotError),
+    #[error("cluster mode: {0}")]
+    Cluster(String),
 }
 
 /// Binds the configured gRPC and metrics addresses, naming the setting on
@@ -91,6 +95,7 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
     let (fleet, snapshots) = build_fleet(&config, &metrics)?;
+    let replica = replica_slot(&config)?;
     let gate = StartupGate::new();
 
     let stop_accepting = CancellationToken::new();
@@ -98,7 +103,7 @@ pub async fn run(
     let server_future = grpc_server(
         &config,
         &metrics,
-        (&fleet, snapshots.clone()),
+        (&fleet, snapshots.clone(), replica.clone()),
         &gate,
         health_service,
         grpc_listener,
@@ -115,14 +120,20 @@ pub async fn run(
         }
     });
     let mut go = Some(go);
-    if snapshots.is_some()
+    if (snapshots.is_some() || replica.is_some())
         && let Some(go) = go.take()
     {
         let _ = go.send(());
     }
-    if let Err(error) = restore_and_start(&config, &fleet, snapshots.as_deref()).await {
+    let cluster_tasks = (TaskTracker::new(), CancellationToken::new());
+    let started = match &replica {
+        Some(slot) => join_cluster(&config, &fleet, slot, &cluster_tasks, &health).await,
+        None => restore_and_start(&config, &fleet, snapshots.as_deref()).await,
+    };
+    if let Err(error) = started {
         drop(go);
         stop_accepting.cancel();
+        cluster_tasks.1.cancel();
         let _ = server.await;
         fleet.shutdown().await;
         return Err(error);
@@ -156,6 +167,7 @@ pub async fn run(
 
     tracing::info!("shutdown requested: health NOT_SERVING, draining");
     fleet.router().fail_queue();
+    cluster_tasks.1.cancel();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
     if !config.drain_delay.is_zero() {
         tokio::time::sleep(config.drain_delay).await;
@@ -182,6 +194,13 @@ pub async fn run(
         && let Err(error) = snapshots.write().await
     {
         tracing::error!(%error, "snapshot at shutdown failed");
+    }
+    cluster_tasks.0.close();
+    if tokio::time::timeout(Duration::from_secs(5), cluster_tasks.0.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("cluster tasks did not stop within 5s");
     }
     if tokio::time::timeout(Duration::from_secs(5), fleet.shutdown())
         .await
@@ -212,6 +231,73 @@ fn build_fleet(
         None => None,
     };
     Ok((fleet, snapshots))
+}
+
+/// Cluster mode's slot for the replica, or `None` alone; refuses the
+/// settings that cluster mode replaces.
+fn replica_slot(config: &ServeConfig) -> Result<Option<Arc<ReplicaSlot>>, ServeError> {
+    if config.cluster.nats_url.is_none() {
+        return Ok(None);
+    }
+    if config.state_dir.is_some() {
+        return Err(ServeError::Cluster(
+            "--state-dir: replicas keep their snapshot in the cluster's object store".into(),
+        ));
+    }
+    if !config.engine.is_empty() {
+        return Err(ServeError::Cluster(
+            "--engine: register engines over gRPC (RegisterWorker with events_endpoint), so every replica follows them".into(),
+        ));
+    }
+    Ok(Some(Arc::new(ReplicaSlot::default())))
+}
+
+/// Joins the cluster (snapshot, log catch-up, the replica's tasks on
+/// `tasks` until its token), and keeps the Workers service's health in
+/// step with the NATS connection.
+async fn join_cluster(
+    config: &ServeConfig,
+    fleet: &Arc<Fleet>,
+    slot: &ReplicaSlot,
+    (tasks, stop): &(TaskTracker, CancellationToken),
+    health: &tonic_health::server::HealthReporter,
+) -> Result<(), ServeError> {
+    let url = config.cluster.nats_url.as_deref().unwrap_or_default();
+    let settings = ClusterSettings {
+        snapshot_interval: config.snapshot_interval,
+        booking_ttl: config.booking_ttl,
+        session_ttl: config.session_ttl,
+    };
+    let cluster = Cluster::start(
+        &config.cluster,
+        url,
+        settings,
+        fleet.clone(),
+        tasks,
+        stop.clone(),
+    )
+    .await
+    .map_err(|e| ServeError::Cluster(format!("{e:#}")))?;
+    let mut connection = cluster.connection();
+    slot.set(cluster);
+    let (health, stop) = (health.clone(), stop.clone());
+    tasks.spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                changed = connection.changed() => if changed.is_err() { return },
+            }
+            let status = if *connection.borrow() {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            health
+                .set_service_status("kvroute.v1.Workers", status)
+                .await;
+        }
+    });
+    Ok(())
 }
 
 /// Restores the newest snapshot, if there is a state directory, then
@@ -268,7 +354,11 @@ async fn load_snapshot(snapshots: &Snapshots, required: bool) -> Result<(), Serv
 fn grpc_server<H: Health>(
     config: &ServeConfig,
     metrics: &Arc<Metrics>,
-    (fleet, snapshots): (&Arc<Fleet>, Option<Arc<Snapshots>>),
+    (fleet, snapshots, replica): (
+        &Arc<Fleet>,
+        Option<Arc<Snapshots>>,
+        Option<Arc<ReplicaSlot>>,
+    ),
     gate: &StartupGate,
     health: HealthServer<H>,
     listener: TcpListener,
@@ -290,10 +380,21 @@ fn grpc_server<H: Health>(
     ))
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);
-    let workers = pb::workers_server::WorkersServer::new(WorkersService::new(fleet.clone()))
+    let replication = replica.map(|slot| slot as Arc<dyn Replication>);
+    let (workers, admin) = match replication {
+        Some(replication) => (
+            WorkersService::replicated(fleet.clone(), replication.clone()),
+            AdminService::new(fleet.clone(), snapshots).with_replication(replication),
+        ),
+        None => (
+            WorkersService::new(fleet.clone()),
+            AdminService::new(fleet.clone(), snapshots),
+        ),
+    };
+    let workers = pb::workers_server::WorkersServer::new(workers)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    let admin = pb::admin_server::AdminServer::new(AdminService::new(fleet.clone(), snapshots))
+    let admin = pb::admin_server::AdminServer::new(admin)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
 

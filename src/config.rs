@@ -7,9 +7,13 @@
 //! `--flag value` and parsing again, so file values go through exactly the
 //! same parsers and error messages as flags.
 
+mod cluster;
+
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, ValueEnum, parser::ValueSource};
+
+pub use cluster::ClusterOptions;
 
 use crate::{
     engine_events::{EngineSource, EngineSpec},
@@ -179,6 +183,9 @@ pub struct ServeConfig {
     /// `engine = ["SPEC", ...]`.
     #[arg(long = "engine", value_name = "SPEC", value_parser = parse_engine_spec)]
     pub engine: Vec<EngineSpec>,
+
+    #[command(flatten)]
+    pub cluster: ClusterOptions,
 }
 
 /// Parses `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`.
@@ -288,6 +295,7 @@ impl ServeConfig {
             snapshot_interval: Duration::from_secs(30),
             require_snapshot: false,
             engine: Vec::new(),
+            cluster: ClusterOptions::default(),
         }
     }
 

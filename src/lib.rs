@@ -6,6 +6,7 @@ pub mod admission;
 pub mod app;
 pub mod bench;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod ctl;
 pub mod engine_events;

@@ -35,6 +35,8 @@ pub struct Metrics {
     pub input_rejected: IntCounterVec,
     pub engine: EngineEventFamilies,
     pub snapshot: SnapshotFamilies,
+    /// Cluster mode (`--nats-url`): the shared log, bookings, leases.
+    pub cluster: ClusterFamilies,
     /// `source`: grpc (events applied by batches answering a resend). An
     /// engine's catch-up is `engine_event_replayed_batches_total{worker}`.
     pub catchup_events: IntCounterVec,
@@ -210,6 +212,7 @@ impl Metrics {
             )?,
             engine: EngineEventFamilies::register(&registry)?,
             snapshot: SnapshotFamilies::register(&registry)?,
+            cluster: ClusterFamilies::register(&registry)?,
             catchup_events: registered(
                 &registry,
                 IntCounterVec::new(
@@ -469,6 +472,95 @@ impl SnapshotFamilies {
             entries_restored: int_gauge(
                 "snapshot_entries_restored",
                 "Cached entries restored from the snapshot loaded at start",
+            )?,
+        })
+    }
+}
+
+/// Cluster mode's families (`crate::cluster`).
+#[derive(Clone)]
+pub struct ClusterFamilies {
+    /// `outcome`: appended, duplicate, failed
+    pub log_appends: IntCounterVec,
+    /// Log records applied, by `kind` (register, deregister, lapsed,
+    /// events, engine, undecodable).
+    pub log_applied: IntCounterVec,
+    /// The last log position applied here.
+    pub log_position: IntGauge,
+    /// Seconds from a record's append to its apply here (records of other
+    /// replicas only).
+    pub log_lag: prometheus::Histogram,
+    /// `direction` (sent, received), `kind`
+    pub booking_changes: IntCounterVec,
+    /// Routing changes dropped: the feed was full or NATS unreachable.
+    pub changes_dropped: IntCounter,
+    /// Changes of another replica that were missed (a jump in its sequence).
+    pub booking_gaps: IntCounter,
+    /// Lapsed leases this replica removed (it won the compare-and-set).
+    pub leases_reaped: IntCounter,
+    /// 1 while the NATS connection is up.
+    pub connected: IntGauge,
+}
+
+impl ClusterFamilies {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            registered(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
+        };
+        let counter = |name: &str, help: &str| registered(registry, IntCounter::new(name, help)?);
+        Ok(Self {
+            log_appends: counter_vec(
+                "cluster_log_appends_total",
+                "Records this replica appended to the shared log, by outcome",
+                &["outcome"],
+            )?,
+            log_applied: counter_vec(
+                "cluster_log_applied_total",
+                "Shared log records applied here, by kind",
+                &["kind"],
+            )?,
+            log_position: registered(
+                registry,
+                IntGauge::new(
+                    "cluster_log_position",
+                    "The last shared log position applied here",
+                )?,
+            )?,
+            log_lag: registered(
+                registry,
+                prometheus::Histogram::with_opts(
+                    prometheus::HistogramOpts::new(
+                        "cluster_log_lag_seconds",
+                        "From another replica's append to the apply here",
+                    )
+                    .buckets(vec![
+                        0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0,
+                    ]),
+                )?,
+            )?,
+            booking_changes: counter_vec(
+                "cluster_booking_changes_total",
+                "Booked-load and session changes sent to and received from other replicas",
+                &["direction", "kind"],
+            )?,
+            changes_dropped: counter(
+                "cluster_changes_dropped_total",
+                "Routing changes not sent to the other replicas (feed full or NATS unreachable)",
+            )?,
+            booking_gaps: counter(
+                "cluster_booking_gaps_total",
+                "Jumps in another replica's change sequence (changes missed)",
+            )?,
+            leases_reaped: counter(
+                "cluster_leases_reaped_total",
+                "Lapsed leases this replica removed",
+            )?,
+            connected: registered(
+                registry,
+                IntGauge::new(
+                    "cluster_nats_connected",
+                    "1 while the NATS connection is up",
+                )?,
             )?,
         })
     }

@@ -161,6 +161,17 @@ impl BookingLedger {
         saved
     }
 
+    /// One open booking, as a snapshot keeps it.
+    pub fn export_one(&self, request_id: &str, now_ms: u64) -> Option<SavedBooking> {
+        self.bookings.get(request_id).map(|b| SavedBooking {
+            request_id: request_id.to_owned(),
+            target: b.target,
+            prefill: b.prefill,
+            keys: b.keys.clone(),
+            age_ms: now_ms.saturating_sub(b.booked_at_ms),
+        })
+    }
+
     /// Books a saved booking again, aged as it was (as far as the clock
     /// reaches back: a booking older than `now_ms` counts from 0).
     pub fn restore(&mut self, saved: SavedBooking, now_ms: u64) -> Result<(), AdmissionError> {

@@ -70,13 +70,26 @@ pub struct SinkOutcome {
 /// that rank's events in order.
 pub trait EventSink: Send + Sync + 'static {
     /// Apply one engine batch's translated events for one target, in order.
-    fn apply(&self, target: WorkerRank, events: Vec<KvEvent>) -> BoxFuture<'_, SinkOutcome>;
-    /// Drop everything the target holds (engine restart).
-    fn clear(&self, target: WorkerRank) -> BoxFuture<'_, ()>;
+    /// `sequence` is the engine's batch sequence they came in (a sink that
+    /// forwards them, as cluster mode's log does, keys them by it).
+    fn apply(
+        &self,
+        target: WorkerRank,
+        sequence: u64,
+        events: Vec<KvEvent>,
+    ) -> BoxFuture<'_, SinkOutcome>;
+    /// Drop everything the target holds (engine restart, noticed at the
+    /// batch `sequence`).
+    fn clear(&self, target: WorkerRank, sequence: u64) -> BoxFuture<'_, ()>;
 }
 
 impl EventSink for KvIndex {
-    fn apply(&self, target: WorkerRank, events: Vec<KvEvent>) -> BoxFuture<'_, SinkOutcome> {
+    fn apply(
+        &self,
+        target: WorkerRank,
+        _sequence: u64,
+        events: Vec<KvEvent>,
+    ) -> BoxFuture<'_, SinkOutcome> {
         let mut outcome = SinkOutcome::default();
         for event in &events {
             match KvIndex::apply(self, target, event) {
@@ -90,7 +103,7 @@ impl EventSink for KvIndex {
         Box::pin(std::future::ready(outcome))
     }
 
-    fn clear(&self, target: WorkerRank) -> BoxFuture<'_, ()> {
+    fn clear(&self, target: WorkerRank, _sequence: u64) -> BoxFuture<'_, ()> {
         self.remove_rank(target);
         Box::pin(std::future::ready(()))
     }
@@ -456,7 +469,7 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         if let Some(prev) = obs.restarted_from {
             WorkerEventMetrics::inc(&self.metrics.restarts);
             tracing::warn!(target = %self.target, prev, seq, "engine restarted: clearing its blocks");
-            self.sink.clear(self.target).await;
+            self.sink.clear(self.target, seq).await;
             self.translator.reset();
         }
         if let Some(missing) = &obs.missing {
@@ -498,7 +511,7 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         }
         WorkerEventMetrics::inc(&self.metrics.batches);
         self.metrics.touch(seq);
-        if self.apply_events(payload).await {
+        if self.apply_events(seq, payload).await {
             self.tracker.cleared();
             self.sync_status();
         }
@@ -507,7 +520,7 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
 
     /// Decodes and translates an admitted batch and hands its events to the
     /// sink; returns whether they held an `AllBlocksCleared`.
-    async fn apply_events(&mut self, payload: &[u8]) -> bool {
+    async fn apply_events(&mut self, seq: u64, payload: &[u8]) -> bool {
         let batch = match wire::decode_batch(payload, self.dialect) {
             Ok(b) => b,
             Err(e) => {
@@ -552,7 +565,7 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             return false;
         }
         let cleared = translated.iter().any(|e| matches!(e, KvEvent::Cleared));
-        let outcome = self.sink.apply(self.target, translated).await;
+        let outcome = self.sink.apply(self.target, seq, translated).await;
         WorkerEventMetrics::add(&self.metrics.index_rejected, u64::from(outcome.rejected));
         cleared
     }

@@ -94,6 +94,9 @@ pub struct Fleet {
     /// Saved engine sequences (and unsynced ranks) of configured engines,
     /// restored from a snapshot, for when the configuration starts them.
     configured_resume: parking_lot::Mutex<HashMap<WorkerId, ResumePoint>>,
+    /// Cluster mode: leases lapse through the shared log, decided by one
+    /// replica, so [`Self::tick`] does not reap them here.
+    leases_shared: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -130,11 +133,30 @@ impl Fleet {
             subscriptions,
             turns: DashMap::new(),
             configured_resume: parking_lot::Mutex::new(HashMap::new()),
+            leases_shared: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
     pub fn router(&self) -> &Arc<RouterCore> {
         &self.router
+    }
+
+    /// Cluster mode: engine subscriptions started from now on send their
+    /// batches to `forward` (the shared log) instead of the local writer,
+    /// and leases lapse through the log, not by this fleet's own tick.
+    pub fn join_cluster(&self, forward: Arc<dyn subscriptions::EngineForward>) {
+        self.subscriptions.set_forward(forward);
+        self.leases_shared
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Applies engine events through the index's one writer (cluster mode:
+    /// what the shared log carries of an engine subscription).
+    pub async fn apply_engine_events(
+        &self,
+        batch: crate::ingest::EngineBatch,
+    ) -> Result<crate::ingest::EngineOutcome, FleetError> {
+        Ok(self.ingest.apply_engine(batch).await?)
     }
 
     /// Waits for `worker_id`'s turn (see the module docs).
@@ -163,6 +185,38 @@ impl Fleet {
             return Err(FleetError::ConfiguredEngine { worker_id });
         }
         self.register_in_turn(registration, source, false).await
+    }
+
+    /// The checks [`Self::register`] makes before anything changes (a
+    /// replica makes them before it appends a registration to the log).
+    pub fn check_registration(
+        &self,
+        registration: &Registration,
+        source: Option<&EngineSource>,
+    ) -> Result<(), FleetError> {
+        if let Some(source) = source {
+            check_source(source, registration)?;
+        }
+        if self.subscriptions.is_configured(registration.worker_id) {
+            return Err(FleetError::ConfiguredEngine {
+                worker_id: registration.worker_id,
+            });
+        }
+        Ok(())
+    }
+
+    /// Removes a worker whose lease lapsed, if `generation` is still its
+    /// registration (cluster mode: the lapse comes through the log).
+    pub async fn remove_generation(&self, worker_id: WorkerId, generation: u64) -> Option<u64> {
+        let _turn = self.turn(worker_id).await;
+        let current = self.router.worker(worker_id)?;
+        if current.generation != generation {
+            return None;
+        }
+        let record = self.router.deregister_worker(worker_id).ok()?;
+        let blocks = self.remove(record).await;
+        tracing::warn!(worker_id, blocks, "lease lapsed: worker removed");
+        Some(blocks)
     }
 
     /// Registers every `kvroute serve --engine` as a worker and starts its
@@ -303,7 +357,12 @@ impl Fleet {
                 tracing::warn!(worker_id, %error, "configured engine lease not renewed");
             }
         }
-        self.reap_lapsed().await;
+        if !self
+            .leases_shared
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.reap_lapsed().await;
+        }
         self.router.expire_bookings();
         self.router.refresh_index_gauges();
     }

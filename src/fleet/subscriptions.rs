@@ -34,17 +34,26 @@ use crate::{
     types::{DpRank, WorkerId, WorkerRank},
 };
 
-/// The [`EventSink`] of one registration: the ingest writer, with the
-/// generation the subscription was started for.
+/// Where a subscription's batches go instead of the local writer: cluster
+/// mode appends them to the shared log, which every replica's writer then
+/// applies (`crate::cluster`). `sequence` is the engine's batch sequence.
+pub trait EngineForward: Send + Sync + 'static {
+    fn forward(&self, batch: EngineBatch, sequence: u64) -> BoxFuture<'_, SinkOutcome>;
+}
+
+/// The [`EventSink`] of one registration: the ingest writer (or the
+/// forward, when set), with the generation the subscription was started
+/// for.
 pub struct IngestSink {
     ingest: IngestHandle,
+    forward: Option<Arc<dyn EngineForward>>,
     worker_id: WorkerId,
     generation: u64,
     model: String,
 }
 
 impl IngestSink {
-    async fn send(&self, target: WorkerRank, events: Vec<KvEvent>) -> SinkOutcome {
+    async fn send(&self, target: WorkerRank, sequence: u64, events: Vec<KvEvent>) -> SinkOutcome {
         let batch = EngineBatch {
             worker_id: self.worker_id,
             generation: self.generation,
@@ -52,6 +61,9 @@ impl IngestSink {
             dp_rank: target.dp_rank,
             events,
         };
+        if let Some(forward) = &self.forward {
+            return forward.forward(batch, sequence).await;
+        }
         match self.ingest.apply_engine(batch).await {
             Ok(outcome) => {
                 if let Some(rejection) = &outcome.first_rejection {
@@ -76,13 +88,18 @@ impl IngestSink {
 }
 
 impl EventSink for IngestSink {
-    fn apply(&self, target: WorkerRank, events: Vec<KvEvent>) -> BoxFuture<'_, SinkOutcome> {
-        Box::pin(self.send(target, events))
+    fn apply(
+        &self,
+        target: WorkerRank,
+        sequence: u64,
+        events: Vec<KvEvent>,
+    ) -> BoxFuture<'_, SinkOutcome> {
+        Box::pin(self.send(target, sequence, events))
     }
 
-    fn clear(&self, target: WorkerRank) -> BoxFuture<'_, ()> {
+    fn clear(&self, target: WorkerRank, sequence: u64) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            self.send(target, vec![KvEvent::Cleared]).await;
+            self.send(target, sequence, vec![KvEvent::Cleared]).await;
         })
     }
 }
@@ -99,6 +116,8 @@ struct Running {
 /// Every running subscription of the service.
 pub struct Subscriptions {
     ingest: IngestHandle,
+    /// Set in cluster mode (see [`EngineForward`]).
+    forward: Mutex<Option<Arc<dyn EngineForward>>>,
     metrics: Arc<Metrics>,
     tracker: TaskTracker,
     stop_all: CancellationToken,
@@ -115,11 +134,18 @@ impl Subscriptions {
     pub fn new(ingest: IngestHandle, metrics: Arc<Metrics>) -> Self {
         Self {
             ingest,
+            forward: Mutex::new(None),
             metrics,
             tracker: TaskTracker::new(),
             stop_all: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Sends the batches of subscriptions started from now on to `forward`
+    /// instead of the local writer (cluster mode, set before any starts).
+    pub fn set_forward(&self, forward: Arc<dyn EngineForward>) {
+        *self.forward.lock() = Some(forward);
     }
 
     /// Whether `worker_id` was configured by `kvroute serve --engine` (and
@@ -191,6 +217,7 @@ impl Subscriptions {
         cfg.resume_salts = resume.salts;
         let sink = Arc::new(IngestSink {
             ingest: self.ingest.clone(),
+            forward: self.forward.lock().clone(),
             worker_id,
             generation: record.generation,
             model: r.model.clone(),

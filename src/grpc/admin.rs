@@ -6,7 +6,7 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     fleet::Fleet,
-    grpc::{convert, router::prepare, status::reason_label},
+    grpc::{convert, replication::Replication, router::prepare, status::reason_label},
     pb,
     router::Admitted,
     select::eligibility::Ineligible,
@@ -19,13 +19,39 @@ pub struct AdminService {
     fleet: Arc<Fleet>,
     /// `None` without `--state-dir`.
     snapshots: Option<Arc<Snapshots>>,
+    /// Set in cluster mode: cordons reach the other replicas.
+    replication: Option<Arc<dyn Replication>>,
 }
 
 type Res<T> = Result<Response<T>, Status>;
 
 impl AdminService {
     pub fn new(fleet: Arc<Fleet>, snapshots: Option<Arc<Snapshots>>) -> Self {
-        Self { fleet, snapshots }
+        Self {
+            fleet,
+            snapshots,
+            replication: None,
+        }
+    }
+
+    /// A replica's service (see [`Replication`]).
+    pub fn with_replication(mut self, replication: Arc<dyn Replication>) -> Self {
+        self.replication = Some(replication);
+        self
+    }
+
+    async fn cordon(&self, worker_id: u64, cordoned: bool) -> Res<pb::WorkerInfo> {
+        let view = self
+            .fleet
+            .set_cordoned(worker_id, cordoned)
+            .map_err(|e| self.fail(e.into()))?;
+        if let Some(replication) = &self.replication {
+            replication
+                .set_cordoned(worker_id, cordoned)
+                .await
+                .map_err(|e| self.fail(e))?;
+        }
+        Ok(Response::new(convert::worker_view_to_pb(&view)))
     }
 
     fn fail(&self, status: Status) -> Status {
@@ -130,24 +156,14 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::CordonWorkerRequest>,
     ) -> Res<pb::WorkerInfo> {
-        let worker_id = request.into_inner().worker_id;
-        let view = self
-            .fleet
-            .set_cordoned(worker_id, true)
-            .map_err(|e| self.fail(e.into()))?;
-        Ok(Response::new(convert::worker_view_to_pb(&view)))
+        self.cordon(request.into_inner().worker_id, true).await
     }
 
     async fn uncordon_worker(
         &self,
         request: Request<pb::UncordonWorkerRequest>,
     ) -> Res<pb::WorkerInfo> {
-        let worker_id = request.into_inner().worker_id;
-        let view = self
-            .fleet
-            .set_cordoned(worker_id, false)
-            .map_err(|e| self.fail(e.into()))?;
-        Ok(Response::new(convert::worker_view_to_pb(&view)))
+        self.cordon(request.into_inner().worker_id, false).await
     }
 
     async fn snapshot(&self, _request: Request<pb::SnapshotRequest>) -> Res<pb::SnapshotResponse> {

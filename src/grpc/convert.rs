@@ -327,6 +327,31 @@ pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
     }
 }
 
+/// The inverse of [`kv_event_to_pb`]: an event whose blocks are all given
+/// by local hash (cluster mode's log carries events in this form). `None`
+/// for anything else.
+pub fn index_event_from_pb(event: pb::KvEvent) -> Option<KvEvent> {
+    Some(match event.kind? {
+        pb::kv_event::Kind::Stored(stored) => {
+            let mut blocks = Vec::with_capacity(stored.blocks.len());
+            for block in stored.blocks {
+                let Some(pb::stored_block::Content::LocalHash(local)) = block.content else {
+                    return None;
+                };
+                blocks.push((block.engine_hash, local));
+            }
+            KvEvent::Stored {
+                parent: stored.parent_engine_hash,
+                blocks,
+            }
+        }
+        pb::kv_event::Kind::Removed(removed) => KvEvent::Removed {
+            blocks: removed.engine_hashes,
+        },
+        pb::kv_event::Kind::Cleared(_) => KvEvent::Cleared,
+    })
+}
+
 /// Converts a SelectWorker request. `block_size` is the model's; prompts over
 /// `max_blocks` blocks are refused.
 pub fn select_request_from_pb(

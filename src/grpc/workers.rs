@@ -13,6 +13,7 @@ use crate::{
     fleet::Fleet,
     grpc::{
         convert::{self, BatchLimits},
+        replication::Replication,
         status::reason_label,
     },
     pb,
@@ -22,11 +23,24 @@ use crate::{
 #[derive(Clone)]
 pub struct WorkersService {
     fleet: Arc<Fleet>,
+    /// Set in cluster mode: changes go through the shared log.
+    replication: Option<Arc<dyn Replication>>,
 }
 
 impl WorkersService {
     pub fn new(fleet: Arc<Fleet>) -> Self {
-        Self { fleet }
+        Self {
+            fleet,
+            replication: None,
+        }
+    }
+
+    /// A replica's service (see [`Replication`]).
+    pub fn replicated(fleet: Arc<Fleet>, replication: Arc<dyn Replication>) -> Self {
+        Self {
+            fleet,
+            replication: Some(replication),
+        }
     }
 
     fn rejected(&self, reason: &'static str, status: Status) -> Status {
@@ -53,13 +67,25 @@ impl pb::workers_server::Workers for WorkersService {
         &self,
         request: Request<pb::RegisterWorkerRequest>,
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        let request = request.into_inner();
         let (registration, source) =
-            convert::registration_from_pb(request.into_inner()).map_err(|e| self.fail(e.into()))?;
-        let outcome = self
-            .fleet
-            .register(registration, source)
-            .await
-            .map_err(|e| self.fail(e.into()))?;
+            convert::registration_from_pb(request.clone()).map_err(|e| self.fail(e.into()))?;
+        let outcome = match &self.replication {
+            Some(replication) => {
+                self.fleet
+                    .check_registration(&registration, source.as_ref())
+                    .map_err(|e| self.fail(e.into()))?;
+                replication
+                    .register(request)
+                    .await
+                    .map_err(|e| self.fail(e))?
+            }
+            None => self
+                .fleet
+                .register(registration, source)
+                .await
+                .map_err(|e| self.fail(e.into()))?,
+        };
         Ok(Response::new(pb::RegisterWorkerResponse {
             created: outcome.created,
             lease_ttl_secs: u32::try_from(outcome.lease_ttl.as_secs()).unwrap_or(u32::MAX),
@@ -80,6 +106,9 @@ impl pb::workers_server::Workers for WorkersService {
             .fleet
             .heartbeat(request.worker_id, &loads)
             .map_err(|e| self.fail(e.into()))?;
+        if let Some(replication) = &self.replication {
+            replication.heartbeat(request.worker_id, &loads).await;
+        }
         Ok(Response::new(pb::HeartbeatResponse {
             lease_ttl_secs: u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX),
         }))
@@ -90,11 +119,23 @@ impl pb::workers_server::Workers for WorkersService {
         request: Request<pb::DeregisterWorkerRequest>,
     ) -> Result<Response<pb::DeregisterWorkerResponse>, Status> {
         let worker_id = request.into_inner().worker_id;
-        let blocks_removed = self
-            .fleet
-            .deregister(worker_id)
-            .await
-            .map_err(|e| self.fail(e.into()))?;
+        let blocks_removed = match &self.replication {
+            Some(replication) => {
+                // Unknown here: unknown everywhere that has caught up.
+                self.fleet
+                    .worker_view(worker_id)
+                    .map_err(|e| self.fail(e.into()))?;
+                replication
+                    .deregister(worker_id)
+                    .await
+                    .map_err(|e| self.fail(e))?
+            }
+            None => self
+                .fleet
+                .deregister(worker_id)
+                .await
+                .map_err(|e| self.fail(e.into()))?,
+        };
         Ok(Response::new(pb::DeregisterWorkerResponse {
             blocks_removed,
         }))
@@ -175,11 +216,17 @@ impl WorkersService {
             }
         };
         let worker_id = validated.worker_id;
-        let outcome = self
-            .fleet
-            .apply_events(validated)
-            .await
-            .map_err(|e| self.fail(e.into()))?;
+        let outcome = match &self.replication {
+            Some(replication) => replication
+                .publish(validated)
+                .await
+                .map_err(|e| self.fail(e))?,
+            None => self
+                .fleet
+                .apply_events(validated)
+                .await
+                .map_err(|e| self.fail(e.into()))?,
+        };
         if let Some(rejection) = &outcome.first_rejection {
             tracing::debug!(worker_id, %rejection, rejected = outcome.rejected, "events rejected");
         }

@@ -173,6 +173,13 @@ impl Registry {
         Self::default()
     }
 
+    /// Makes the next registration's generation `generation` (cluster mode:
+    /// a registration's generation is its position in the shared log, the
+    /// same on every replica whatever each registered before).
+    pub fn set_next_generation(&mut self, generation: u64) {
+        self.next_generation = generation.saturating_sub(1);
+    }
+
     /// Registers a worker or updates its registration, renewing its lease.
     pub fn register(
         &mut self,

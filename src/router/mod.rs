@@ -22,6 +22,7 @@
 
 pub mod config;
 mod routing;
+pub mod sync;
 
 use std::{
     collections::HashMap,
@@ -45,6 +46,7 @@ use crate::{
 
 pub use config::{DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig};
 pub use routing::{Admitted, PreparedRequest, RouteError, RouteOutcome};
+pub use sync::RoutingChange;
 
 /// The registry and each model's index: changed together (see the module
 /// docs).
@@ -63,6 +65,8 @@ pub struct RouterCore {
     routing: RwLock<routing::RoutingState>,
     /// When this core started: zero of the routing clock.
     started: Instant,
+    /// Where this core's own routing changes go (cluster mode, `sync.rs`).
+    feed: parking_lot::Mutex<Option<tokio::sync::mpsc::Sender<sync::RoutingChange>>>,
 }
 
 impl std::fmt::Debug for RouterCore {
@@ -90,6 +94,7 @@ impl RouterCore {
                 config.seed,
             )),
             started: now(),
+            feed: parking_lot::Mutex::new(None),
             config,
             metrics,
         }
@@ -128,6 +133,14 @@ impl RouterCore {
     ) -> Result<RegisterOutcome, RegistryError> {
         let lease_ttl = self.config.lease_ttl;
         self.admit_worker(|registry| registry.register(registration, lease_ttl, now()))
+    }
+
+    /// See `Registry::set_next_generation`.
+    pub fn set_next_generation(&self, generation: u64) {
+        self.members
+            .write()
+            .registry
+            .set_next_generation(generation);
     }
 
     /// Registers a worker saved by a snapshot (see `Registry::restore`).

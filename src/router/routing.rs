@@ -15,14 +15,16 @@ use std::time::Duration;
 use rand::{RngCore, SeedableRng, rngs::StdRng};
 use tokio::sync::oneshot;
 
-use super::{RouterCore, now};
+use super::{RouterCore, now, sync::RoutingChange};
 use crate::{
     admission::{
         self, Admission, AdmissionError, AdmissionMode, bookings::BookingLedger, queue::WaitQueue,
     },
     select::{
         self, SelectConfig, SelectContext, SelectMode, SelectRequest, Selection,
-        affinity::SessionTable, error::SelectError, scoring::cost::CostScorer,
+        affinity::{SavedSession, SessionTable},
+        error::SelectError,
+        scoring::cost::CostScorer,
     },
     types::{LocalHash, RankMap, WorkerId, WorkerRank},
 };
@@ -325,6 +327,23 @@ impl RouterCore {
             now_ms,
         )?;
         self.metrics.bookings_active.set(ledger.len() as i64);
+        if booked && self.feeding() {
+            let request = &prepared.request;
+            if let Some(saved) = ledger.export_one(&request.request_id, now_ms) {
+                self.feed(RoutingChange::Booked(saved));
+            }
+            let session = request.session.as_ref().and_then(|s| {
+                let target = sessions.lookup(&s.session_id, now_ms)?;
+                Some(SavedSession {
+                    session_id: s.session_id.clone(),
+                    target,
+                    idle_ms: 0,
+                })
+            });
+            if let Some(session) = session {
+                self.feed(RoutingChange::SessionBound(session));
+            }
+        }
         Ok(booked)
     }
 
@@ -355,6 +374,7 @@ impl RouterCore {
             .ledger
             .mark_prefill_complete(request_id);
         if changed {
+            self.feed(RoutingChange::PrefillComplete(request_id.to_owned()));
             self.drain_queue();
         }
         changed
@@ -369,6 +389,7 @@ impl RouterCore {
             changed
         };
         if changed {
+            self.feed(RoutingChange::Released(request_id.to_owned()));
             self.drain_queue();
         }
         changed
@@ -433,7 +454,9 @@ impl RouterCore {
             let request_id = prepared.request.request_id.clone();
             if entry.payload.reply.send(result).is_err() {
                 // The caller left between its deadline and now.
-                state.ledger.release(&request_id);
+                if state.ledger.release(&request_id) {
+                    self.feed(RoutingChange::Released(request_id));
+                }
             }
         }
         self.metrics.queue_depth.set(state.queue.len() as i64);
@@ -470,8 +493,11 @@ impl Drop for QueueTicket<'_> {
         };
         let mut state = self.core.routing.write();
         state.queue.remove(&self.request_id);
-        if let Ok(Ok(_)) = receiver.try_recv() {
-            state.ledger.release(&self.request_id);
+        if let Ok(Ok(_)) = receiver.try_recv()
+            && state.ledger.release(&self.request_id)
+        {
+            self.core
+                .feed(RoutingChange::Released(self.request_id.clone()));
         }
         self.core.metrics.queue_depth.set(state.queue.len() as i64);
         self.core

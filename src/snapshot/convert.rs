@@ -42,30 +42,52 @@ pub fn state_to_pb(state: &FleetState, taken_unix_ms: u64) -> pb::SnapshotState 
         taken_unix_ms,
         workers: state.workers.iter().map(worker_to_pb).collect(),
         targets: state.targets.iter().map(target_to_pb).collect(),
-        sessions: state
-            .sessions
-            .iter()
-            .map(|s| pb::SnapshotSession {
-                session_id: s.session_id.clone(),
-                worker_id: s.target.worker_id,
-                dp_rank: s.target.dp_rank,
-                idle_ms: s.idle_ms,
-            })
-            .collect(),
-        bookings: state
-            .bookings
-            .iter()
-            .map(|b| pb::SnapshotBooking {
-                request_id: b.request_id.clone(),
-                worker_id: b.target.worker_id,
-                dp_rank: b.target.dp_rank,
-                prefill_outstanding: b.prefill.is_some(),
-                prefill_tokens: b.prefill.map_or(0, |p| p.0),
-                prefill_blocks: b.prefill.map_or(0, |p| p.1),
-                keys: b.keys.clone(),
-                age_ms: b.age_ms,
-            })
-            .collect(),
+        sessions: state.sessions.iter().map(session_to_pb).collect(),
+        bookings: state.bookings.iter().map(booking_to_pb).collect(),
+    }
+}
+
+/// A session binding in wire form (snapshots, and cluster mode's bucket).
+pub fn session_to_pb(s: &SavedSession) -> pb::SnapshotSession {
+    pb::SnapshotSession {
+        session_id: s.session_id.clone(),
+        worker_id: s.target.worker_id,
+        dp_rank: s.target.dp_rank,
+        idle_ms: s.idle_ms,
+    }
+}
+
+pub fn session_from_pb(s: pb::SnapshotSession) -> SavedSession {
+    SavedSession {
+        session_id: s.session_id,
+        target: PinTarget::new(s.worker_id, s.dp_rank),
+        idle_ms: s.idle_ms,
+    }
+}
+
+/// An open booking in wire form (snapshots, and cluster mode's changes).
+pub fn booking_to_pb(b: &SavedBooking) -> pb::SnapshotBooking {
+    pb::SnapshotBooking {
+        request_id: b.request_id.clone(),
+        worker_id: b.target.worker_id,
+        dp_rank: b.target.dp_rank,
+        prefill_outstanding: b.prefill.is_some(),
+        prefill_tokens: b.prefill.map_or(0, |p| p.0),
+        prefill_blocks: b.prefill.map_or(0, |p| p.1),
+        keys: b.keys.clone(),
+        age_ms: b.age_ms,
+    }
+}
+
+pub fn booking_from_pb(b: pb::SnapshotBooking) -> SavedBooking {
+    SavedBooking {
+        request_id: b.request_id,
+        target: WorkerRank::new(b.worker_id, b.dp_rank),
+        prefill: b
+            .prefill_outstanding
+            .then_some((b.prefill_tokens, b.prefill_blocks)),
+        keys: b.keys,
+        age_ms: b.age_ms,
     }
 }
 
@@ -154,28 +176,8 @@ pub fn state_from_pb(state: pb::SnapshotState) -> Result<FleetState, InvalidStat
             .into_iter()
             .map(target_from_pb)
             .collect::<Result<_, _>>()?,
-        sessions: state
-            .sessions
-            .into_iter()
-            .map(|s| SavedSession {
-                session_id: s.session_id,
-                target: PinTarget::new(s.worker_id, s.dp_rank),
-                idle_ms: s.idle_ms,
-            })
-            .collect(),
-        bookings: state
-            .bookings
-            .into_iter()
-            .map(|b| SavedBooking {
-                request_id: b.request_id,
-                target: WorkerRank::new(b.worker_id, b.dp_rank),
-                prefill: b
-                    .prefill_outstanding
-                    .then_some((b.prefill_tokens, b.prefill_blocks)),
-                keys: b.keys,
-                age_ms: b.age_ms,
-            })
-            .collect(),
+        sessions: state.sessions.into_iter().map(session_from_pb).collect(),
+        bookings: state.bookings.into_iter().map(booking_from_pb).collect(),
     })
 }
 

@@ -3,6 +3,7 @@
 //! `worker::TestWorker` is a worker's side of the KV event protocol.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod worker;
 
 use std::{net::SocketAddr, time::Duration};

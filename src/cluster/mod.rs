@@ -1,0 +1,459 @@
+//! Cluster mode (`kvroute serve --nats-url`): several kvroute replicas in
+//! front of one fleet, with one exact index and shared booked load, on
+//! NATS JetStream. Alone (no `--nats-url`) kvroute needs no other server.
+//!
+//! Who owns what:
+//! * `log`: the ordered record of every index change (events,
+//!   registrations, removals); every replica applies it in order, so all
+//!   hold the same index at the same position.
+//! * `leases`: leases, cordons and reported load in a key-value bucket; a
+//!   lapse is decided once by compare-and-set and removed through the log.
+//! * `routing_sync`: booked load on a subject per replica (kept by a
+//!   stream), sessions in a bucket.
+//! * `snapshots`: the newest snapshot and its log position, in an object
+//!   store, written by one replica per interval; a starting replica loads
+//!   it and reads the log from there.
+//!
+//! While NATS is unreachable a replica keeps routing on what it has;
+//! changes that must be in the log (registration, events) answer
+//! UNAVAILABLE, so workers retry and nothing accepted is lost; the
+//! Workers service reports NOT_SERVING in the health service.
+
+mod leases;
+mod log;
+pub mod names;
+mod routing_sync;
+mod snapshots;
+
+use std::{sync::Arc, time::Duration};
+
+use async_nats::jetstream::{self, kv, object_store, stream};
+use tokio::sync::{mpsc, watch};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tonic::Status;
+
+use crate::{
+    config::ClusterOptions,
+    fleet::Fleet,
+    grpc::{convert, replication::Replication},
+    ingest::{BatchOutcome, ValidatedBatch},
+    pb::{self, log_record::Body},
+    registry::RegisterOutcome,
+    router::sync::FEED_CAPACITY,
+    types::{DpRank, RankLoad, WorkerId},
+};
+use leases::Leases;
+use log::{AppendError, Applied, Log, LogForward};
+use names::Names;
+use routing_sync::RoutingSync;
+use snapshots::ClusterSnapshots;
+
+/// How often leases are checked and the watch's view re-applied.
+const LEASE_CHECK: Duration = Duration::from_secs(1);
+/// How long a start waits for NATS before each retry.
+const SETUP_RETRY: Duration = Duration::from_secs(1);
+
+/// What the replica needs at start besides its flags.
+#[derive(Clone, Debug)]
+pub struct ClusterSettings {
+    pub snapshot_interval: Duration,
+    pub booking_ttl: Duration,
+    pub session_ttl: Duration,
+}
+
+/// One replica's membership of its cluster.
+pub struct Cluster {
+    replica: String,
+    fleet: Arc<Fleet>,
+    log: Arc<Log>,
+    leases: Arc<Leases>,
+    snapshots: Arc<ClusterSnapshots>,
+    connected: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("replica", &self.replica)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(error: AppendError) -> Status {
+    Status::unavailable(error.to_string())
+}
+
+impl Cluster {
+    /// Connects, creates what is missing, loads the newest snapshot into
+    /// `fleet` (which has no worker yet), catches up with the log and
+    /// starts the replica's tasks on `tasks`, which end with `stop`.
+    pub async fn start(
+        options: &ClusterOptions,
+        url: &str,
+        settings: ClusterSettings,
+        fleet: Arc<Fleet>,
+        tasks: &TaskTracker,
+        stop: CancellationToken,
+    ) -> anyhow::Result<Arc<Self>> {
+        let replica = options.replica();
+        let names = Names::new(&options.cluster_name);
+        let (connected_tx, connected) = watch::channel(false);
+        let client = options.connect(url, &replica, connected_tx).await?;
+        let js = jetstream::new(client.clone());
+        let (log_stream, workers, sessions, control, store) = loop {
+            match setup(&js, &names, options, &settings).await {
+                Ok(made) => break made,
+                Err(error) => {
+                    tracing::warn!(%error, url, "cluster: NATS not ready; retrying");
+                    tokio::select! {
+                        () = stop.cancelled() => anyhow::bail!("stopped before NATS was reachable"),
+                        () = tokio::time::sleep(SETUP_RETRY) => {}
+                    }
+                }
+            }
+        };
+        let metrics = fleet.router().metrics().clone();
+        let log = Arc::new(Log::new(
+            js.clone(),
+            names.log_stream.clone(),
+            names.log_subject.clone(),
+            replica.clone(),
+            metrics.clone(),
+        ));
+        fleet.join_cluster(Arc::new(LogForward {
+            log: log.clone(),
+            stop: stop.clone(),
+        }));
+        let snapshots = Arc::new(ClusterSnapshots {
+            store,
+            control,
+            log: log.clone(),
+            metrics: metrics.clone(),
+        });
+        let from = match snapshots
+            .load()
+            .await
+            .map_err(|e| anyhow::anyhow!("cluster snapshot: {e}"))?
+        {
+            Some(loaded) => {
+                let report = fleet.restore(loaded.state).await;
+                tracing::info!(
+                    position = loaded.position,
+                    bytes = loaded.bytes,
+                    workers = report.workers,
+                    entries = report.entries,
+                    "cluster snapshot loaded"
+                );
+                loaded.position + 1
+            }
+            None => 1,
+        };
+        let first = log_stream.cached_info().state.first_sequence;
+        if from < first {
+            tracing::warn!(
+                from,
+                first,
+                "the shared log no longer holds every record after the snapshot (retention): the index may miss events until workers resynchronise"
+            );
+        }
+        let end = log_stream.cached_info().state.last_sequence;
+        tasks.spawn(log.clone().follow(fleet.clone(), from, stop.clone()));
+        if !log.wait_applied(end, Duration::from_secs(600)).await {
+            anyhow::bail!("the shared log was not caught up with (position {end})");
+        }
+        tracing::info!(
+            replica,
+            position = end,
+            "cluster: caught up with the shared log"
+        );
+
+        let leases = Arc::new(Leases::new(workers, fleet.clone(), log.clone()));
+        tasks.spawn(leases.clone().watch(stop.clone()));
+        tasks.spawn(leases.clone().housekeeping(LEASE_CHECK, stop.clone()));
+
+        let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
+        fleet.router().set_change_feed(feed_tx);
+        let sync = Arc::new(RoutingSync {
+            client: client.clone(),
+            js: js.clone(),
+            sessions,
+            names: names.clone(),
+            replica: replica.clone(),
+            router: fleet.router().clone(),
+        });
+        tasks.spawn(sync.clone().publish(feed_rx));
+        tasks.spawn(sync.clone().receive(stop.clone()));
+        tasks.spawn(sync.watch_sessions(stop.clone()));
+        tasks.spawn(
+            snapshots
+                .clone()
+                .every(settings.snapshot_interval, stop.clone()),
+        );
+
+        let cluster = Arc::new(Self {
+            replica,
+            fleet,
+            log,
+            leases,
+            snapshots,
+            connected,
+        });
+        tasks.spawn(cluster.clone().follow_connection(stop));
+        Ok(cluster)
+    }
+
+    /// True while the NATS connection is up; changes when it drops or
+    /// comes back.
+    pub fn connection(&self) -> watch::Receiver<bool> {
+        self.connected.clone()
+    }
+
+    /// The last log position this replica applied.
+    pub fn position(&self) -> u64 {
+        self.log.position()
+    }
+
+    /// Writes the cluster snapshot now (Admin `Snapshot`).
+    pub async fn snapshot(&self) -> Result<(u64, usize), String> {
+        self.snapshots.write().await
+    }
+
+    async fn follow_connection(self: Arc<Self>, stop: CancellationToken) {
+        let mut connected = self.connected.clone();
+        let gauge = self.fleet.router().metrics().cluster.connected.clone();
+        let mut was = *connected.borrow();
+        gauge.set(i64::from(was));
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                changed = connected.changed() => if changed.is_err() { return },
+            }
+            let now = *connected.borrow();
+            gauge.set(i64::from(now));
+            if now && !was {
+                tracing::info!("cluster: NATS connection back");
+                self.leases.reconnected().await;
+            } else if !now && was {
+                tracing::warn!("cluster: NATS unreachable; routing on the state held");
+            }
+            was = now;
+        }
+    }
+}
+
+/// Creates (or opens) the cluster's stream, buckets and object store.
+async fn setup(
+    js: &jetstream::Context,
+    names: &Names,
+    options: &ClusterOptions,
+    settings: &ClusterSettings,
+) -> anyhow::Result<(
+    stream::Stream,
+    kv::Store,
+    kv::Store,
+    kv::Store,
+    object_store::ObjectStore,
+)> {
+    let log = js
+        .get_or_create_stream(stream::Config {
+            name: names.log_stream.clone(),
+            subjects: vec![names.log_subject.clone()],
+            max_age: options.log_max_age,
+            max_bytes: options.log_max_bytes,
+            duplicate_window: options.log_duplicate_window,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await?;
+    js.get_or_create_stream(stream::Config {
+        name: names.bookings_stream.clone(),
+        subjects: vec![format!("{}.>", names.bookings_prefix)],
+        max_age: settings.booking_ttl,
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
+    .await?;
+    let bucket = |bucket: &str, max_age: Duration| kv::Config {
+        bucket: bucket.to_owned(),
+        history: 1,
+        max_age,
+        storage: stream::StorageType::File,
+        ..Default::default()
+    };
+    let workers = open_bucket(js, bucket(&names.workers_bucket, Duration::ZERO)).await?;
+    let sessions = open_bucket(js, bucket(&names.sessions_bucket, settings.session_ttl)).await?;
+    let control = open_bucket(js, bucket(&names.control_bucket, Duration::ZERO)).await?;
+    let store = match js.get_object_store(&names.snapshots_bucket).await {
+        Ok(store) => store,
+        Err(_) => {
+            js.create_object_store(object_store::Config {
+                bucket: names.snapshots_bucket.clone(),
+                storage: stream::StorageType::File,
+                ..Default::default()
+            })
+            .await?
+        }
+    };
+    Ok((log, workers, sessions, control, store))
+}
+
+/// Opens a key-value bucket, creating its stream first if missing. The
+/// stream is made here as the client's `create_key_value` would make it:
+/// that call first asks for the account's API level, an answer
+/// nats-server 2.9 (Debian's) gives in a form the client cannot read.
+async fn open_bucket(js: &jetstream::Context, config: kv::Config) -> anyhow::Result<kv::Store> {
+    js.get_or_create_stream(stream::Config {
+        name: format!("KV_{}", config.bucket),
+        subjects: vec![format!("$KV.{}.>", config.bucket)],
+        max_messages_per_subject: config.history.max(1),
+        max_age: config.max_age,
+        storage: config.storage,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        num_replicas: 1,
+        discard: stream::DiscardPolicy::New,
+        ..Default::default()
+    })
+    .await?;
+    Ok(js.get_key_value(&config.bucket).await?)
+}
+
+#[tonic::async_trait]
+impl Replication for Cluster {
+    async fn register(
+        &self,
+        request: pb::RegisterWorkerRequest,
+    ) -> Result<RegisterOutcome, Status> {
+        let worker_id = request.worker_id;
+        let applied = self
+            .log
+            .append(Body::Register(request), None, true)
+            .await
+            .map_err(unavailable)?;
+        let outcome = match applied {
+            Applied::Register(outcome) => outcome.map_err(Status::from)?,
+            _ => return Err(Status::internal("the log applied another record")),
+        };
+        if let Err(error) = self.leases.registered(worker_id).await {
+            tracing::warn!(worker_id, %error, "lease entry not written; the next heartbeat writes it");
+        }
+        Ok(outcome)
+    }
+
+    async fn deregister(&self, worker_id: WorkerId) -> Result<u64, Status> {
+        let applied = self
+            .log
+            .append(Body::Deregister(worker_id), None, true)
+            .await
+            .map_err(unavailable)?;
+        self.leases.forget(worker_id).await;
+        match applied {
+            Applied::Deregister(outcome) => outcome.map_err(Status::from),
+            _ => Err(Status::internal("the log applied another record")),
+        }
+    }
+
+    async fn heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
+        self.leases.heartbeat(worker_id, loads).await;
+    }
+
+    async fn set_cordoned(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), Status> {
+        self.leases
+            .set_cordoned(worker_id, cordoned)
+            .await
+            .map_err(Status::unavailable)
+    }
+
+    async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
+        let (first, last) = match (batch.events.first(), batch.events.last()) {
+            (Some(f), Some(l)) => (f.event_id, l.event_id),
+            _ => (0, 0),
+        };
+        let message_id = format!(
+            "events.{}.{}.{}.{first}.{last}",
+            batch.worker_id, batch.generation, batch.dp_rank
+        );
+        let events = batch
+            .events
+            .iter()
+            .map(|e| convert::kv_event_to_pb(e.event_id, &e.event))
+            .collect();
+        let body = Body::Events(pb::KvEventBatch {
+            worker_id: batch.worker_id,
+            dp_rank: batch.dp_rank,
+            events,
+        });
+        let applied = self
+            .log
+            .append(body, Some(message_id), true)
+            .await
+            .map_err(unavailable)?;
+        match applied {
+            Applied::Events(outcome) => outcome.map_err(Status::from),
+            // A resend of a batch already in the log: the cursor has it.
+            _ => {
+                let cursor = self
+                    .fleet
+                    .worker_view(batch.worker_id)
+                    .ok()
+                    .and_then(|v| v.ranks.into_iter().find(|r| r.dp_rank == batch.dp_rank))
+                    .map(|r| r.cursor);
+                Ok(BatchOutcome {
+                    dp_rank: batch.dp_rank,
+                    last_applied: cursor.and_then(|c| c.last_applied()),
+                    ..BatchOutcome::default()
+                })
+            }
+        }
+    }
+}
+
+/// The replica a server's handlers use: set once the cluster has started
+/// (the handlers exist before it, behind the startup gate, which refuses
+/// their calls until then).
+#[derive(Debug, Default)]
+pub struct ReplicaSlot(std::sync::OnceLock<Arc<Cluster>>);
+
+impl ReplicaSlot {
+    pub fn set(&self, cluster: Arc<Cluster>) {
+        let _ = self.0.set(cluster);
+    }
+
+    pub fn get(&self) -> Option<&Arc<Cluster>> {
+        self.0.get()
+    }
+
+    fn cluster(&self) -> Result<&Arc<Cluster>, Status> {
+        self.get()
+            .ok_or_else(|| Status::unavailable("this replica is still joining its cluster"))
+    }
+}
+
+#[tonic::async_trait]
+impl Replication for ReplicaSlot {
+    async fn register(
+        &self,
+        request: pb::RegisterWorkerRequest,
+    ) -> Result<RegisterOutcome, Status> {
+        self.cluster()?.register(request).await
+    }
+
+    async fn deregister(&self, worker_id: WorkerId) -> Result<u64, Status> {
+        self.cluster()?.deregister(worker_id).await
+    }
+
+    async fn heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
+        if let Ok(cluster) = self.cluster() {
+            cluster.heartbeat(worker_id, loads).await;
+        }
+    }
+
+    async fn set_cordoned(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), Status> {
+        self.cluster()?.set_cordoned(worker_id, cordoned).await
+    }
+
+    async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
+        self.cluster()?.publish(batch).await
+    }
+}

@@ -1,0 +1,167 @@
+//! `kvroute serve`'s cluster flags (`crate::cluster` runs the replica).
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::Args;
+
+/// Cluster mode: several replicas sharing one index over NATS JetStream.
+/// Without `--nats-url` kvroute runs alone and needs no other server.
+#[derive(Clone, Debug, Args)]
+pub struct ClusterOptions {
+    /// NATS server(s) of the cluster, e.g. `nats://nats:4222` (comma
+    /// separated for several). Set: this process is one replica of a
+    /// cluster (JetStream must be enabled on the server).
+    #[arg(long, env = "KVROUTE_NATS_URL")]
+    pub nats_url: Option<String>,
+
+    /// Prefix of every subject, stream, bucket and object store of this
+    /// cluster, so several clusters can share one NATS: letters, digits,
+    /// `-` and `_`.
+    #[arg(long, env = "KVROUTE_CLUSTER_NAME", default_value = "kvroute",
+          value_parser = parse_cluster_name)]
+    pub cluster_name: String,
+
+    /// This replica's name in the cluster (unique per replica; default: the
+    /// host name and process id).
+    #[arg(long, env = "KVROUTE_REPLICA_ID")]
+    pub replica_id: Option<String>,
+
+    /// NATS credentials file (JWT and NKey seed, `.creds`).
+    #[arg(long, env = "KVROUTE_NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+
+    /// NATS user name (with `--nats-password`).
+    #[arg(long, env = "KVROUTE_NATS_USER")]
+    pub nats_user: Option<String>,
+
+    /// NATS password.
+    #[arg(long, env = "KVROUTE_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+
+    /// NATS token.
+    #[arg(long, env = "KVROUTE_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+
+    /// CA certificate (PEM) to verify the NATS server with; implies TLS.
+    #[arg(long, env = "KVROUTE_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<PathBuf>,
+
+    /// Client certificate and key (PEM) for NATS servers that verify
+    /// clients.
+    #[arg(long, env = "KVROUTE_NATS_TLS_CERT", requires = "nats_tls_key")]
+    pub nats_tls_cert: Option<PathBuf>,
+    #[arg(long, env = "KVROUTE_NATS_TLS_KEY", requires = "nats_tls_cert")]
+    pub nats_tls_key: Option<PathBuf>,
+
+    /// How long the shared event log keeps records. A replica that starts
+    /// loads the newest snapshot and reads the log from the position it
+    /// covers, so this must be well over `--snapshot-interval` (the default
+    /// is 2880 intervals of 30 s).
+    #[arg(long, env = "KVROUTE_LOG_MAX_AGE", default_value = "24h",
+          value_parser = humantime::parse_duration)]
+    pub log_max_age: Duration,
+
+    /// Most bytes the shared event log keeps (oldest records go first).
+    #[arg(long, env = "KVROUTE_LOG_MAX_BYTES", default_value_t = 8 << 30)]
+    pub log_max_bytes: i64,
+
+    /// How long JetStream remembers appended message ids: the same engine
+    /// batch appended by several replicas within it is kept once.
+    #[arg(long, env = "KVROUTE_LOG_DUPLICATE_WINDOW", default_value = "10m",
+          value_parser = humantime::parse_duration)]
+    pub log_duplicate_window: Duration,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self {
+            nats_url: None,
+            cluster_name: "kvroute".into(),
+            replica_id: None,
+            nats_creds: None,
+            nats_user: None,
+            nats_password: None,
+            nats_token: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+            log_max_age: Duration::from_secs(24 * 3600),
+            log_max_bytes: 8 << 30,
+            log_duplicate_window: Duration::from_secs(600),
+        }
+    }
+}
+
+fn parse_cluster_name(text: &str) -> Result<String, String> {
+    let ok = !text.is_empty()
+        && text.len() <= 64
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(text.to_owned())
+    } else {
+        Err("a cluster name is 1 to 64 letters, digits, '-' or '_'".into())
+    }
+}
+
+impl ClusterOptions {
+    /// This replica's name.
+    pub fn replica(&self) -> String {
+        self.replica_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/etc/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_default();
+            let host = if host.is_empty() {
+                "kvroute".into()
+            } else {
+                host
+            };
+            format!("{host}-{}", std::process::id())
+        })
+    }
+
+    /// Connects to NATS. The client reconnects by itself for as long as the
+    /// process runs; `events` hears of each disconnect and reconnect.
+    pub async fn connect(
+        &self,
+        url: &str,
+        replica: &str,
+        events: tokio::sync::watch::Sender<bool>,
+    ) -> anyhow::Result<async_nats::Client> {
+        let mut options = async_nats::ConnectOptions::new()
+            .name(format!("kvroute {replica}"))
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .event_callback(move |event| {
+                let events = events.clone();
+                async move {
+                    match event {
+                        async_nats::Event::Connected => {
+                            let _ = events.send(true);
+                        }
+                        async_nats::Event::Disconnected => {
+                            let _ = events.send(false);
+                        }
+                        other => tracing::debug!(event = %other, "nats"),
+                    }
+                }
+            });
+        if let Some(creds) = &self.nats_creds {
+            options = options.credentials_file(creds).await?;
+        }
+        if let (Some(user), Some(password)) = (&self.nats_user, &self.nats_password) {
+            options = options.user_and_password(user.clone(), password.clone());
+        }
+        if let Some(token) = &self.nats_token {
+            options = options.token(token.clone());
+        }
+        if let Some(ca) = &self.nats_tls_ca {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let (Some(cert), Some(key)) = (&self.nats_tls_cert, &self.nats_tls_key) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        Ok(options.connect(url).await?)
+    }
+}
