@@ -19,6 +19,10 @@ use tonic::transport::Channel;
 
 const MODEL: &str = "m";
 
+/// One test at a time: each runs a nats-server and up to seven replicas
+/// on a two-core machine.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Worker `w`'s events in batches: chains over shared local hashes (so
 /// prefixes overlap between workers), some evicted again.
 fn history(worker_id: u64, batches: usize) -> Vec<pb::KvEventBatch> {
@@ -112,6 +116,7 @@ async fn three(nats: &Nats, cluster: &str, extra: &[&str]) -> Vec<Replica> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_through_different_replicas_give_one_index() {
+    let _serial = SERIAL.lock().await;
     let nats = Nats::start("one-index");
     let replicas = three(&nats, "one", &[]).await;
     let workers: Vec<(u64, Vec<pb::KvEventBatch>)> = (1..=4).map(|w| (w, history(w, 30))).collect();
@@ -139,4 +144,250 @@ async fn events_through_different_replicas_give_one_index() {
             assert!(r.worker(*w).await.is_some(), "{} lacks worker {w}", r.name);
         }
     }
+}
+
+async fn route(channel: &Channel, request_id: &str, hashes: &[u64], session: Option<&str>) -> u64 {
+    let mut request = select_hashes(request_id, MODEL, hashes);
+    request.session = session.map(|s| pb::SessionAffinity {
+        session_id: s.into(),
+        mode: pb::AffinityMode::Hard.into(),
+    });
+    RouterClient::new(channel.clone())
+        .select_worker(request)
+        .await
+        .expect("select")
+        .into_inner()
+        .worker_id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_under_traffic_catches_up_from_snapshot_and_log() {
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("restart");
+    let mut replicas = three(&nats, "restart", &["--snapshot-interval", "1s"]).await;
+    let workers: Vec<(u64, Vec<pb::KvEventBatch>)> = (1..=3).map(|w| (w, history(w, 40))).collect();
+    for (w, batches) in &workers {
+        register(&replicas[0].channel, *w).await;
+        publish_all(&replicas[1].channel, &batches[..15]).await;
+    }
+    replicas[1]
+        .admin()
+        .cordon_worker(pb::CordonWorkerRequest { worker_id: 2 })
+        .await
+        .expect("cordon");
+    let bound = route(&replicas[0].channel, "q-1", &[1000, 1001], Some("sess-a")).await;
+    // A snapshot is written within the interval by one of them.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while replicas
+        .iter()
+        .map(|r| r.metric("kvroute_snapshots_total{outcome=\"written\"}"))
+        .sum::<f64>()
+        < 1.0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no snapshot written"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Traffic through the other two while the third is killed and restarts.
+    let mut sends = Vec::new();
+    for (w, batches) in workers.clone() {
+        let channel = replicas[w as usize % 2].channel.clone();
+        sends.push(tokio::spawn(async move {
+            publish_all(&channel, &batches[15..]).await
+        }));
+    }
+    let killed = replicas.pop().expect("three");
+    let restarted = killed.kill_9_and_restart().await;
+    for s in sends {
+        s.await.unwrap();
+    }
+    assert_eq!(
+        restarted.metric("kvroute_snapshots_total{outcome=\"loaded\"}"),
+        1.0,
+        "the restarted replica loads the snapshot"
+    );
+    replicas.push(restarted);
+    let all: Vec<&Replica> = replicas.iter().collect();
+    let digest = converged(&all, Duration::from_secs(20)).await;
+    assert_eq!(digest, single_process_digest(&workers).await);
+    // Cordons, leases and sessions agree.
+    for (w, _) in &workers {
+        let seen: Vec<pb::WorkerInfo> = {
+            let mut v = Vec::new();
+            for r in &replicas {
+                v.push(r.worker(*w).await.expect("known everywhere"));
+            }
+            v
+        };
+        for info in &seen {
+            assert_eq!(info.cordoned, *w == 2, "worker {w}: {info:?}");
+            assert!(info.lease_remaining_ms > 100_000, "worker {w}: {info:?}");
+        }
+    }
+    let again = route(&replicas[2].channel, "q-2", &[1000, 1001], Some("sess-a")).await;
+    assert_eq!(
+        again, bound,
+        "the session's binding survives at the restarted replica"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_away_for_ten_seconds_loses_no_accepted_event() {
+    let _serial = SERIAL.lock().await;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let mut nats = Nats::start("outage");
+    let replicas = three(&nats, "outage", &[]).await;
+    let workers: Vec<(u64, Vec<pb::KvEventBatch>)> = (1..=3).map(|w| (w, history(w, 60))).collect();
+    for (w, _) in &workers {
+        register(&replicas[*w as usize % 3].channel, *w).await;
+    }
+    let mut sends = Vec::new();
+    for (w, batches) in workers.clone() {
+        let channel = replicas[w as usize % 3].channel.clone();
+        sends.push(tokio::spawn(async move {
+            let mut retries = 0;
+            for chunk in batches.chunks(3) {
+                retries += publish_all(&channel, chunk).await;
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            retries
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    nats.stop();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Routing goes on; the Workers service says it cannot take events.
+    let chosen = route(&replicas[0].channel, "during", &[1000, 1001], None).await;
+    assert!((1..=3).contains(&chosen));
+    let status = HealthClient::new(replicas[0].channel.clone())
+        .check(HealthCheckRequest {
+            service: "kvroute.v1.Workers".into(),
+        })
+        .await
+        .expect("health")
+        .into_inner()
+        .status;
+    assert_eq!(status, 2, "Workers NOT_SERVING while NATS is away");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    nats.resume();
+    let mut retries = 0;
+    for s in sends {
+        retries += s.await.unwrap();
+    }
+    assert!(
+        retries > 0,
+        "some batches were answered UNAVAILABLE and resent"
+    );
+    let all: Vec<&Replica> = replicas.iter().collect();
+    let digest = converged(&all, Duration::from_secs(30)).await;
+    assert_eq!(digest, single_process_digest(&workers).await);
+}
+
+/// Four equal workers, worker 1 caching a long prefix. Each of `waves`
+/// waves makes `CALLS` RESERVE calls for prompts sharing the prefix, 5 ms
+/// apart, each at the next of `routers`, all outstanding until the wave
+/// ends; then each is released at another router than the one that
+/// booked it. Returns the calls each worker took. With `check`, checks
+/// before the last release that every router sees the cluster's whole
+/// booked load.
+async fn herd(routers: &[&Replica], waves: usize, check: bool) -> [usize; 4] {
+    const CALLS: usize = 12;
+    let prefix: Vec<u64> = (1..=32).collect();
+    let mut taken = [0usize; 4];
+    for wave in 0..waves {
+        let mut wave_taken = [0usize; 4];
+        for k in 0..CALLS {
+            let mut prompt = prefix.clone();
+            prompt.extend((0..4).map(|i| 1_000_000 + (wave * CALLS + k) as u64 * 10 + i));
+            let id = format!("req-{wave}-{k}");
+            let w = route(&routers[k % routers.len()].channel, &id, &prompt, None).await;
+            wave_taken[w as usize - 1] += 1;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if check && wave + 1 == waves {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            for w in 1..=4u64 {
+                let mut loads = Vec::new();
+                for r in routers {
+                    let info = r.worker(w).await.expect("worker");
+                    loads.push(info.ranks[0].booked_load.expect("booked"));
+                }
+                assert!(
+                    loads.windows(2).all(|p| p[0] == p[1]),
+                    "worker {w}: {loads:?}"
+                );
+                assert_eq!(
+                    loads[0].active_requests as usize,
+                    wave_taken[w as usize - 1]
+                );
+            }
+        }
+        for k in 0..CALLS {
+            RouterClient::new(routers[(k + 1) % routers.len()].channel.clone())
+                .release_request(pb::ReleaseRequestRequest {
+                    request_id: format!("req-{wave}-{k}"),
+                })
+                .await
+                .expect("release");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for (t, n) in taken.iter_mut().zip(wave_taken) {
+            *t += n;
+        }
+    }
+    taken
+}
+
+async fn herd_fleet(channel: &Channel) {
+    for w in 1..=4 {
+        register(channel, w).await;
+    }
+    let blocks: Vec<(u64, u64)> = (1..=16).map(|l| (500 + l, l)).collect();
+    let events = vec![stored(0, None, &blocks)];
+    publish_all(channel, &[batch(1, 0, events)]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synced_replicas_do_not_herd() {
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("herd");
+    const WAVES: usize = 4;
+    let single = Replica::start(&nats, "single", "single-r0", &[]).await;
+    herd_fleet(&single.channel).await;
+    let one = herd(&[&single], WAVES, false).await;
+
+    let synced = three(&nats, "synced", &[]).await;
+    herd_fleet(&synced[0].channel).await;
+    converged(&synced.iter().collect::<Vec<_>>(), Duration::from_secs(10)).await;
+    let three_synced = herd(&synced.iter().collect::<Vec<_>>(), WAVES, true).await;
+
+    let mut alone = Vec::new();
+    for i in 0..3 {
+        let r = Replica::start(&nats, &format!("alone{i}"), &format!("alone{i}-r0"), &[]).await;
+        herd_fleet(&r.channel).await;
+        alone.push(r);
+    }
+    let unsynced = herd(&alone.iter().collect::<Vec<_>>(), WAVES, false).await;
+
+    println!(
+        "calls each worker took: one router {one:?}, 3 synced {three_synced:?}, 3 unsynced {unsynced:?}"
+    );
+    let calls: usize = one.iter().sum();
+    assert!(
+        one[0] < calls,
+        "one router spreads load once it outweighs the cache: {one:?}"
+    );
+    let tolerance = (one[0] as f64 * 0.1).ceil() as usize;
+    assert!(
+        three_synced[0].abs_diff(one[0]) <= tolerance,
+        "synced replicas herd: {three_synced:?} against one router's {one:?}"
+    );
+    // Unsynced replicas are printed, not asserted: with this cost model
+    // and workload they herd only slightly (see the issue note).
+    assert!(
+        unsynced[0] >= one[0].saturating_sub(tolerance),
+        "{unsynced:?}"
+    );
 }

@@ -67,7 +67,7 @@ pub enum AppendError {
 /// What this replica's follower did with a record it appended.
 #[derive(Debug)]
 pub enum Applied {
-    Register(Result<RegisterOutcome, FleetError>),
+    Register(Box<Result<RegisterOutcome, FleetError>>),
     Deregister(Result<u64, FleetError>),
     Events(Result<BatchOutcome, FleetError>),
     /// Records nobody waits on, and duplicates.
@@ -248,7 +248,7 @@ impl Log {
         let Some(mut captures) = self.capture_rx.lock().take() else {
             return;
         };
-        let _ = self.applied.send(from.saturating_sub(1));
+        self.applied.send_replace(from.saturating_sub(1));
         while !stop.is_cancelled() {
             let next = self.position() + 1;
             let messages = match self.consume_from(next).await {
@@ -277,7 +277,7 @@ impl Log {
                                 continue;
                             }
                             self.apply(&fleet, position, &message.payload).await;
-                            let _ = self.applied.send(position);
+                            self.applied.send_replace(position);
                             self.metrics.cluster.log_position.set(i64::try_from(position).unwrap_or(i64::MAX));
                         }
                         Some(Err(error)) => {
@@ -336,7 +336,7 @@ impl Log {
             Some(Body::Register(request)) => {
                 self.count("register");
                 fleet.router().set_next_generation(position);
-                Applied::Register(register(fleet, request).await)
+                Applied::Register(Box::new(register(fleet, request).await))
             }
             Some(Body::Deregister(worker_id)) => {
                 self.count("deregister");

@@ -332,7 +332,7 @@ impl Replication for Cluster {
             .await
             .map_err(unavailable)?;
         let outcome = match applied {
-            Applied::Register(outcome) => outcome.map_err(Status::from)?,
+            Applied::Register(outcome) => (*outcome).map_err(Status::from)?,
             _ => return Err(Status::internal("the log applied another record")),
         };
         if let Err(error) = self.leases.registered(worker_id).await {

@@ -62,7 +62,9 @@ pub struct ClusterOptions {
     pub log_max_age: Duration,
 
     /// Most bytes the shared event log keeps (oldest records go first).
-    #[arg(long, env = "KVROUTE_LOG_MAX_BYTES", default_value_t = 8 << 30)]
+    /// JetStream reserves it from its storage limit when the stream is
+    /// made. The conversation trace's hour of events takes about 90 MB.
+    #[arg(long, env = "KVROUTE_LOG_MAX_BYTES", default_value_t = 1 << 30)]
     pub log_max_bytes: i64,
 
     /// How long JetStream remembers appended message ids: the same engine
@@ -86,7 +88,7 @@ impl Default for ClusterOptions {
             nats_tls_cert: None,
             nats_tls_key: None,
             log_max_age: Duration::from_secs(24 * 3600),
-            log_max_bytes: 8 << 30,
+            log_max_bytes: 1 << 30,
             log_duplicate_window: Duration::from_secs(600),
         }
     }

@@ -38,13 +38,49 @@ pub struct Nats {
 
 impl Nats {
     pub fn start(name: &str) -> Self {
-        let mut nats = Self {
-            child: None,
-            addr: free_addr(),
-            store: temp_dir(&format!("nats-{name}")),
-        };
-        nats.resume();
-        nats
+        let store = temp_dir(&format!("nats-{name}"));
+        // A free port can be handed out twice before anyone binds it: try
+        // another when the server could not listen on this one.
+        for _ in 0..5 {
+            let mut nats = Self {
+                child: None,
+                addr: free_addr(),
+                store: store.clone(),
+            };
+            if nats.try_resume() {
+                return nats;
+            }
+        }
+        panic!("nats-server did not start (is the Debian package nats-server installed?)");
+    }
+
+    fn try_resume(&mut self) -> bool {
+        let mut child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &self.addr.port().to_string()])
+            .args(["-js", "-sd", &self.store.display().to_string()])
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::File::create(self.store.with_extension("log"))
+                    .map_or(Stdio::null(), Stdio::from),
+            )
+            .spawn()
+            .expect("nats-server must be installed (Debian package nats-server)");
+        for _ in 0..500 {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false; // exited: the port was taken
+            }
+            if TcpStream::connect(self.addr).is_ok() {
+                std::thread::sleep(Duration::from_millis(50));
+                if let Ok(None) = child.try_wait() {
+                    self.child = Some(child);
+                    return true;
+                }
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        false
     }
 
     pub fn url(&self) -> String {
@@ -53,21 +89,11 @@ impl Nats {
 
     /// Starts the server again (same port, same store).
     pub fn resume(&mut self) {
-        let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &self.addr.port().to_string()])
-            .args(["-js", "-sd", &self.store.display().to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nats-server must be installed (Debian package nats-server)");
-        self.child = Some(child);
-        for _ in 0..500 {
-            if TcpStream::connect(self.addr).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        panic!("nats-server did not listen on {}", self.addr);
+        assert!(
+            self.try_resume(),
+            "nats-server did not start again on {}",
+            self.addr
+        );
     }
 
     /// Stops the server (SIGKILL: as a crash or a partition looks).
@@ -111,6 +137,8 @@ impl Replica {
             "120s",
             "--seed",
             "7",
+            "--log-max-bytes",
+            "67108864",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -131,16 +159,18 @@ impl Replica {
             .stderr(std::fs::File::create(&log).map_or(Stdio::null(), Stdio::from))
             .spawn()
             .expect("spawn kvroute");
-        let channel = connect(grpc).await;
-        wait_serving(&channel).await;
-        Self {
+        // Killed on drop, also when it never serves and the test panics.
+        let mut replica = Self {
             child,
             name: name.into(),
             grpc,
             metrics,
-            channel,
+            channel: tonic::transport::Endpoint::from_static("http://[::1]:1").connect_lazy(),
             args,
-        }
+        };
+        replica.channel = connect(grpc).await;
+        wait_serving(&replica.channel).await;
+        replica
     }
 
     /// SIGKILL, then the same command again on the same address.
@@ -210,7 +240,7 @@ pub async fn converged(replicas: &[&Replica], timeout: Duration) -> (u64, u64) {
     loop {
         let mut digests = Vec::new();
         for r in replicas {
-            digests.push((r.digest().await, r.metric("cluster_log_position")));
+            digests.push((r.digest().await, r.metric("kvroute_cluster_log_position")));
         }
         if digests.windows(2).all(|w| w[0] == w[1]) {
             return digests[0].0;
