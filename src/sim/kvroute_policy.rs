@@ -245,11 +245,11 @@ impl Router for KvRoutePolicy {
         }
     }
 
-    fn on_prefill_complete(&mut self, request_id: u64) {
+    fn on_prefill_complete(&mut self, request_id: u64, _now_ms: f64) {
         self.core.mark_prefill_complete(&request_id.to_string());
     }
 
-    fn on_request_complete(&mut self, request_id: u64) {
+    fn on_request_complete(&mut self, request_id: u64, _now_ms: f64) {
         self.core.release_request(&request_id.to_string());
     }
 }

@@ -46,4 +46,4 @@ pub use policy::{
     LeastLoaded, POLICY_NAMES, PrefixOnly, RandomRouter, RoundRobin, Router, policy_by_name,
 };
 pub use report::{Distribution, EngineStats, Report};
-pub use types::{FleetView, SimConfig, SimRequest, worker_rank};
+pub use types::{FleetView, ReplicaSetup, SimConfig, SimRequest, worker_rank};
