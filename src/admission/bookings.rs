@@ -149,27 +149,28 @@ impl BookingLedger {
         let mut saved: Vec<SavedBooking> = self
             .bookings
             .iter()
-            .map(|(id, b)| SavedBooking {
-                request_id: id.clone(),
-                target: b.target,
-                prefill: b.prefill,
-                keys: b.keys.clone(),
-                age_ms: now_ms.saturating_sub(b.booked_at_ms),
-            })
+            .map(|(id, b)| Self::saved(id, b, now_ms))
             .collect();
         saved.sort_by(|a, b| a.request_id.cmp(&b.request_id));
         saved
     }
 
-    /// One open booking, as a snapshot keeps it.
+    /// One open booking as [`Self::export`] gives it: what another router
+    /// needs to book the same load ([`Self::restore`]).
     pub fn export_one(&self, request_id: &str, now_ms: u64) -> Option<SavedBooking> {
-        self.bookings.get(request_id).map(|b| SavedBooking {
+        self.bookings
+            .get_key_value(request_id)
+            .map(|(id, b)| Self::saved(id, b, now_ms))
+    }
+
+    fn saved(request_id: &str, b: &Booking, now_ms: u64) -> SavedBooking {
+        SavedBooking {
             request_id: request_id.to_owned(),
             target: b.target,
             prefill: b.prefill,
             keys: b.keys.clone(),
             age_ms: now_ms.saturating_sub(b.booked_at_ms),
-        })
+        }
     }
 
     /// Books a saved booking again, aged as it was (as far as the clock
@@ -406,6 +407,22 @@ mod tests {
                 .map(|b| (b.target, b.prefill_outstanding, b.blocks)),
             Some((WorkerRank::new(2, 0), true, 1))
         );
+    }
+
+    #[test]
+    fn one_exported_booking_restores_the_same_load_elsewhere() {
+        let mut l = BookingLedger::new();
+        l.book("a", R0, 100, 7, &[1, 2, 3], 10).unwrap();
+        l.book("b", R0, 50, 2, &[1, 2], 10).unwrap();
+        assert!(l.export_one("nope", 30).is_none());
+        let a = l.export_one("a", 30).unwrap();
+        assert_eq!(Some(&a), l.export(30).iter().find(|s| s.request_id == "a"));
+        assert_eq!(a.age_ms, 20);
+        let mut other = BookingLedger::new();
+        other.restore(a, 30).unwrap();
+        assert_eq!(other.load(R0).prefill_tokens, 100);
+        assert_eq!(other.load(R0).decode_blocks, 3);
+        assert_eq!(other.booking("a"), l.booking("a"));
     }
 
     #[test]

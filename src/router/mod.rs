@@ -302,6 +302,14 @@ impl RouterCore {
         (state.sessions.export(now_ms), state.ledger.export(now_ms))
     }
 
+    /// One open booking as a snapshot keeps it, or `None` when the request
+    /// has none: what another router replica books to learn of this
+    /// routing ([`Self::restore_routing`]).
+    pub fn saved_booking(&self, request_id: &str) -> Option<SavedBooking> {
+        let now_ms = self.now_ms();
+        self.routing.read().ledger.export_one(request_id, now_ms)
+    }
+
     /// Restores saved sessions and bookings (those of workers not
     /// registered are dropped); returns how many bookings were refused.
     pub fn restore_routing(

@@ -17,8 +17,9 @@ use super::engine::EngineConfig;
 use super::fleet::replay_with_progress;
 use super::kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 use super::policy::{POLICY_NAMES, Router, policy_by_name};
+use super::replicas::ReplicatedKvRoute;
 use super::report::Report;
-use super::types::SimConfig;
+use super::types::{ReplicaSetup, SimConfig};
 use crate::trace::Trace;
 
 /// Every policy `--policy` accepts.
@@ -55,6 +56,18 @@ pub struct ReplayArgs {
     /// kvroute policy: softmax temperature (0: lowest cost).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// kvroute policy: router replicas sharing the fleet, each its own
+    /// router core seeing every KV event; request i is routed by replica
+    /// i mod N. Only the kvroute policy books load, so only it accepts N > 1.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub router_replicas: u64,
+    /// With --router-replicas: virtual ms after which a replica's bookings,
+    /// prefill completions and releases reach the other replicas.
+    #[arg(long, default_value_t = 0.0, conflicts_with = "no_replica_sync")]
+    pub replica_sync_delay_ms: f64,
+    /// With --router-replicas: replicas never learn each other's bookings.
+    #[arg(long)]
+    pub no_replica_sync: bool,
     /// Seed of every random choice.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -159,6 +172,11 @@ impl ReplayArgs {
                 return Err(ReplayError::Invalid(format!("{name} must be >= 0")));
             }
         }
+        if !(self.replica_sync_delay_ms.is_finite() && self.replica_sync_delay_ms >= 0.0) {
+            return Err(ReplayError::Invalid(
+                "--replica-sync-delay-ms must be >= 0".into(),
+            ));
+        }
         Ok(SimConfig {
             workers: self.workers as usize,
             speedup: self.speedup,
@@ -204,7 +222,25 @@ impl ReplayArgs {
             }
         }
         names.dedup();
+        if self.router_replicas > 1
+            && let Some(baseline) = names.iter().find(|n| *n != "kvroute")
+        {
+            return Err(ReplayError::Invalid(format!(
+                "--router-replicas {} models routers that book load, which only the kvroute \
+                 policy does; `{baseline}` would route as one router. Pass --policy kvroute",
+                self.router_replicas
+            )));
+        }
         Ok(names)
+    }
+
+    /// The replicas asked for; `None` for one router, which is the plain
+    /// policy (so one router's replay is the same whatever the sync flags).
+    fn replicas(&self) -> Option<ReplicaSetup> {
+        (self.router_replicas > 1).then(|| ReplicaSetup {
+            count: self.router_replicas as usize,
+            sync_delay_ms: (!self.no_replica_sync).then_some(self.replica_sync_delay_ms),
+        })
     }
 
     fn router(&self, name: &str) -> Result<Box<dyn Router>, ReplayError> {
@@ -215,7 +251,10 @@ impl ReplayArgs {
                 temperature: self.temperature,
                 seed: self.seed,
             };
-            return Ok(Box::new(KvRoutePolicy::new(knobs)?));
+            return Ok(match self.replicas() {
+                Some(setup) => Box::new(ReplicatedKvRoute::new(knobs, setup)?),
+                None => Box::new(KvRoutePolicy::new(knobs)?),
+            });
         }
         policy_by_name(name, self.seed)
             .ok_or_else(|| ReplayError::Invalid(format!("unknown policy `{name}`")))
@@ -306,6 +345,69 @@ mod tests {
             Err(e) => e,
             Ok(_) => panic!("a missing trace replays"),
         }
+    }
+
+    #[test]
+    fn router_replicas_run_the_kvroute_policy_only() {
+        let err = |args: &[&str]| {
+            let cli = Cli::parse_from(
+                ["replay", "--trace", "/nonexistent/trace.jsonl"]
+                    .iter()
+                    .chain(args),
+            );
+            match run(&cli.replay) {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("a missing trace replays"),
+            }
+        };
+        let all = err(&["--router-replicas", "3"]);
+        assert!(all.contains("Pass --policy kvroute"), "{all}");
+        let rr = err(&["--router-replicas", "2", "--policy", "kvroute,round-robin"]);
+        assert!(rr.contains("`round-robin`"), "{rr}");
+        // kvroute alone gets as far as loading the trace
+        let kv = err(&[
+            "--router-replicas",
+            "3",
+            "--no-replica-sync",
+            "--policy",
+            "kvroute",
+        ]);
+        assert!(kv.contains("/nonexistent/trace.jsonl"), "{kv}");
+        let negative = err(&["--router-replicas", "3", "--replica-sync-delay-ms=-1"]);
+        assert!(negative.contains("must be >= 0"), "{negative}");
+    }
+
+    #[test]
+    fn replica_flags_say_how_load_is_shared() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["replay", "--trace", "t.jsonl"].iter().chain(args))
+                .map(|cli| cli.replay.replicas())
+        };
+        assert_eq!(parse(&[]).ok(), Some(None));
+        assert_eq!(parse(&["--no-replica-sync"]).ok(), Some(None));
+        assert_eq!(
+            parse(&["--router-replicas", "3", "--replica-sync-delay-ms", "10"]).ok(),
+            Some(Some(ReplicaSetup {
+                count: 3,
+                sync_delay_ms: Some(10.0)
+            }))
+        );
+        assert_eq!(
+            parse(&["--router-replicas", "3"])
+                .ok()
+                .flatten()
+                .map(|s| s.sync_delay_ms),
+            Some(Some(0.0))
+        );
+        assert_eq!(
+            parse(&["--router-replicas", "3", "--no-replica-sync"]).ok(),
+            Some(Some(ReplicaSetup {
+                count: 3,
+                sync_delay_ms: None
+            }))
+        );
+        assert!(parse(&["--replica-sync-delay-ms", "1", "--no-replica-sync"]).is_err());
+        assert!(parse(&["--router-replicas", "0"]).is_err());
     }
 
     #[test]

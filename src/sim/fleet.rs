@@ -184,17 +184,17 @@ impl<'a> Replay<'a> {
             t.last_token_ms = now;
             t.output_tokens += 1;
             if token.first {
-                self.router.on_prefill_complete(token.request_id);
+                self.router.on_prefill_complete(token.request_id, now);
             }
             if token.done {
                 t.finish_ms = Some(now);
                 self.engine_stats[engine].completed += 1;
-                self.router.on_request_complete(token.request_id);
+                self.router.on_request_complete(token.request_id, now);
             }
         }
         for &id in &outcome.rejected {
             self.tracked[id as usize].rejected = true;
-            self.router.on_request_complete(id);
+            self.router.on_request_complete(id, now);
         }
     }
 
@@ -288,7 +288,7 @@ impl<'a> Replay<'a> {
                 rejected: t.rejected,
             })
             .collect();
-        Report::build(
+        let report = Report::build(
             &self.router.name(),
             self.config,
             self.trace,
@@ -296,7 +296,11 @@ impl<'a> Replay<'a> {
             self.itl_ms,
             self.engine_stats,
             started.elapsed().as_secs_f64(),
-        )
+        );
+        Report {
+            replicas: self.router.replicas(),
+            ..report
+        }
     }
 }
 

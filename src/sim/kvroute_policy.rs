@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use crate::{
+    admission::bookings::SavedBooking,
     grpc::convert::{self, BatchLimits},
     ingest::EventWriter,
     pb,
@@ -107,6 +108,29 @@ impl KvRoutePolicy {
         self.registered = true;
     }
 
+    /// Registers the fleet's engines unless done already. The first
+    /// `route` does it; a router replica that has not routed yet needs it
+    /// before the engines' KV events reach it.
+    pub(super) fn ensure_registered(&mut self, fleet: &FleetView) {
+        if !self.registered {
+            self.register(fleet);
+        }
+    }
+
+    /// What this router has booked for `request_id`, as another replica
+    /// would receive it.
+    pub(super) fn booking(&self, request_id: u64) -> Option<SavedBooking> {
+        self.core.saved_booking(&request_id.to_string())
+    }
+
+    /// Books load another router replica booked (its prefill completion
+    /// and release come through `on_prefill_complete` and
+    /// `on_request_complete`, as this router's own do).
+    pub(super) fn book_for_peer(&mut self, booking: SavedBooking) {
+        let refused = self.core.restore_routing(Vec::new(), vec![booking]);
+        self.errors += refused as u64;
+    }
+
     fn report_load(&mut self, fleet: &FleetView) {
         for (engine, load) in fleet.engines.iter().enumerate() {
             let rank_load = RankLoad {
@@ -167,9 +191,7 @@ impl Router for KvRoutePolicy {
     }
 
     fn route(&mut self, request: &SimRequest, _now_ms: f64, fleet: &FleetView) -> usize {
-        if !self.registered {
-            self.register(fleet);
-        }
+        self.ensure_registered(fleet);
         self.report_load(fleet);
         match self.select(request, fleet.block_size as u32) {
             Ok(worker_id) => usize::try_from(worker_id)
@@ -245,11 +267,11 @@ impl Router for KvRoutePolicy {
         }
     }
 
-    fn on_prefill_complete(&mut self, request_id: u64) {
+    fn on_prefill_complete(&mut self, request_id: u64, _now_ms: f64) {
         self.core.mark_prefill_complete(&request_id.to_string());
     }
 
-    fn on_request_complete(&mut self, request_id: u64) {
+    fn on_request_complete(&mut self, request_id: u64, _now_ms: f64) {
         self.core.release_request(&request_id.to_string());
     }
 }

@@ -21,10 +21,12 @@
 //!    (`SimConfig`, `SimRequest`, `FleetView`).
 //! 4. `policy`: the `Router` seam and the baseline policies.
 //! 5. `kvroute_policy`: kvroute's own core behind the `Router` seam.
-//! 6. `report`: per-policy results (`Report`, `EngineStats`, `RequestOutcome`).
-//! 7. `fleet`: the discrete-event loop, `replay`.
-//! 8. `plot`: the `--plot` chart of reports (only with the `plot` feature).
-//! 9. `cli`: `kvroute replay`, which uses all of the above.
+//! 6. `replicas`: several `kvroute` policies as router replicas whose booked
+//!    load reaches each other late or never.
+//! 7. `report`: per-policy results (`Report`, `EngineStats`, `RequestOutcome`).
+//! 8. `fleet`: the discrete-event loop, `replay`.
+//! 9. `plot`: the `--plot` chart of reports (only with the `plot` feature).
+//! 10. `cli`: `kvroute replay`, which uses all of the above.
 //!
 //! This file only declares the files and re-exports their main items.
 
@@ -36,6 +38,7 @@ pub mod kvroute_policy;
 #[cfg(feature = "plot")]
 pub mod plot;
 pub mod policy;
+pub mod replicas;
 pub mod report;
 pub mod types;
 
@@ -45,5 +48,6 @@ pub use kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 pub use policy::{
     LeastLoaded, POLICY_NAMES, PrefixOnly, RandomRouter, RoundRobin, Router, policy_by_name,
 };
+pub use replicas::ReplicatedKvRoute;
 pub use report::{Distribution, EngineStats, Report};
-pub use types::{FleetView, SimConfig, SimRequest, worker_rank};
+pub use types::{FleetView, ReplicaSetup, SimConfig, SimRequest, worker_rank};

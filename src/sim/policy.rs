@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use super::determinism::{FastBuild, SimRng};
 use super::engine::{EngineKvEvent, EngineLoad};
-use super::types::{FleetView, SimRequest};
+use super::types::{FleetView, ReplicaSetup, SimRequest};
 
 /// A routing policy driven by the simulator.
 pub trait Router {
@@ -23,11 +23,17 @@ pub trait Router {
     /// when the engine step that caused them ends.
     fn on_kv_events(&mut self, _engine: usize, _events: &[EngineKvEvent]) {}
 
-    /// The request's prefill finished (its first token was produced).
-    fn on_prefill_complete(&mut self, _request_id: u64) {}
+    /// The request's prefill finished (its first token was produced) at
+    /// `now_ms`.
+    fn on_prefill_complete(&mut self, _request_id: u64, _now_ms: f64) {}
 
-    /// The request finished (or was rejected by its engine).
-    fn on_request_complete(&mut self, _request_id: u64) {}
+    /// The request finished (or was rejected by its engine) at `now_ms`.
+    fn on_request_complete(&mut self, _request_id: u64, _now_ms: f64) {}
+
+    /// The router replicas this policy models; `None` for one router.
+    fn replicas(&self) -> Option<ReplicaSetup> {
+        None
+    }
 }
 
 /// Names accepted by [`policy_by_name`].

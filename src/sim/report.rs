@@ -19,7 +19,7 @@
 
 use serde::Serialize;
 
-use super::types::SimConfig;
+use super::types::{ReplicaSetup, SimConfig};
 use crate::trace::Trace;
 
 /// Summary of a sample.
@@ -83,6 +83,8 @@ pub struct RequestOutcome {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
     pub policy: String,
+    /// Router replicas the policy ran as; `None` for one router.
+    pub replicas: Option<ReplicaSetup>,
     pub workers: usize,
     pub speedup: f64,
     pub requests: usize,
@@ -126,6 +128,7 @@ fn percentiles(values: &[f64]) -> Vec<f64> {
 }
 
 impl Report {
+    /// The report of one router (`replicas` is `None`).
     pub(crate) fn build(
         policy: &str,
         config: &SimConfig,
@@ -176,6 +179,7 @@ impl Report {
         };
         Report {
             policy: policy.to_string(),
+            replicas: None,
             workers: config.workers,
             speedup: config.speedup,
             requests: requests.len(),
@@ -210,9 +214,11 @@ impl Report {
         }
     }
 
-    /// The JSON object for this policy, with exactly the documented keys.
+    /// The JSON object for this policy, with exactly the documented keys;
+    /// `router_replicas` and `replica_sync_delay_ms` (null: never) only when
+    /// the policy ran as several replicas.
     pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
+        let mut json = serde_json::json!({
             "policy": self.policy,
             "workers": self.workers,
             "speedup": self.speedup,
@@ -227,12 +233,23 @@ impl Report {
             "imbalance": self.imbalance,
             "ttft_under_2s": self.ttft_under_2s,
             "sim_secs": self.sim_secs,
-        })
+        });
+        if let (Some(setup), Some(object)) = (self.replicas, json.as_object_mut()) {
+            object.insert("router_replicas".into(), setup.count.into());
+            object.insert("replica_sync_delay_ms".into(), setup.sync_delay_ms.into());
+        }
+        json
     }
 
-    /// A fixed-width text table, one row per report.
+    /// A fixed-width text table, one row per report, after a line per
+    /// report that ran as several router replicas saying how.
     pub fn table(reports: &[Report]) -> String {
         let mut out = String::new();
+        for r in reports {
+            if let Some(setup) = r.replicas {
+                out.push_str(&format!("{}: {setup}\n", r.policy));
+            }
+        }
         out.push_str(&format!(
             "{:<14} {:>3} {:>6} {:>6} | {:>7} {:>7} {:>7} {:>7} | {:>7} {:>7} {:>7} | {:>6} {:>6} | {:>8} {:>8} | {:>6} {:>6} {:>6} | {:>7} {:>6}\n",
             "policy", "wrk", "speed", "done",
@@ -336,6 +353,17 @@ mod tests {
             .collect();
         itl.sort_unstable();
         assert_eq!(itl, vec!["mean", "p99"]);
+        let replicated = Report {
+            replicas: Some(ReplicaSetup {
+                count: 3,
+                sync_delay_ms: None,
+            }),
+            ..r
+        }
+        .to_json();
+        assert_eq!(replicated["router_replicas"], 3);
+        assert!(replicated["replica_sync_delay_ms"].is_null());
+        assert_eq!(replicated.as_object().unwrap().len(), want.len() + 2);
     }
 
     #[test]
@@ -347,5 +375,24 @@ mod tests {
         let t = Report::table(&[r.clone(), r]);
         assert_eq!(t.lines().count(), 4);
         assert!(t.contains("round-robin"));
+    }
+
+    #[test]
+    fn table_says_how_replicas_shared_their_load() {
+        let r = Report {
+            policy: "kvroute".into(),
+            replicas: Some(ReplicaSetup {
+                count: 3,
+                sync_delay_ms: Some(1.0),
+            }),
+            ..Report::default()
+        };
+        let t = Report::table(&[r]);
+        assert_eq!(t.lines().count(), 4);
+        assert!(
+            t.starts_with("kvroute: 3 router replicas (request i routed by replica i mod 3)"),
+            "{t}"
+        );
+        assert!(t.lines().next().unwrap().ends_with("after 1 ms"), "{t}");
     }
 }

@@ -33,6 +33,32 @@ impl Default for SimConfig {
     }
 }
 
+/// Several router replicas sharing one fleet (`kvroute replay
+/// --router-replicas`): how many, and when one replica's booked load reaches
+/// the others. Shown in the report so a reader knows what was run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReplicaSetup {
+    /// Router replicas; request `i` is routed by replica `i % count`.
+    pub count: usize,
+    /// Virtual milliseconds after which a replica's bookings, prefill
+    /// completions and releases reach the other replicas; `None`: never.
+    pub sync_delay_ms: Option<f64>,
+}
+
+impl std::fmt::Display for ReplicaSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} router replicas (request i routed by replica i mod {}), ",
+            self.count, self.count
+        )?;
+        match self.sync_delay_ms {
+            Some(ms) => write!(f, "booked load reaches the other replicas after {ms} ms"),
+            None => write!(f, "booked load never reaches the other replicas"),
+        }
+    }
+}
+
 /// A request as routers see it.
 #[derive(Clone, Debug)]
 pub struct SimRequest {
@@ -107,6 +133,28 @@ impl FleetView<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replica_setup_says_how_load_is_shared() {
+        let synced = ReplicaSetup {
+            count: 3,
+            sync_delay_ms: Some(10.0),
+        };
+        assert_eq!(
+            synced.to_string(),
+            "3 router replicas (request i routed by replica i mod 3), booked load reaches \
+             the other replicas after 10 ms"
+        );
+        let unsynced = ReplicaSetup {
+            sync_delay_ms: None,
+            ..synced
+        };
+        assert!(
+            unsynced
+                .to_string()
+                .ends_with("never reaches the other replicas")
+        );
+    }
 
     #[test]
     fn snapshots_describe_each_engine_as_a_worker() {
