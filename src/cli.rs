@@ -71,6 +71,10 @@ pub enum BenchCommand {
     /// runs, load the snapshot in a new server: bytes per entry, write and
     /// load seconds, routing latency during the snapshot.
     Snapshot(crate::bench::snapshot::SnapshotBenchArgs),
+    /// Three replicas on NATS JetStream: an op log's events through
+    /// PublishEvents at one, blocks/s until applied on all, and the lag to
+    /// the others at a multiple of the trace's event rate.
+    Cluster(crate::bench::cluster::ClusterBenchArgs),
 }
 
 /// Why the command line was refused.

@@ -79,6 +79,9 @@ fn main() -> ExitCode {
             Command::Bench(BenchCommand::Snapshot(args)) => {
                 bench::snapshot::run(&args).await?;
             }
+            Command::Bench(BenchCommand::Cluster(args)) => {
+                bench::cluster::run(&args).await?;
+            }
             _ => {}
         }
         Ok(())

@@ -65,59 +65,15 @@ const MODEL: &str = "bench-ingest";
 /// Runs the benchmark; fails when the server's block counts differ from
 /// the in-process replay's.
 pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
-    let log = OpLog::load(&args.oplog)?;
-    let block_size = log.header.block_size;
-    let events: Vec<(WorkerRank, KvEvent)> = log
-        .ops
-        .into_iter()
-        .filter_map(|op| match op {
-            Op::Event { worker, event } => Some((
-                WorkerRank::new(worker.worker_id + args.worker_offset, worker.dp_rank),
-                event,
-            )),
-            Op::Match(_) => None,
-        })
-        .collect();
-    let blocks: u64 = events
-        .iter()
-        .map(|(_, e)| match e {
-            KvEvent::Stored { blocks, .. } => blocks.len() as u64,
-            KvEvent::Removed { blocks } => blocks.len() as u64,
-            KvEvent::Cleared => 0,
-        })
-        .sum();
-
-    // The in-process reference: the same events straight into an index.
-    let reference = KvIndex::new(block_size);
-    let started = Instant::now();
-    for (target, event) in &events {
-        let _ = reference.apply(*target, event);
-    }
-    let in_process_secs = started.elapsed().as_secs_f64();
-    let expected: BTreeMap<WorkerRank, u64> = reference.stats().per_worker.into_iter().collect();
-
-    // Per worker, its events in log order as protobuf batches (not timed).
-    let mut per_worker: BTreeMap<WorkerId, Vec<pb::KvEventBatch>> = BTreeMap::new();
-    let mut next_id: BTreeMap<WorkerRank, u64> = BTreeMap::new();
-    let mut ranks: BTreeMap<WorkerId, u32> = BTreeMap::new();
-    for (target, event) in events.iter() {
-        let id = next_id.entry(*target).or_default();
-        let event = convert::kv_event_to_pb(*id, event);
-        *id += 1;
-        let span = ranks.entry(target.worker_id).or_default();
-        *span = (*span).max(target.dp_rank + 1);
-        let batches = per_worker.entry(target.worker_id).or_default();
-        match batches.last_mut() {
-            Some(b) if b.dp_rank == target.dp_rank && b.events.len() < args.batch => {
-                b.events.push(event)
-            }
-            _ => batches.push(pb::KvEventBatch {
-                worker_id: target.worker_id,
-                dp_rank: target.dp_rank,
-                events: vec![event],
-            }),
-        }
-    }
+    let Workload {
+        block_size,
+        events,
+        blocks,
+        in_process_secs,
+        expected,
+        per_worker,
+        ranks,
+    } = Workload::load(&args.oplog, args.batch, args.worker_offset)?;
 
     let config = ServeConfig {
         block_size,
@@ -167,23 +123,124 @@ pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
     last.ok_or_else(|| BenchError::Setup("no round ran".into()))
 }
 
+/// An op log's events ready to send: per worker, as protobuf batches in
+/// log order, with the in-process replay's figures to compare against.
+pub(super) struct Workload {
+    pub block_size: u32,
+    pub events: Vec<(WorkerRank, KvEvent)>,
+    pub blocks: u64,
+    pub in_process_secs: f64,
+    /// Blocks per (worker, rank) after the in-process replay.
+    pub expected: BTreeMap<WorkerRank, u64>,
+    pub per_worker: BTreeMap<WorkerId, Vec<pb::KvEventBatch>>,
+    /// dp ranks per worker.
+    pub ranks: BTreeMap<WorkerId, u32>,
+}
+
+impl Workload {
+    /// Loads the op log's events (worker ids offset by `worker_offset`)
+    /// and replays them into an index in this process for reference.
+    pub fn load(
+        oplog: &std::path::Path,
+        batch: usize,
+        worker_offset: u64,
+    ) -> Result<Self, BenchError> {
+        let log = OpLog::load(oplog)?;
+        let block_size = log.header.block_size;
+        let events: Vec<(WorkerRank, KvEvent)> = log
+            .ops
+            .into_iter()
+            .filter_map(|op| match op {
+                Op::Event { worker, event } => Some((
+                    WorkerRank::new(worker.worker_id + worker_offset, worker.dp_rank),
+                    event,
+                )),
+                Op::Match(_) => None,
+            })
+            .collect();
+        let blocks: u64 = events
+            .iter()
+            .map(|(_, e)| match e {
+                KvEvent::Stored { blocks, .. } => blocks.len() as u64,
+                KvEvent::Removed { blocks } => blocks.len() as u64,
+                KvEvent::Cleared => 0,
+            })
+            .sum();
+
+        // The in-process reference: the same events straight into an index.
+        let reference = KvIndex::new(block_size);
+        let started = Instant::now();
+        for (target, event) in &events {
+            let _ = reference.apply(*target, event);
+        }
+        let in_process_secs = started.elapsed().as_secs_f64();
+        let expected: BTreeMap<WorkerRank, u64> =
+            reference.stats().per_worker.into_iter().collect();
+
+        // Per worker, its events in log order as protobuf batches (not timed).
+        let mut per_worker: BTreeMap<WorkerId, Vec<pb::KvEventBatch>> = BTreeMap::new();
+        let mut next_id: BTreeMap<WorkerRank, u64> = BTreeMap::new();
+        let mut ranks: BTreeMap<WorkerId, u32> = BTreeMap::new();
+        for (target, event) in events.iter() {
+            let id = next_id.entry(*target).or_default();
+            let event = convert::kv_event_to_pb(*id, event);
+            *id += 1;
+            let span = ranks.entry(target.worker_id).or_default();
+            *span = (*span).max(target.dp_rank + 1);
+            let batches = per_worker.entry(target.worker_id).or_default();
+            match batches.last_mut() {
+                Some(b) if b.dp_rank == target.dp_rank && b.events.len() < batch => {
+                    b.events.push(event)
+                }
+                _ => batches.push(pb::KvEventBatch {
+                    worker_id: target.worker_id,
+                    dp_rank: target.dp_rank,
+                    events: vec![event],
+                }),
+            }
+        }
+        Ok(Self {
+            block_size,
+            events,
+            blocks,
+            in_process_secs,
+            expected,
+            per_worker,
+            ranks,
+        })
+    }
+}
+
 /// One replay of the log's events into the server, from deregistered
 /// workers (so ids start afresh and nothing is skipped as a duplicate).
-struct Round<'a> {
-    addr: &'a str,
-    channel: &'a tonic::transport::Channel,
-    block_size: u32,
-    ranks: &'a BTreeMap<WorkerId, u32>,
-    per_worker: BTreeMap<WorkerId, Vec<pb::KvEventBatch>>,
-    expected: &'a BTreeMap<WorkerRank, u64>,
+pub(super) struct Round<'a> {
+    pub addr: &'a str,
+    pub channel: &'a tonic::transport::Channel,
+    pub block_size: u32,
+    pub ranks: &'a BTreeMap<WorkerId, u32>,
+    pub per_worker: BTreeMap<WorkerId, Vec<pb::KvEventBatch>>,
+    pub expected: &'a BTreeMap<WorkerRank, u64>,
 }
 
 /// Seconds, rejected events, slowest and fastest stream (blocks/s), and
 /// the block-count mismatches against the in-process replay.
 type RoundResult = (f64, u64, f64, f64, Vec<String>);
 
+/// Seconds, rejected events, slowest and fastest stream (blocks/s).
+pub(super) type Streamed = (f64, u64, f64, f64);
+
 impl Round<'_> {
     async fn run(self) -> Result<RoundResult, BenchError> {
+        self.register().await?;
+        let (channel, ranks, expected) = (self.channel, self.ranks, self.expected);
+        let (secs, rejected, slowest, fastest) = self.stream().await?;
+        let mismatches = mismatches(channel, ranks, expected).await?;
+        Ok((secs, rejected, slowest, fastest, mismatches))
+    }
+
+    /// Registers every worker afresh (deregistered first, so event ids
+    /// start again at 0 and nothing is skipped as a duplicate).
+    pub async fn register(&self) -> Result<(), BenchError> {
         let mut workers = WorkersClient::new(self.channel.clone());
         for (&worker_id, &dp_size) in self.ranks {
             // Ignore NOT_FOUND: the worker may not exist yet.
@@ -203,6 +260,12 @@ impl Round<'_> {
                 })
                 .await?;
         }
+        Ok(())
+    }
+
+    /// Sends every worker's batches on its own stream, each after the
+    /// previous one's reply, and waits for the last replies.
+    pub async fn stream(self) -> Result<Streamed, BenchError> {
         let started = Instant::now();
         let mut tasks = Vec::new();
         for (worker_id, batches) in self.per_worker {
@@ -243,24 +306,32 @@ impl Round<'_> {
             fastest = fastest.max(rate);
         }
         let secs = started.elapsed().as_secs_f64();
+        let slowest = if slowest.is_finite() { slowest } else { 0.0 };
+        Ok((secs, rejected, slowest, fastest))
+    }
+}
 
-        // Exactness: the server's per-rank block counts equal the reference's.
-        let mut admin = AdminClient::new(self.channel.clone());
-        let mut mismatches = Vec::new();
-        for &worker_id in self.ranks.keys() {
-            let info = admin
-                .get_worker(pb::GetWorkerRequest { worker_id })
-                .await?
-                .into_inner();
-            for rank in info.ranks {
-                let target = WorkerRank::new(worker_id, rank.dp_rank);
-                let want = self.expected.get(&target).copied().unwrap_or(0);
-                if rank.cached_blocks != want {
-                    mismatches.push(format!("{target}: server {} vs {want}", rank.cached_blocks));
-                }
+/// Exactness: where the server's per-rank block counts differ from the
+/// reference's.
+pub(super) async fn mismatches(
+    channel: &tonic::transport::Channel,
+    ranks: &BTreeMap<WorkerId, u32>,
+    expected: &BTreeMap<WorkerRank, u64>,
+) -> Result<Vec<String>, BenchError> {
+    let mut admin = AdminClient::new(channel.clone());
+    let mut mismatches = Vec::new();
+    for &worker_id in ranks.keys() {
+        let info = admin
+            .get_worker(pb::GetWorkerRequest { worker_id })
+            .await?
+            .into_inner();
+        for rank in info.ranks {
+            let target = WorkerRank::new(worker_id, rank.dp_rank);
+            let want = expected.get(&target).copied().unwrap_or(0);
+            if rank.cached_blocks != want {
+                mismatches.push(format!("{target}: server {} vs {want}", rank.cached_blocks));
             }
         }
-        let slowest = if slowest.is_finite() { slowest } else { 0.0 };
-        Ok((secs, rejected, slowest, fastest, mismatches))
     }
+    Ok(mismatches)
 }

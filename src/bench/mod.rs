@@ -1,9 +1,11 @@
 //! Load benchmarks against a real server over loopback gRPC:
 //! `kvroute bench select` (SelectWorker beside health checks) and
-//! `kvroute bench ingest` (PublishEvents throughput and exactness). Each
+//! `kvroute bench ingest` (PublishEvents throughput and exactness),
+//! `kvroute bench snapshot` and `kvroute bench cluster` (replicas). Each
 //! starts kvroute in-process on 127.0.0.1:0 unless given `--addr`, and prints
 //! one JSON line per measurement plus a human summary on stderr.
 
+pub mod cluster;
 pub mod ingest;
 pub mod select;
 pub mod snapshot;

@@ -83,6 +83,8 @@ pub struct Captured {
 
 /// The appending side of the log, and what the follower reports back.
 pub struct Log {
+    /// The NATS server's largest message.
+    max_payload: usize,
     js: jetstream::Context,
     stream: String,
     subject: String,
@@ -111,9 +113,11 @@ impl Log {
         subject: String,
         replica: String,
         metrics: Arc<Metrics>,
+        max_payload: usize,
     ) -> Self {
         let (capture, capture_rx) = mpsc::channel(4);
         Self {
+            max_payload,
             js,
             stream,
             subject,
@@ -125,6 +129,13 @@ impl Log {
             capture,
             capture_rx: Mutex::new(Some(capture_rx)),
         }
+    }
+
+    /// The most bytes of events one record should carry: the server's
+    /// largest message, less room for the record's other fields and the
+    /// message's headers.
+    pub fn max_record_bytes(&self) -> usize {
+        self.max_payload.saturating_sub(4096).max(1024)
     }
 
     /// The last stream position applied here.
@@ -451,53 +462,77 @@ pub struct LogForward {
 impl EngineForward for LogForward {
     fn forward(&self, batch: EngineBatch, sequence: u64) -> BoxFuture<'_, SinkOutcome> {
         Box::pin(async move {
-            let message_id = format!(
-                "engine.{}.{}.{}.{}.{}",
-                batch.worker_id,
-                batch.generation,
-                batch.dp_rank,
-                sequence,
-                batch.events.len()
-            );
-            let events = batch
+            let events: Vec<pb::KvEvent> = batch
                 .events
                 .iter()
                 .map(|e| convert::kv_event_to_pb(0, e))
                 .collect();
-            let body = Body::Engine(pb::EngineEvents {
-                worker_id: batch.worker_id,
-                generation: batch.generation,
-                dp_rank: batch.dp_rank,
-                sequence,
-                events,
-            });
-            // Held until the log takes it: the subscriber reads no further
-            // meanwhile, and what the engine sends then is caught up
-            // through its replay socket like any gap.
-            let mut delay = Duration::from_millis(50);
-            let mut warned = false;
-            while !self.stop.is_cancelled() {
-                match self
-                    .log
-                    .append(body.clone(), Some(message_id.clone()), false)
-                    .await
-                {
-                    Ok(_) => break,
-                    Err(error) => {
-                        if !warned {
-                            tracing::warn!(%error, "engine batch not yet in the shared log; retrying");
-                            warned = true;
-                        }
-                        tokio::select! {
-                            () = self.stop.cancelled() => break,
-                            () = tokio::time::sleep(delay) => {}
-                        }
-                        delay = (delay * 2).min(Duration::from_secs(2));
-                    }
+            // One NATS message each: a large engine batch goes as parts.
+            let limit = self.log.max_record_bytes();
+            let mut parts: Vec<Vec<pb::KvEvent>> = vec![Vec::new()];
+            let mut used = 0;
+            for event in events {
+                let size = event.encoded_len() + 8;
+                if used + size > limit && parts.last().is_some_and(|p| !p.is_empty()) {
+                    parts.push(Vec::new());
+                    used = 0;
                 }
+                used += size;
+                if let Some(part) = parts.last_mut() {
+                    part.push(event);
+                }
+            }
+            for (i, events) in parts.into_iter().enumerate() {
+                let message_id = format!(
+                    "engine.{}.{}.{}.{}.{}.{i}",
+                    batch.worker_id,
+                    batch.generation,
+                    batch.dp_rank,
+                    sequence,
+                    batch.events.len()
+                );
+                let body = Body::Engine(pb::EngineEvents {
+                    worker_id: batch.worker_id,
+                    generation: batch.generation,
+                    dp_rank: batch.dp_rank,
+                    sequence,
+                    events,
+                });
+                self.append_until_taken(body, message_id).await;
             }
             // What the index does with them is counted where they apply.
             SinkOutcome::default()
         })
+    }
+}
+
+impl LogForward {
+    /// Appends, retrying until the log takes the record or the process
+    /// stops: the subscriber reads no further meanwhile, and what the
+    /// engine sends then is caught up through its replay socket like any
+    /// gap.
+    async fn append_until_taken(&self, body: Body, message_id: String) {
+        let mut delay = Duration::from_millis(50);
+        let mut warned = false;
+        while !self.stop.is_cancelled() {
+            match self
+                .log
+                .append(body.clone(), Some(message_id.clone()), false)
+                .await
+            {
+                Ok(_) => return,
+                Err(error) => {
+                    if !warned {
+                        tracing::warn!(%error, "engine batch not yet in the shared log; retrying");
+                        warned = true;
+                    }
+                    tokio::select! {
+                        () = self.stop.cancelled() => return,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
     }
 }

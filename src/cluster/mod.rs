@@ -119,6 +119,7 @@ impl Cluster {
             names.log_subject.clone(),
             replica.clone(),
             metrics.clone(),
+            client.server_info().max_payload,
         ));
         fleet.join_cluster(Arc::new(LogForward {
             log: log.clone(),
@@ -366,6 +367,23 @@ impl Replication for Cluster {
     }
 
     async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
+        // A record must fit in one NATS message: a batch over that is sent
+        // as several records, in order, and answered as one.
+        let limit = self.log.max_record_bytes();
+        let mut merged: Option<BatchOutcome> = None;
+        for part in split_to_fit(batch, limit)? {
+            let outcome = self.publish_part(part).await?;
+            merged = Some(match merged {
+                None => outcome,
+                Some(before) => merge(before, outcome),
+            });
+        }
+        Ok(merged.unwrap_or_default())
+    }
+}
+
+impl Cluster {
+    async fn publish_part(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
         let (first, last) = match (batch.events.first(), batch.events.last()) {
             (Some(f), Some(l)) => (f.event_id, l.event_id),
             _ => (0, 0),
@@ -374,15 +392,10 @@ impl Replication for Cluster {
             "events.{}.{}.{}.{first}.{last}",
             batch.worker_id, batch.generation, batch.dp_rank
         );
-        let events = batch
-            .events
-            .iter()
-            .map(|e| convert::kv_event_to_pb(e.event_id, &e.event))
-            .collect();
         let body = Body::Events(pb::KvEventBatch {
             worker_id: batch.worker_id,
             dp_rank: batch.dp_rank,
-            events,
+            events: events_to_pb(&batch),
         });
         let applied = self
             .log
@@ -406,6 +419,67 @@ impl Replication for Cluster {
                 })
             }
         }
+    }
+}
+
+fn events_to_pb(batch: &ValidatedBatch) -> Vec<pb::KvEvent> {
+    batch
+        .events
+        .iter()
+        .map(|e| convert::kv_event_to_pb(e.event_id, &e.event))
+        .collect()
+}
+
+/// Splits a batch into parts whose events, in wire form, take at most
+/// `limit` bytes each; an event larger than that on its own is refused.
+fn split_to_fit(batch: ValidatedBatch, limit: usize) -> Result<Vec<ValidatedBatch>, Status> {
+    use prost::Message;
+    let sizes: Vec<usize> = events_to_pb(&batch)
+        .iter()
+        .map(|e| e.encoded_len() + 8)
+        .collect();
+    if sizes.iter().sum::<usize>() <= limit {
+        return Ok(vec![batch]);
+    }
+    if let Some((i, size)) = sizes.iter().enumerate().find(|(_, s)| **s > limit) {
+        return Err(Status::invalid_argument(format!(
+            "events[{i}] takes {size} bytes, over the {limit} a cluster log record holds (NATS max_payload)"
+        )));
+    }
+    let mut parts = Vec::new();
+    let mut current = Vec::new();
+    let mut used = 0;
+    for (event, size) in batch.events.iter().cloned().zip(sizes) {
+        if used + size > limit && !current.is_empty() {
+            parts.push(std::mem::take(&mut current));
+            used = 0;
+        }
+        used += size;
+        current.push(event);
+    }
+    parts.push(current);
+    Ok(parts
+        .into_iter()
+        .map(|events| ValidatedBatch {
+            events,
+            ..batch.clone()
+        })
+        .collect())
+}
+
+/// One answer for a batch sent as parts: the cursor's state after the last
+/// part, the counts of all.
+fn merge(before: BatchOutcome, after: BatchOutcome) -> BatchOutcome {
+    BatchOutcome {
+        dp_rank: after.dp_rank,
+        last_applied: after.last_applied.or(before.last_applied),
+        resend_from: after.resend_from,
+        resync_required: before.resync_required || after.resync_required,
+        applied: before.applied + after.applied,
+        skipped: before.skipped + after.skipped,
+        rejected: before.rejected + after.rejected,
+        held: after.held,
+        first_rejection: before.first_rejection.or(after.first_rejection),
     }
 }
 
