@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
+source scripts/nats.sh
 export KVROUTE_PUBLISHER_PYTHON="$PWD/$venv/bin/python"
 export KVROUTE_REQUIRE_PUBLISHERS=1
 start=$SECONDS

@@ -2,13 +2,15 @@
 # The project's whole test suite, from a fresh machine: makes the Python
 # virtual environment for the grpcio and engine-publisher tests if it is
 # missing, then runs the Rust tests (unit, integration over real gRPC,
-# proptests), the real vLLM / SGLang publisher test (scripts/publisher-test.sh:
-# a missing prerequisite fails it) and the Python tests against the binary
-# cargo just built.
+# proptests, cluster mode against a real nats-server, installed from Debian
+# if missing), the real vLLM / SGLang publisher test
+# (scripts/publisher-test.sh: a missing prerequisite fails it) and the
+# Python tests against the binary cargo just built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/venv.sh
+source scripts/nats.sh
 
 cargo test --all-targets
 bash scripts/publisher-test.sh

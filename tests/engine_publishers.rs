@@ -22,6 +22,10 @@
 //!   loss, no decode errors, no index rejections, one clear, two
 //!   other-medium events.
 //!
+//! Two cases run three kvroute replicas of one cluster (a real nats-server)
+//! that each subscribe to the engine: all three end exact, with equal
+//! digests, and the shared log kept each batch once.
+//!
 //! Needs `KVROUTE_PUBLISHER_PYTHON`: a Python with msgspec and pyzmq (the
 //! project venv; `scripts/test.sh` sets it). Without it each case prints
 //! SKIPPED, unless `KVROUTE_REQUIRE_PUBLISHERS=1` (also set by
@@ -565,6 +569,81 @@ async fn run_restart_case(case: Case) {
     server.stop().await.unwrap();
     let _ = std::fs::remove_dir_all(&state);
     let _ = std::fs::remove_dir_all(&publisher.work);
+}
+
+/// Three kvroute replicas of one cluster (cluster mode, a real
+/// nats-server) each subscribe to the engine; every batch reaches the
+/// shared log (appended by each replica, kept once) and every replica ends
+/// exact, with equal digests.
+async fn run_cluster_case(case: Case) {
+    let Some(py) = python() else { return };
+    let mut publisher = start_publisher(&py, &case);
+    let nats = common::cluster::Nats::start(&format!("publisher-{}", case.engine));
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let mut config = ServeConfig::for_tests();
+        config.cluster.nats_url = Some(nats.url());
+        config.cluster.cluster_name = format!("pub{}", case.engine);
+        config.cluster.replica_id = Some(format!("pub-r{i}"));
+        config.cluster.log_max_bytes = 64 << 20;
+        replicas.push(TestServer::start_with(config).await);
+    }
+    register_workers(&replicas[0], &case, &publisher).await;
+    for r in &replicas[1..] {
+        wait_connected(r).await;
+    }
+    let driver = &mut publisher.driver;
+    driver.send("go");
+    let expected: Value = serde_json::from_str(&driver.read_line("DONE")).unwrap();
+    let mut digests = Vec::new();
+    let mut duplicates = 0;
+    for (i, r) in replicas.iter().enumerate() {
+        let mismatch = settle(r, &case, &expected).await;
+        assert_eq!(mismatch, None, "replica {i}: index state differs");
+        let stats = r
+            .admin()
+            .get_index_stats(pb::GetIndexStatsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        digests.push((stats.entries, stats.digest));
+        let (_, body) = r.http_get("/metrics").await;
+        duplicates += metric(&body, r#"kvroute_cluster_log_appends_total{outcome="duplicate"}"#);
+    }
+    eprintln!(
+        "{} {} in a cluster of three: digests {digests:?}, {duplicates} duplicate appends",
+        case.engine, case.version
+    );
+    assert!(digests.windows(2).all(|p| p[0] == p[1]), "{digests:?}");
+    assert!(duplicates > 0, "replicas append the same engine batches; the log keeps one");
+    driver.send("quit");
+    let _ = driver.child.wait();
+    for r in replicas {
+        r.stop().await.unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&publisher.work);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_0_24_three_replicas_follow_one_engine() {
+    run_cluster_case(Case {
+        engine: "vllm",
+        version: "0.24.0",
+        hash_kind: "bytes",
+        tcp: true,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_0_5_20_three_replicas_follow_one_engine() {
+    run_cluster_case(Case {
+        engine: "sglang",
+        version: "0.5.20",
+        hash_kind: "signed",
+        tcp: true,
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
