@@ -392,3 +392,56 @@ async fn synced_replicas_do_not_herd() {
         "{unsynced:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_is_removed_once_and_heartbeats_anywhere_renew() {
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("leases");
+    let replicas = three(&nats, "leases", &[]).await;
+    let short = |worker_id| pb::RegisterWorkerRequest {
+        lease_ttl_secs: 2,
+        ..registration(worker_id, MODEL)
+    };
+    let mut at0 = WorkersClient::new(replicas[0].channel.clone());
+    at0.register_worker(short(1)).await.expect("register 1");
+    at0.register_worker(short(2)).await.expect("register 2");
+    publish_all(&replicas[0].channel, &history(1, 3)).await;
+    // Worker 2 heartbeats to replica 1 only; worker 1 never does.
+    let mut at1 = WorkersClient::new(replicas[1].channel.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        at1.heartbeat(pb::HeartbeatRequest {
+            worker_id: 2,
+            load: Vec::new(),
+        })
+        .await
+        .expect("heartbeat");
+        let mut gone = 0;
+        for r in &replicas {
+            gone += usize::from(r.worker(1).await.is_none());
+        }
+        if gone == 3 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "worker 1 never lapsed everywhere"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let reaped: f64 = replicas
+        .iter()
+        .map(|r| r.metric("kvroute_cluster_leases_reaped_total"))
+        .sum();
+    assert_eq!(reaped, 1.0, "one replica removed the lapsed worker");
+    for r in &replicas {
+        assert!(
+            r.worker(2).await.is_some(),
+            "{} lost the renewed worker",
+            r.name
+        );
+    }
+    let all: Vec<&Replica> = replicas.iter().collect();
+    let (entries, _) = converged(&all, Duration::from_secs(10)).await;
+    assert_eq!(entries, 0, "the lapsed worker's blocks went with it");
+}

@@ -608,14 +608,20 @@ async fn run_cluster_case(case: Case) {
             .into_inner();
         digests.push((stats.entries, stats.digest));
         let (_, body) = r.http_get("/metrics").await;
-        duplicates += metric(&body, r#"kvroute_cluster_log_appends_total{outcome="duplicate"}"#);
+        duplicates += metric(
+            &body,
+            r#"kvroute_cluster_log_appends_total{outcome="duplicate"}"#,
+        );
     }
     eprintln!(
         "{} {} in a cluster of three: digests {digests:?}, {duplicates} duplicate appends",
         case.engine, case.version
     );
     assert!(digests.windows(2).all(|p| p[0] == p[1]), "{digests:?}");
-    assert!(duplicates > 0, "replicas append the same engine batches; the log keeps one");
+    assert!(
+        duplicates > 0,
+        "replicas append the same engine batches; the log keeps one"
+    );
     driver.send("quit");
     let _ = driver.child.wait();
     for r in replicas {

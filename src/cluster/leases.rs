@@ -298,10 +298,14 @@ impl Leases {
             }
             let now = unix_ms();
             for (worker_id, revision, lease) in seen {
-                if lease.lapsed || now < lease.expires_unix_ms {
-                    continue;
+                if lease.lapsed {
+                    // Claimed, but its removal is not in the log yet (the
+                    // claimant failed to append, or died): finish it.
+                    // The message id makes every replica's append one.
+                    self.finish_lapse(worker_id, lease.generation).await;
+                } else if now >= lease.expires_unix_ms {
+                    self.claim_lapse(worker_id, revision, lease).await;
                 }
-                self.claim_lapse(worker_id, revision, lease).await;
             }
         }
     }
@@ -318,22 +322,27 @@ impl Leases {
         {
             return; // renewed, or another replica claimed it
         }
+        self.fleet.router().metrics().cluster.leases_reaped.inc();
+        tracing::warn!(
+            worker_id,
+            "lease lapsed: removing it through the shared log"
+        );
+        self.finish_lapse(worker_id, lease.generation).await;
+    }
+
+    /// Appends a claimed lapse to the log and deletes the entry.
+    async fn finish_lapse(&self, worker_id: WorkerId, generation: u64) {
         let body = Body::Lapsed(pb::LeaseLapsed {
             worker_id,
-            generation: lease.generation,
+            generation,
         });
-        let message_id = format!("lapsed.{worker_id}.{}", lease.generation);
+        let message_id = format!("lapsed.{worker_id}.{generation}");
         match self.log.append(body, Some(message_id), false).await {
             Ok(_) => {
-                self.fleet.router().metrics().cluster.leases_reaped.inc();
-                tracing::warn!(
-                    worker_id,
-                    "lease lapsed: removal appended to the shared log"
-                );
                 let _ = self.kv.delete(key(worker_id)).await;
             }
             Err(error) => {
-                tracing::warn!(worker_id, %error, "lease lapsed but its removal was not appended");
+                tracing::warn!(worker_id, %error, "lapse not yet in the shared log; retrying");
             }
         }
     }

@@ -214,11 +214,6 @@ impl Cluster {
         self.log.position()
     }
 
-    /// Writes the cluster snapshot now (Admin `Snapshot`).
-    pub async fn snapshot(&self) -> Result<(u64, usize), String> {
-        self.snapshots.write().await
-    }
-
     async fn follow_connection(self: Arc<Self>, stop: CancellationToken) {
         let mut connected = self.connected.clone();
         let gauge = self.fleet.router().metrics().cluster.connected.clone();
@@ -380,9 +375,17 @@ impl Replication for Cluster {
         }
         Ok(merged.unwrap_or_default())
     }
+
+    async fn snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
+        self.write_snapshot().await
+    }
 }
 
 impl Cluster {
+    async fn write_snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
+        self.snapshots.write().await.map_err(Status::unavailable)
+    }
+
     async fn publish_part(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
         let (first, last) = match (batch.events.first(), batch.events.last()) {
             (Some(f), Some(l)) => (f.event_id, l.event_id),
@@ -529,5 +532,9 @@ impl Replication for ReplicaSlot {
 
     async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
         self.cluster()?.publish(batch).await
+    }
+
+    async fn snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
+        self.cluster()?.snapshot().await
     }
 }

@@ -90,15 +90,21 @@ impl ClusterSnapshots {
         }))
     }
 
-    /// Captures between two log records and writes the object; returns the
-    /// position it covers and its size.
-    pub async fn write(&self) -> Result<(u64, usize), String> {
+    /// Captures between two log records and writes the object.
+    pub async fn write(&self) -> Result<pb::SnapshotResponse, String> {
+        let started = std::time::Instant::now();
         let captured = self
             .log
             .capture()
             .await
             .ok_or("the log follower has stopped")?;
+        let capture_seconds = started.elapsed().as_secs_f64();
+        let (entries, workers) = (
+            captured.state.entries(),
+            captured.state.workers.len() as u64,
+        );
         let position = captured.position;
+        let started = std::time::Instant::now();
         let bytes = tokio::task::spawn_blocking(move || {
             let state = format::encode(&convert::state_to_pb(&captured.state, unix_us() / 1000));
             pb::ClusterSnapshot {
@@ -119,7 +125,14 @@ impl ClusterSnapshots {
                 s.bytes.set(i64::try_from(size).unwrap_or(i64::MAX));
                 s.age.set(0.0);
                 tracing::info!(position, bytes = size, "cluster snapshot written");
-                Ok((position, size))
+                Ok(pb::SnapshotResponse {
+                    path: format!("nats object store, log position {position}"),
+                    bytes: size as u64,
+                    entries,
+                    workers,
+                    capture_seconds,
+                    write_seconds: started.elapsed().as_secs_f64(),
+                })
             }
             Err(error) => {
                 s.outcomes.with_label_values(&["write_failed"]).inc();

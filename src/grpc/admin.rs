@@ -167,6 +167,13 @@ impl pb::admin_server::Admin for AdminService {
     }
 
     async fn snapshot(&self, _request: Request<pb::SnapshotRequest>) -> Res<pb::SnapshotResponse> {
+        if let Some(replication) = &self.replication {
+            return replication
+                .snapshot()
+                .await
+                .map(Response::new)
+                .map_err(|e| self.fail(e));
+        }
         let Some(snapshots) = &self.snapshots else {
             return Err(self.fail(Status::failed_precondition(
                 "kvroute runs without a state directory: start it with --state-dir to take snapshots",

@@ -34,4 +34,7 @@ pub trait Replication: Send + Sync + 'static {
     /// Appends a validated batch; answers once this replica applied it,
     /// with what its writer did (the same on every replica).
     async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status>;
+
+    /// Writes the cluster's snapshot now (Admin `Snapshot`).
+    async fn snapshot(&self) -> Result<pb::SnapshotResponse, Status>;
 }

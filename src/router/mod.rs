@@ -67,6 +67,8 @@ pub struct RouterCore {
     started: Instant,
     /// Where this core's own routing changes go (cluster mode, `sync.rs`).
     feed: parking_lot::Mutex<Option<tokio::sync::mpsc::Sender<sync::RoutingChange>>>,
+    /// Releases that came before their booking (`sync.rs`).
+    released: parking_lot::Mutex<sync::RecentReleases>,
 }
 
 impl std::fmt::Debug for RouterCore {
@@ -95,6 +97,7 @@ impl RouterCore {
             )),
             started: now(),
             feed: parking_lot::Mutex::new(None),
+            released: parking_lot::Mutex::new(sync::RecentReleases::default()),
             config,
             metrics,
         }

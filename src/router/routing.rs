@@ -373,8 +373,12 @@ impl RouterCore {
             .write()
             .ledger
             .mark_prefill_complete(request_id);
-        if changed {
+        // In a cluster the booking may be another replica's: tell them
+        // whether or not this replica knew it.
+        if changed || self.feeding() {
             self.feed(RoutingChange::PrefillComplete(request_id.to_owned()));
+        }
+        if changed {
             self.drain_queue();
         }
         changed
@@ -388,8 +392,14 @@ impl RouterCore {
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             changed
         };
-        if changed {
+        if changed || self.feeding() {
+            if !changed {
+                // Booked elsewhere and not yet heard of here.
+                self.remember_release(request_id);
+            }
             self.feed(RoutingChange::Released(request_id.to_owned()));
+        }
+        if changed {
             self.drain_queue();
         }
         changed

@@ -17,6 +17,36 @@ use crate::{admission::bookings::SavedBooking, select::affinity::SavedSession};
 /// cluster's sync task empties it continuously.
 pub const FEED_CAPACITY: usize = 65_536;
 
+/// Releases of bookings not (yet) known here that are remembered, so the
+/// booking is not taken when it arrives after its release (it was made at
+/// another replica and released at this one, or released elsewhere and
+/// the two changes crossed). The oldest are forgotten first.
+pub const RELEASES_REMEMBERED: usize = 16_384;
+
+/// The releases of [`RELEASES_REMEMBERED`].
+#[derive(Debug, Default)]
+pub(super) struct RecentReleases {
+    order: std::collections::VecDeque<String>,
+    ids: std::collections::HashSet<String>,
+}
+
+impl RecentReleases {
+    fn insert(&mut self, request_id: &str) {
+        if self.ids.insert(request_id.to_owned()) {
+            self.order.push_back(request_id.to_owned());
+            if self.order.len() > RELEASES_REMEMBERED
+                && let Some(oldest) = self.order.pop_front()
+            {
+                self.ids.remove(&oldest);
+            }
+        }
+    }
+
+    fn take(&mut self, request_id: &str) -> bool {
+        self.ids.remove(request_id)
+    }
+}
+
 /// One change to the routing state another replica should make too.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RoutingChange {
@@ -42,6 +72,11 @@ impl RouterCore {
         }
     }
 
+    /// Remembers the release of a booking this core does not know.
+    pub(super) fn remember_release(&self, request_id: &str) {
+        self.released.lock().insert(request_id);
+    }
+
     /// Whether changes are fed out (cluster mode).
     pub(super) fn feeding(&self) -> bool {
         self.feed.lock().is_some()
@@ -56,12 +91,21 @@ impl RouterCore {
             let mut state = self.routing.write();
             let changed = match change {
                 RoutingChange::Booked(booking) => {
-                    known(booking.target.worker_id) && state.ledger.restore(booking, now_ms).is_ok()
+                    let released = self.released.lock().take(&booking.request_id);
+                    !released
+                        && known(booking.target.worker_id)
+                        && state.ledger.restore(booking, now_ms).is_ok()
                 }
                 RoutingChange::PrefillComplete(request_id) => {
                     state.ledger.mark_prefill_complete(&request_id)
                 }
-                RoutingChange::Released(request_id) => state.ledger.release(&request_id),
+                RoutingChange::Released(request_id) => {
+                    let changed = state.ledger.release(&request_id);
+                    if !changed {
+                        self.remember_release(&request_id);
+                    }
+                    changed
+                }
                 RoutingChange::SessionBound(session) => {
                     if known(session.target.worker_id) {
                         state.sessions.restore(session, now_ms);
@@ -75,5 +119,101 @@ impl RouterCore {
         if changed {
             self.drain_queue();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        metrics::Metrics,
+        registry::Registration,
+        router::RouterConfig,
+        types::{WorkerRank, WorkerRole},
+    };
+
+    fn core() -> RouterCore {
+        let core = RouterCore::new(RouterConfig::default(), Metrics::new().expect("metrics"));
+        core.register_worker(Registration {
+            worker_id: 1,
+            model: "m".into(),
+            role: WorkerRole::Aggregated,
+            endpoint: String::new(),
+            block_size: 16,
+            dp_start_rank: 0,
+            dp_size: 1,
+            total_kv_blocks: 1000,
+            max_num_batched_tokens: 8192,
+            taints: Vec::new(),
+            lease_ttl: None,
+        })
+        .expect("register");
+        core
+    }
+
+    fn booking(request_id: &str, worker_id: u64) -> SavedBooking {
+        SavedBooking {
+            request_id: request_id.into(),
+            target: WorkerRank::new(worker_id, 0),
+            prefill: Some((32, 2)),
+            keys: vec![7, 8],
+            age_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_remote_booking_counts_until_its_release() {
+        let core = core();
+        core.apply_remote(RoutingChange::Booked(booking("a", 1)));
+        let load = core.booked_load(WorkerRank::new(1, 0));
+        assert_eq!((load.active_requests, load.prefill_blocks), (1, 2));
+        core.apply_remote(RoutingChange::PrefillComplete("a".into()));
+        assert_eq!(core.booked_load(WorkerRank::new(1, 0)).prefill_blocks, 0);
+        core.apply_remote(RoutingChange::Released("a".into()));
+        assert_eq!(core.booked_load(WorkerRank::new(1, 0)).active_requests, 0);
+    }
+
+    #[test]
+    fn a_release_that_overtakes_its_booking_still_releases_it() {
+        let core = core();
+        core.apply_remote(RoutingChange::Released("late".into()));
+        core.apply_remote(RoutingChange::Booked(booking("late", 1)));
+        assert_eq!(core.booked_load(WorkerRank::new(1, 0)).active_requests, 0);
+        // Remembered once: a new booking under the same id counts.
+        core.apply_remote(RoutingChange::Booked(booking("late", 1)));
+        assert_eq!(core.booked_load(WorkerRank::new(1, 0)).active_requests, 1);
+    }
+
+    #[test]
+    fn bookings_of_unknown_workers_are_dropped() {
+        let core = core();
+        core.apply_remote(RoutingChange::Booked(booking("x", 99)));
+        assert_eq!(core.booked_load(WorkerRank::new(99, 0)).active_requests, 0);
+    }
+
+    #[test]
+    fn a_release_here_of_a_booking_made_elsewhere_goes_out() {
+        let core = core();
+        let (tx, mut rx) = mpsc::channel(8);
+        core.set_change_feed(tx);
+        assert!(!core.release_request("elsewhere"));
+        assert_eq!(
+            rx.try_recv().ok(),
+            Some(RoutingChange::Released("elsewhere".into()))
+        );
+        // And the booking, when it arrives, is not taken.
+        core.apply_remote(RoutingChange::Booked(booking("elsewhere", 1)));
+        assert_eq!(core.booked_load(WorkerRank::new(1, 0)).active_requests, 0);
+    }
+
+    #[test]
+    fn remembered_releases_are_bounded() {
+        let mut releases = RecentReleases::default();
+        for i in 0..RELEASES_REMEMBERED + 10 {
+            releases.insert(&i.to_string());
+        }
+        assert_eq!(releases.ids.len(), RELEASES_REMEMBERED);
+        assert!(!releases.take("0"), "the oldest are forgotten");
+        assert!(releases.take(&(RELEASES_REMEMBERED + 9).to_string()));
     }
 }
