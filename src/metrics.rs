@@ -496,6 +496,8 @@ pub struct ClusterFamilies {
     pub changes_dropped: IntCounter,
     /// Changes of another replica that were missed (a jump in its sequence).
     pub booking_gaps: IntCounter,
+    /// Resyncs of another replica's bookings applied.
+    pub booking_resyncs: IntCounter,
     /// Lapsed leases this replica removed (it won the compare-and-set).
     pub leases_reaped: IntCounter,
     /// 1 while the NATS connection is up.
@@ -551,6 +553,10 @@ impl ClusterFamilies {
             booking_gaps: counter(
                 "cluster_booking_gaps_total",
                 "Jumps in another replica's change sequence (changes missed)",
+            )?,
+            booking_resyncs: counter(
+                "cluster_booking_resyncs_total",
+                "Resyncs of another replica's open bookings applied here",
             )?,
             leases_reaped: counter(
                 "cluster_leases_reaped_total",

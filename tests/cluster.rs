@@ -226,6 +226,16 @@ async fn a_replica_killed_under_traffic_catches_up_from_snapshot_and_log() {
             assert!(info.lease_remaining_ms > 100_000, "worker {w}: {info:?}");
         }
     }
+    // The restarted replica read the bookings still open (q-1's).
+    let booked = |info: pb::WorkerInfo| info.ranks[0].booked_load.expect("booked");
+    assert_eq!(
+        booked(replicas[2].worker(bound).await.expect("bound")),
+        booked(replicas[0].worker(bound).await.expect("bound")),
+    );
+    assert_eq!(
+        booked(replicas[2].worker(bound).await.expect("bound")).active_requests,
+        1
+    );
     let again = route(&replicas[2].channel, "q-2", &[1000, 1001], Some("sess-a")).await;
     assert_eq!(
         again, bound,
@@ -256,11 +266,21 @@ async fn nats_away_for_ten_seconds_loses_no_accepted_event() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(800)).await;
+    let mut router0 = RouterClient::new(replicas[0].channel.clone());
+    route(&replicas[0].channel, "before-1", &[1000, 1001], None).await;
+    route(&replicas[0].channel, "before-2", &[1000, 1002], None).await;
     nats.stop();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    // Routing goes on; the Workers service says it cannot take events.
+    // Routing goes on (and books); the Workers service says it cannot
+    // take events.
     let chosen = route(&replicas[0].channel, "during", &[1000, 1001], None).await;
     assert!((1..=3).contains(&chosen));
+    router0
+        .release_request(pb::ReleaseRequestRequest {
+            request_id: "before-1".into(),
+        })
+        .await
+        .expect("release");
     let status = HealthClient::new(replicas[0].channel.clone())
         .check(HealthCheckRequest {
             service: "kvroute.v1.Workers".into(),
@@ -283,6 +303,30 @@ async fn nats_away_for_ten_seconds_loses_no_accepted_event() {
     let all: Vec<&Replica> = replicas.iter().collect();
     let digest = converged(&all, Duration::from_secs(30)).await;
     assert_eq!(digest, single_process_digest(&workers).await);
+    // Booked load made and released while NATS was away reaches the others.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut views = Vec::new();
+        for r in &replicas {
+            let mut loads = Vec::new();
+            for (w, _) in &workers {
+                let info = r.worker(*w).await.expect("worker");
+                loads.push(info.ranks[0].booked_load.expect("booked"));
+            }
+            views.push(loads);
+        }
+        let active: u32 = views[0].iter().map(|l| l.active_requests).sum();
+        if views.windows(2).all(|p| p[0] == p[1]) {
+            assert_eq!(active, 2, "before-2 and during are open: {views:?}");
+            assert!(replicas[1].metric("kvroute_cluster_booking_resyncs_total") >= 1.0);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "booked load differs after the outage: {views:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Four equal workers, worker 1 caching a long prefix. Each of `waves`

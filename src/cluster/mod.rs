@@ -48,6 +48,8 @@ use names::Names;
 use routing_sync::RoutingSync;
 use snapshots::ClusterSnapshots;
 
+/// Heartbeats being shared at once, at most.
+const SHARING_HEARTBEATS: usize = 256;
 /// How often leases are checked and the watch's view re-applied.
 const LEASE_CHECK: Duration = Duration::from_secs(1);
 /// How long a start waits for NATS before each retry.
@@ -69,6 +71,7 @@ pub struct Cluster {
     leases: Arc<Leases>,
     snapshots: Arc<ClusterSnapshots>,
     connected: watch::Receiver<bool>,
+    sharing: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -182,7 +185,7 @@ impl Cluster {
             replica: replica.clone(),
             router: fleet.router().clone(),
         });
-        tasks.spawn(sync.clone().publish(feed_rx));
+        tasks.spawn(sync.clone().publish(feed_rx, connected.clone()));
         tasks.spawn(sync.clone().receive(stop.clone()));
         tasks.spawn(sync.watch_sessions(stop.clone()));
         tasks.spawn(
@@ -198,6 +201,7 @@ impl Cluster {
             leases,
             snapshots,
             connected,
+            sharing: Arc::new(tokio::sync::Semaphore::new(SHARING_HEARTBEATS)),
         });
         tasks.spawn(cluster.clone().follow_connection(stop));
         Ok(cluster)
@@ -351,10 +355,29 @@ impl Replication for Cluster {
     }
 
     async fn heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
-        self.leases.heartbeat(worker_id, loads).await;
+        // Shared in the background: the worker's call does not wait on
+        // NATS. While NATS is away nothing is sent (the lease was renewed
+        // here; `Leases::reconnected` writes it later), and at most
+        // `SHARING_HEARTBEATS` are in flight, so a flood costs no memory.
+        if !*self.connected.borrow() {
+            return;
+        }
+        let Ok(permit) = self.sharing.clone().try_acquire_owned() else {
+            return; // the worker's next heartbeat carries the same news
+        };
+        let (leases, loads) = (self.leases.clone(), loads.to_vec());
+        tokio::spawn(async move {
+            leases.heartbeat(worker_id, &loads).await;
+            drop(permit);
+        });
     }
 
     async fn set_cordoned(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), Status> {
+        if !*self.connected.borrow() {
+            return Err(Status::unavailable(
+                "NATS is unreachable: a cordon could not reach the other replicas",
+            ));
+        }
         self.leases
             .set_cordoned(worker_id, cordoned)
             .await

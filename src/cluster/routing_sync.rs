@@ -6,14 +6,23 @@
 //! own sequence number. A JetStream stream keeps those subjects for the
 //! booking TTL, and every replica reads it with an ordered consumer: from
 //! its start when the replica starts (so it books the load still open),
-//! then live, within a millisecond or two on one network. A jump in a
-//! replica's sequence (it published while the stream could not take it)
-//! is counted; the missed bookings lapse with the booking TTL.
+//! then live, within a millisecond or two on one network.
+//!
+//! A change a replica could not publish (NATS away) never reaches the
+//! stream; the others see a jump in its sequence (counted). So a replica
+//! that failed to publish, and every replica whose connection comes back,
+//! then publishes a resync: every booking it made that is still open. A
+//! receiver books what it lacks and releases what it holds from that
+//! replica and the resync does not list.
 //!
 //! Session bindings go to the `<cluster>_sessions` bucket (its entries
 //! age out with the session TTL) and every replica watches it.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+    time::Duration,
+};
 
 use async_nats::jetstream::{
     self,
@@ -23,7 +32,7 @@ use async_nats::jetstream::{
 use bytes::Bytes;
 use futures::StreamExt;
 use prost::Message;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::names::{Names, session_key};
@@ -33,6 +42,30 @@ use crate::{
     router::{RouterCore, RoutingChange},
     snapshot::convert::{booking_from_pb, booking_to_pb, session_from_pb, session_to_pb},
 };
+
+/// Bookings of one origin tracked before those no longer booked here are
+/// forgotten.
+const MAX_TRACKED: usize = 65_536;
+
+/// What the publisher keeps: its subject, sequence, the bookings it made
+/// that may still be open, and whether the others need a resync.
+struct Outbox {
+    subject: String,
+    sequence: u64,
+    own: HashSet<String>,
+    needs_resync: bool,
+}
+
+/// What a receiver keeps of one other replica.
+#[derive(Default)]
+struct Origin {
+    /// Its last sequence seen.
+    last: u64,
+    /// Bookings it made, as far as this replica knows.
+    booked: HashSet<String>,
+    /// The ids of a resync being received.
+    resync: HashSet<String>,
+}
 
 /// Shares this replica's routing changes and applies the others'.
 pub struct RoutingSync {
@@ -64,55 +97,151 @@ impl RoutingSync {
         self.router.metrics()
     }
 
-    /// Publishes the changes of `feed` until it closes or `stop`.
-    pub async fn publish(self: Arc<Self>, mut feed: mpsc::Receiver<RoutingChange>) {
-        let subject = self.names.bookings_subject(&self.replica);
-        let mut sequence = 0u64;
-        while let Some(change) = feed.recv().await {
-            let label = kind(&change);
-            let sent = match change {
-                RoutingChange::SessionBound(session) => {
-                    let value = Bytes::from(session_to_pb(&session).encode_to_vec());
-                    self.sessions
+    /// Publishes the changes of `feed` until it closes. After a change
+    /// could not be published, or the connection came back, it publishes
+    /// a resync of every booking this replica made that is still open.
+    pub async fn publish(
+        self: Arc<Self>,
+        mut feed: mpsc::Receiver<RoutingChange>,
+        mut connected: watch::Receiver<bool>,
+    ) {
+        let mut out = Outbox {
+            subject: self.names.bookings_subject(&self.replica),
+            sequence: 0,
+            own: HashSet::new(),
+            needs_resync: false,
+        };
+        loop {
+            tokio::select! {
+                change = feed.recv() => match change {
+                    Some(change) => {
+                        let up = *connected.borrow();
+                        self.send(&mut out, change, up).await;
+                    }
+                    None => return,
+                },
+                changed = connected.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    if *connected.borrow() {
+                        out.needs_resync = true;
+                    }
+                }
+            }
+            let up = *connected.borrow();
+            if out.needs_resync && up {
+                out.needs_resync = !self.resync(&mut out).await;
+            }
+        }
+    }
+
+    async fn send(&self, out: &mut Outbox, change: RoutingChange, connected: bool) {
+        let label = kind(&change);
+        let sent = match change {
+            RoutingChange::SessionBound(session) => {
+                let value = Bytes::from(session_to_pb(&session).encode_to_vec());
+                connected
+                    && self
+                        .sessions
                         .put(session_key(&session.session_id), value)
                         .await
                         .is_ok()
-                }
-                change => {
-                    sequence += 1;
-                    let change = match change {
-                        RoutingChange::Booked(b) => Change::Booked(booking_to_pb(&b)),
-                        RoutingChange::PrefillComplete(id) => Change::PrefillComplete(id),
-                        RoutingChange::Released(id) => Change::Released(id),
-                        RoutingChange::SessionBound(_) => continue,
-                    };
-                    let message = pb::BookingChange {
-                        origin: self.replica.clone(),
-                        sequence,
-                        change: Some(change),
-                    };
-                    self.client
-                        .publish(subject.clone(), message.encode_to_vec().into())
-                        .await
-                        .is_ok()
-                }
-            };
-            if sent {
-                self.metrics()
-                    .cluster
-                    .booking_changes
-                    .with_label_values(&["sent", label])
-                    .inc();
-            } else {
-                self.metrics().cluster.changes_dropped.inc();
+            }
+            change => {
+                let change = match change {
+                    RoutingChange::Booked(b) => {
+                        out.own.insert(b.request_id.clone());
+                        Change::Booked(booking_to_pb(&b))
+                    }
+                    RoutingChange::PrefillComplete(id) => Change::PrefillComplete(id),
+                    RoutingChange::Released(id) => {
+                        out.own.remove(&id);
+                        Change::Released(id)
+                    }
+                    RoutingChange::SessionBound(_) => return,
+                };
+                let sent = connected && self.emit(out, change).await;
+                out.needs_resync |= !sent;
+                sent
+            }
+        };
+        if sent {
+            self.metrics()
+                .cluster
+                .booking_changes
+                .with_label_values(&["sent", label])
+                .inc();
+        } else {
+            self.metrics().cluster.changes_dropped.inc();
+        }
+    }
+
+    /// Publishes one change with the next sequence number.
+    async fn emit(&self, out: &mut Outbox, change: Change) -> bool {
+        out.sequence += 1;
+        let message = pb::BookingChange {
+            origin: self.replica.clone(),
+            sequence: out.sequence,
+            change: Some(change),
+        };
+        self.client
+            .publish(out.subject.clone(), message.encode_to_vec().into())
+            .await
+            .is_ok()
+    }
+
+    /// Publishes every booking this replica made that is still open, in
+    /// parts that fit a message; returns whether all went out.
+    async fn resync(&self, out: &mut Outbox) -> bool {
+        let open: Vec<pb::SnapshotBooking> = {
+            out.own.retain(|id| self.router.saved_booking(id).is_some());
+            out.own
+                .iter()
+                .filter_map(|id| self.router.saved_booking(id))
+                .map(|b| booking_to_pb(&b))
+                .collect()
+        };
+        let limit = self
+            .client
+            .server_info()
+            .max_payload
+            .saturating_sub(4096)
+            .max(1024);
+        let mut parts: Vec<Vec<pb::SnapshotBooking>> = vec![Vec::new()];
+        let mut used = 0;
+        for booking in open {
+            let size = booking.encoded_len() + 8;
+            if used + size > limit && parts.last().is_some_and(|p| !p.is_empty()) {
+                parts.push(Vec::new());
+                used = 0;
+            }
+            used += size;
+            if let Some(part) = parts.last_mut() {
+                part.push(booking);
             }
         }
+        let count = parts.len();
+        for (i, bookings) in parts.into_iter().enumerate() {
+            let resync = pb::BookingResync {
+                bookings,
+                last: i + 1 == count,
+            };
+            if !self.emit(out, Change::Resync(resync)).await {
+                return false;
+            }
+        }
+        tracing::info!(
+            bookings = out.own.len(),
+            "booked load resynchronised with the other replicas"
+        );
+        true
     }
 
     /// Applies the other replicas' booking changes, from the oldest the
     /// stream keeps, until `stop`.
     pub async fn receive(self: Arc<Self>, stop: CancellationToken) {
-        let mut last: HashMap<String, u64> = HashMap::new();
+        let mut origins: HashMap<String, Origin> = HashMap::new();
         let mut next_stream_sequence = 1u64;
         while !stop.is_cancelled() {
             let messages = match self.consume(next_stream_sequence).await {
@@ -143,14 +272,65 @@ impl RoutingSync {
                 if change.origin == self.replica {
                     continue;
                 }
-                let previous = last.insert(change.origin.clone(), change.sequence);
-                if let Some(previous) = previous
-                    && change.sequence > previous + 1
-                {
+                let origin = origins.entry(change.origin.clone()).or_default();
+                if origin.last > 0 && change.sequence > origin.last + 1 {
                     self.metrics().cluster.booking_gaps.inc();
                 }
-                self.apply(change);
+                origin.last = change.sequence;
+                self.apply_from(origin, change);
             }
+        }
+    }
+
+    /// Applies one change of `origin`, keeping track of the bookings it
+    /// made (bounded by the bookings open here: ids no longer booked are
+    /// forgotten at each resync).
+    fn apply_from(&self, origin: &mut Origin, change: pb::BookingChange) {
+        match change.change {
+            Some(Change::Resync(part)) => {
+                for booking in part.bookings {
+                    let booking = booking_from_pb(booking);
+                    origin.resync.insert(booking.request_id.clone());
+                    if booking.prefill.is_none() {
+                        self.router.apply_remote(RoutingChange::PrefillComplete(
+                            booking.request_id.clone(),
+                        ));
+                    }
+                    self.router.apply_remote(RoutingChange::Booked(booking));
+                }
+                if part.last {
+                    let listed = std::mem::take(&mut origin.resync);
+                    for stale in origin.booked.difference(&listed) {
+                        self.router
+                            .apply_remote(RoutingChange::Released(stale.clone()));
+                    }
+                    origin.booked = listed;
+                    self.metrics().cluster.booking_resyncs.inc();
+                }
+            }
+            Some(Change::Booked(b)) => {
+                if origin.booked.len() >= MAX_TRACKED {
+                    origin
+                        .booked
+                        .retain(|id| self.router.saved_booking(id).is_some());
+                }
+                origin.booked.insert(b.request_id.clone());
+                self.apply(pb::BookingChange {
+                    change: Some(Change::Booked(b)),
+                    ..change
+                });
+            }
+            Some(Change::Released(id)) => {
+                origin.booked.remove(&id);
+                self.apply(pb::BookingChange {
+                    change: Some(Change::Released(id)),
+                    ..change
+                });
+            }
+            other => self.apply(pb::BookingChange {
+                change: other,
+                ..change
+            }),
         }
     }
 
@@ -159,7 +339,7 @@ impl RoutingSync {
             Some(Change::Booked(b)) => RoutingChange::Booked(booking_from_pb(b)),
             Some(Change::PrefillComplete(id)) => RoutingChange::PrefillComplete(id),
             Some(Change::Released(id)) => RoutingChange::Released(id),
-            None => return,
+            Some(Change::Resync(_)) | None => return,
         };
         self.metrics()
             .cluster

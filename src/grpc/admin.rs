@@ -40,17 +40,22 @@ impl AdminService {
         self
     }
 
+    /// In a cluster the cordon is shared first, so a replica that cannot
+    /// share it changes nothing and answers UNAVAILABLE.
     async fn cordon(&self, worker_id: u64, cordoned: bool) -> Res<pb::WorkerInfo> {
-        let view = self
-            .fleet
-            .set_cordoned(worker_id, cordoned)
-            .map_err(|e| self.fail(e.into()))?;
         if let Some(replication) = &self.replication {
+            self.fleet
+                .worker_view(worker_id)
+                .map_err(|e| self.fail(e.into()))?;
             replication
                 .set_cordoned(worker_id, cordoned)
                 .await
                 .map_err(|e| self.fail(e))?;
         }
+        let view = self
+            .fleet
+            .set_cordoned(worker_id, cordoned)
+            .map_err(|e| self.fail(e.into()))?;
         Ok(Response::new(convert::worker_view_to_pb(&view)))
     }
 
