@@ -21,7 +21,7 @@
 
 mod leases;
 mod log;
-pub mod names;
+mod names;
 mod routing_sync;
 mod snapshots;
 
@@ -101,7 +101,7 @@ impl Cluster {
         let replica = options.replica();
         let names = Names::new(&options.cluster_name);
         let (connected_tx, connected) = watch::channel(false);
-        let client = options.connect(url, &replica, connected_tx).await?;
+        let client = connect(options, url, &replica, connected_tx).await?;
         let js = jetstream::new(client.clone());
         let (log_stream, workers, sessions, control, store) = loop {
             match setup(&js, &names, options, &settings).await {
@@ -239,6 +239,50 @@ impl Cluster {
             was = now;
         }
     }
+}
+
+/// Connects to NATS. The client reconnects by itself for as long as the
+/// process runs; `events` hears of each disconnect and reconnect.
+async fn connect(
+    flags: &ClusterOptions,
+    url: &str,
+    replica: &str,
+    events: tokio::sync::watch::Sender<bool>,
+) -> anyhow::Result<async_nats::Client> {
+    let mut options = async_nats::ConnectOptions::new()
+        .name(format!("kvroute {replica}"))
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .event_callback(move |event| {
+            let events = events.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => {
+                        let _ = events.send(true);
+                    }
+                    async_nats::Event::Disconnected => {
+                        let _ = events.send(false);
+                    }
+                    other => tracing::debug!(event = %other, "nats"),
+                }
+            }
+        });
+    if let Some(creds) = &flags.nats_creds {
+        options = options.credentials_file(creds).await?;
+    }
+    if let (Some(user), Some(password)) = (&flags.nats_user, &flags.nats_password) {
+        options = options.user_and_password(user.clone(), password.clone());
+    }
+    if let Some(token) = &flags.nats_token {
+        options = options.token(token.clone());
+    }
+    if let Some(ca) = &flags.nats_tls_ca {
+        options = options.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let (Some(cert), Some(key)) = (&flags.nats_tls_cert, &flags.nats_tls_key) {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok(options.connect(url).await?)
 }
 
 /// Creates (or opens) the cluster's stream, buckets and object store.

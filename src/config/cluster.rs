@@ -122,48 +122,4 @@ impl ClusterOptions {
             format!("{host}-{}", std::process::id())
         })
     }
-
-    /// Connects to NATS. The client reconnects by itself for as long as the
-    /// process runs; `events` hears of each disconnect and reconnect.
-    pub async fn connect(
-        &self,
-        url: &str,
-        replica: &str,
-        events: tokio::sync::watch::Sender<bool>,
-    ) -> anyhow::Result<async_nats::Client> {
-        let mut options = async_nats::ConnectOptions::new()
-            .name(format!("kvroute {replica}"))
-            .retry_on_initial_connect()
-            .max_reconnects(None)
-            .event_callback(move |event| {
-                let events = events.clone();
-                async move {
-                    match event {
-                        async_nats::Event::Connected => {
-                            let _ = events.send(true);
-                        }
-                        async_nats::Event::Disconnected => {
-                            let _ = events.send(false);
-                        }
-                        other => tracing::debug!(event = %other, "nats"),
-                    }
-                }
-            });
-        if let Some(creds) = &self.nats_creds {
-            options = options.credentials_file(creds).await?;
-        }
-        if let (Some(user), Some(password)) = (&self.nats_user, &self.nats_password) {
-            options = options.user_and_password(user.clone(), password.clone());
-        }
-        if let Some(token) = &self.nats_token {
-            options = options.token(token.clone());
-        }
-        if let Some(ca) = &self.nats_tls_ca {
-            options = options.add_root_certificates(ca.clone()).require_tls(true);
-        }
-        if let (Some(cert), Some(key)) = (&self.nats_tls_cert, &self.nats_tls_key) {
-            options = options.add_client_certificate(cert.clone(), key.clone());
-        }
-        Ok(options.connect(url).await?)
-    }
 }
