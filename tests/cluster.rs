@@ -488,4 +488,13 @@ async fn a_lapsed_lease_is_removed_once_and_heartbeats_anywhere_renew() {
     let all: Vec<&Replica> = replicas.iter().collect();
     let (entries, _) = converged(&all, Duration::from_secs(10)).await;
     assert_eq!(entries, 0, "the lapsed worker's blocks went with it");
+    // Admin/Snapshot writes the cluster's snapshot, at a log position.
+    let written = replicas[1]
+        .admin()
+        .snapshot(pb::SnapshotRequest::default())
+        .await
+        .expect("snapshot")
+        .into_inner();
+    assert!(written.path.contains("log position"), "{written:?}");
+    assert_eq!(written.workers, 1, "{written:?}");
 }
