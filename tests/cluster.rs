@@ -498,3 +498,25 @@ async fn a_lapsed_lease_is_removed_once_and_heartbeats_anywhere_renew() {
     assert!(written.path.contains("log position"), "{written:?}");
     assert_eq!(written.workers, 1, "{written:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_larger_than_a_nats_message_is_applied_whole() {
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("large");
+    let replicas = three(&nats, "large", &[]).await;
+    register(&replicas[0].channel, 1).await;
+    // Four events of 16,384 blocks: about 1.3 MB, over NATS's 1 MB.
+    let events: Vec<pb::KvEvent> = (0..4u64)
+        .map(|e| {
+            let blocks: Vec<(u64, u64)> = (0..16_384u64)
+                .map(|b| (e * 100_000 + b + 1, e * 100_000 + b + 1))
+                .collect();
+            stored(e, None, &blocks)
+        })
+        .collect();
+    let retries = publish_all(&replicas[1].channel, &[batch(1, 0, events)]).await;
+    assert_eq!(retries, 0);
+    let all: Vec<&Replica> = replicas.iter().collect();
+    let (entries, _) = converged(&all, Duration::from_secs(20)).await;
+    assert_eq!(entries, 4 * 16_384);
+}

@@ -39,6 +39,7 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::parts;
 use crate::{
     engine_events::SinkOutcome,
     fleet::{Fleet, FleetError, state::FleetState, subscriptions::EngineForward},
@@ -135,7 +136,7 @@ impl Log {
     /// largest message, less room for the record's other fields and the
     /// message's headers.
     pub fn max_record_bytes(&self) -> usize {
-        self.max_payload.saturating_sub(4096).max(1024)
+        parts::limit(self.max_payload)
     }
 
     /// The last stream position applied here.
@@ -469,19 +470,7 @@ impl EngineForward for LogForward {
                 .collect();
             // One NATS message each: a large engine batch goes as parts.
             let limit = self.log.max_record_bytes();
-            let mut parts: Vec<Vec<pb::KvEvent>> = vec![Vec::new()];
-            let mut used = 0;
-            for event in events {
-                let size = event.encoded_len() + 8;
-                if used + size > limit && parts.last().is_some_and(|p| !p.is_empty()) {
-                    parts.push(Vec::new());
-                    used = 0;
-                }
-                used += size;
-                if let Some(part) = parts.last_mut() {
-                    part.push(event);
-                }
-            }
+            let parts = parts::in_parts(events, |e| e.encoded_len() + 8, limit);
             for (i, events) in parts.into_iter().enumerate() {
                 let message_id = format!(
                     "engine.{}.{}.{}.{}.{}.{i}",

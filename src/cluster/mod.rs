@@ -22,6 +22,7 @@
 mod leases;
 mod log;
 mod names;
+mod parts;
 mod routing_sync;
 mod snapshots;
 
@@ -516,22 +517,12 @@ fn split_to_fit(batch: ValidatedBatch, limit: usize) -> Result<Vec<ValidatedBatc
             "events[{i}] takes {size} bytes, over the {limit} a cluster log record holds (NATS max_payload)"
         )));
     }
-    let mut parts = Vec::new();
-    let mut current = Vec::new();
-    let mut used = 0;
-    for (event, size) in batch.events.iter().cloned().zip(sizes) {
-        if used + size > limit && !current.is_empty() {
-            parts.push(std::mem::take(&mut current));
-            used = 0;
-        }
-        used += size;
-        current.push(event);
-    }
-    parts.push(current);
+    let sized = batch.events.iter().cloned().zip(sizes);
+    let parts = parts::in_parts(sized, |(_, size)| *size, limit);
     Ok(parts
         .into_iter()
-        .map(|events| ValidatedBatch {
-            events,
+        .map(|part| ValidatedBatch {
+            events: part.into_iter().map(|(event, _)| event).collect(),
             ..batch.clone()
         })
         .collect())
@@ -603,5 +594,71 @@ impl Replication for ReplicaSlot {
 
     async fn snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
         self.cluster()?.snapshot().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{index::KvEvent, ingest::IngestEvent};
+
+    fn batch(events: usize, blocks: u64) -> ValidatedBatch {
+        ValidatedBatch {
+            worker_id: 1,
+            generation: 3,
+            model: "m".into(),
+            dp_rank: 0,
+            events: (0..events as u64)
+                .map(|id| IngestEvent {
+                    event_id: id,
+                    event: KvEvent::Stored {
+                        parent: None,
+                        blocks: (0..blocks).map(|b| (id * 1000 + b, b)).collect(),
+                    },
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_batch_over_the_limit_goes_in_ordered_parts() {
+        let parts = split_to_fit(batch(10, 50), 2000).expect("fits in parts");
+        assert!(parts.len() > 1);
+        let ids: Vec<u64> = parts
+            .iter()
+            .flat_map(|p| p.events.iter().map(|e| e.event_id))
+            .collect();
+        assert_eq!(ids, (0..10).collect::<Vec<_>>());
+        assert_eq!(split_to_fit(batch(3, 5), 1 << 20).expect("one").len(), 1);
+    }
+
+    #[test]
+    fn an_event_over_the_limit_is_refused() {
+        let status = split_to_fit(batch(2, 500), 2000).expect_err("too big");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains("events[0]"), "{status:?}");
+    }
+
+    #[test]
+    fn parts_answer_as_one_batch() {
+        let first = BatchOutcome {
+            dp_rank: 0,
+            last_applied: Some(4),
+            applied: 5,
+            rejected: 1,
+            first_rejection: None,
+            ..BatchOutcome::default()
+        };
+        let second = BatchOutcome {
+            dp_rank: 0,
+            last_applied: Some(9),
+            applied: 5,
+            resync_required: true,
+            ..BatchOutcome::default()
+        };
+        let merged = merge(first, second);
+        assert_eq!(merged.last_applied, Some(9));
+        assert_eq!((merged.applied, merged.rejected), (10, 1));
+        assert!(merged.resync_required);
     }
 }

@@ -35,7 +35,10 @@ use prost::Message;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::names::{Names, session_key};
+use super::{
+    names::{Names, session_key},
+    parts,
+};
 use crate::{
     metrics::Metrics,
     pb::{self, booking_change::Change},
@@ -202,25 +205,8 @@ impl RoutingSync {
                 .map(|b| booking_to_pb(&b))
                 .collect()
         };
-        let limit = self
-            .client
-            .server_info()
-            .max_payload
-            .saturating_sub(4096)
-            .max(1024);
-        let mut parts: Vec<Vec<pb::SnapshotBooking>> = vec![Vec::new()];
-        let mut used = 0;
-        for booking in open {
-            let size = booking.encoded_len() + 8;
-            if used + size > limit && parts.last().is_some_and(|p| !p.is_empty()) {
-                parts.push(Vec::new());
-                used = 0;
-            }
-            used += size;
-            if let Some(part) = parts.last_mut() {
-                part.push(booking);
-            }
-        }
+        let limit = parts::limit(self.client.server_info().max_payload);
+        let parts = parts::in_parts(open, |b| b.encoded_len() + 8, limit);
         let count = parts.len();
         for (i, bookings) in parts.into_iter().enumerate() {
             let resync = pb::BookingResync {
