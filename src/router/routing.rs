@@ -204,12 +204,17 @@ impl RouterCore {
     /// Selects a target for a request. One router selects once from its
     /// booked load. A replica that estimates its peers' load
     /// (`RouterConfig::replicas`, `admission::peers`) counts its estimates
-    /// too, then places `count` copies of the request one after another,
-    /// each seeing the ones before, as one router would place `count` such
-    /// requests arriving together: it takes the copy in its own place
-    /// (`index`) and returns the others as the load its peers are
-    /// estimated to book. A pinned request is not a sample of what the
-    /// peers route: it estimates nothing.
+    /// too, and takes the request as a sample of what each of the `count`
+    /// replicas may be routing at this moment: it places `count` requests
+    /// one after another, each seeing the ones before, as one router would
+    /// place them, its own in its place (`index`) and the others, the
+    /// peers', before and after it. It knows nothing of the peers'
+    /// requests but their likely size: each books what this request books
+    /// where it would go alone, and goes where load alone sends it (their
+    /// cached prefixes are unknown; this request's is not theirs). The
+    /// peers' placements are returned as the load they are estimated to
+    /// book. A pinned request is no sample of what peers route: it
+    /// estimates nothing.
     fn decide(
         &self,
         state: &RoutingState,
@@ -217,70 +222,89 @@ impl RouterCore {
         inputs: &Inputs,
     ) -> Result<Decision, SelectError> {
         let now_ms = self.now_ms();
-        let select_with = |booked: &dyn select::BookedLoads| {
-            let context = SelectContext {
-                workers: &inputs.workers,
-                overlaps: &inputs.overlaps,
-                cached_blocks: &inputs.cached_blocks,
-                booked,
-                sessions: &state.sessions,
-                now_ms,
+        let select_with =
+            |request: &SelectRequest, overlaps: &RankMap<u32>, booked: &dyn select::BookedLoads| {
+                let context = SelectContext {
+                    workers: &inputs.workers,
+                    overlaps,
+                    cached_blocks: &inputs.cached_blocks,
+                    booked,
+                    sessions: &state.sessions,
+                    now_ms,
+                };
+                let mut rng = state.rng_for(&request.request_id);
+                select::select(
+                    request,
+                    &context,
+                    &self.select_config(),
+                    &CostScorer,
+                    &mut rng,
+                )
             };
-            let mut rng = state.rng_for(&prepared.request.request_id);
-            select::select(
-                &prepared.request,
-                &context,
-                &self.select_config(),
-                &CostScorer,
-                &mut rng,
-            )
-        };
+        let request = &prepared.request;
         let replicas = self.config.replicas;
         if !replicas.estimates_peers() {
             return Ok(Decision {
-                selection: select_with(&state.ledger)?,
+                selection: select_with(request, &inputs.overlaps, &state.ledger)?,
                 peer_copies: Vec::new(),
             });
         }
-        let own_place = replicas.index.min(replicas.count - 1) as usize;
         let mut placed: Vec<(WorkerRank, BookedLoad)> = Vec::with_capacity(replicas.count as usize);
+        let alone = select_with(
+            request,
+            &inputs.overlaps,
+            &LoadView {
+                ledger: &state.ledger,
+                estimates: &state.estimates,
+                now_ms,
+                placed: &placed,
+            },
+        )?;
+        if alone.route != select::Route::Scored {
+            return Ok(Decision {
+                selection: alone,
+                peer_copies: Vec::new(),
+            });
+        }
+        // A peer's request: this one's size, no session, no cached prefix.
+        let peer_load = request_load(request, &alone);
+        let peer_request = SelectRequest {
+            session: None,
+            planned_worker: None,
+            ..request.clone()
+        };
+        let no_overlaps = RankMap::default();
+        let own_place = replicas.index.min(replicas.count - 1);
         let mut own = None;
-        for place in 0..replicas.count as usize {
+        for place in 0..replicas.count {
             let view = LoadView {
                 ledger: &state.ledger,
                 estimates: &state.estimates,
                 now_ms,
                 placed: &placed,
             };
-            let selection = select_with(&view)?;
-            if selection.route != select::Route::Scored {
-                return Ok(Decision {
-                    selection,
-                    peer_copies: Vec::new(),
-                });
-            }
-            placed.push((
-                selection.target,
-                request_load(&prepared.request, &selection),
-            ));
             if place == own_place {
-                own = Some(selection);
+                let selection = if place == 0 {
+                    alone.clone()
+                } else {
+                    select_with(request, &inputs.overlaps, &view)?
+                };
+                let load = request_load(request, &selection);
+                own = Some((placed.len(), selection.clone()));
+                placed.push((selection.target, load));
+            } else {
+                let target = select_with(&peer_request, &no_overlaps, &view)?.target;
+                placed.push((target, peer_load));
             }
         }
-        match own {
-            Some(selection) => {
-                placed.remove(own_place);
-                Ok(Decision {
-                    selection,
-                    peer_copies: placed,
-                })
-            }
-            // unreachable: own_place < count
-            None => Ok(Decision {
-                selection: select_with(&state.ledger)?,
-                peer_copies: Vec::new(),
-            }),
+        let (at, selection) = own.unwrap_or((placed.len(), alone));
+        if at < placed.len() {
+            placed.remove(at);
         }
+        Ok(Decision {
+            selection,
+            peer_copies: placed,
+        })
     }
 
     /// Scores a request without changing anything (ExplainSelection).
