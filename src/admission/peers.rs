@@ -10,10 +10,11 @@
 //! and a burst lands on a few workers while one router would have spread
 //! it (README, "Router replicas"). A replica therefore takes the request it
 //! routes as a sample of what every replica may be routing at that moment:
-//! the router places `count` copies of it one after another, as one router
-//! would place `count` such requests, takes the copy whose place is its own
-//! replica index, and keeps the other copies here as estimated peer load
-//! until the peers' real bookings can have reached it.
+//! the router (`router::routing`, `decide`) places `count` requests one
+//! after another, as one router would, its own in the place its replica
+//! index gives and its peers' likely ones before and after it, and keeps
+//! the peers' placements here as estimated load until their real bookings
+//! can have reached it.
 //!
 //! Invariants:
 //! * an estimate counts from its booking until `horizon_ms` later, then
@@ -114,7 +115,7 @@ pub struct LoadView<'a> {
     pub ledger: &'a BookingLedger,
     pub estimates: &'a PeerEstimates,
     pub now_ms: u64,
-    /// Copies of the request placed earlier in this decision.
+    /// Requests placed earlier in this decision (its own, peers' estimated).
     pub placed: &'a [(WorkerRank, BookedLoad)],
 }
 

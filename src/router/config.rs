@@ -39,11 +39,11 @@ impl Default for InputLimits {
 /// estimate of the load its peers book meanwhile (`admission::peers`).
 ///
 /// A replica learns of its peers' bookings `sync_delay` late. Until then
-/// it counts, for each request it routes, `count - 1` more like it, placed
-/// as one router would place them after or before its own (its place is
-/// `index`): replicas deciding from the same view then spread a burst as
-/// one router does instead of all choosing the same workers. One replica,
-/// or no delay, changes nothing.
+/// it counts, for each request it routes, `count - 1` peers' requests as
+/// large as it, placed as one router would place them before and after
+/// its own (its place is `index`): replicas deciding from the same view
+/// then spread a burst as one router does instead of all choosing the same
+/// workers. One replica, or no delay, changes nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaSettings {
     /// Replicas routing for the same fleet; 1 alone.

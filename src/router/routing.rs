@@ -123,12 +123,13 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// A decision: the selection, and the load of the copies of the request
-/// this replica estimates its peers are placing meanwhile (empty for one
-/// router; see [`RouterCore::decide`]).
+/// A decision: the selection, and where and how much the requests this
+/// replica estimates its peers route meanwhile book (empty for one router;
+/// see [`RouterCore::decide`]).
+#[derive(Debug)]
 struct Decision {
     selection: Selection,
-    peer_copies: Vec<(WorkerRank, BookedLoad)>,
+    peer_requests: Vec<(WorkerRank, BookedLoad)>,
 }
 
 /// The load a request books on its target once selected (what
@@ -246,7 +247,7 @@ impl RouterCore {
         if !replicas.estimates_peers() {
             return Ok(Decision {
                 selection: select_with(request, &inputs.overlaps, &state.ledger)?,
-                peer_copies: Vec::new(),
+                peer_requests: Vec::new(),
             });
         }
         let mut placed: Vec<(WorkerRank, BookedLoad)> = Vec::with_capacity(replicas.count as usize);
@@ -263,7 +264,7 @@ impl RouterCore {
         if alone.route != select::Route::Scored {
             return Ok(Decision {
                 selection: alone,
-                peer_copies: Vec::new(),
+                peer_requests: Vec::new(),
             });
         }
         // A peer's request: this one's size, no session, no cached prefix.
@@ -303,7 +304,7 @@ impl RouterCore {
         }
         Ok(Decision {
             selection,
-            peer_copies: placed,
+            peer_requests: placed,
         })
     }
 
@@ -460,7 +461,7 @@ impl RouterCore {
             now_ms,
         )?;
         if booked {
-            for (target, load) in &decision.peer_copies {
+            for (target, load) in &decision.peer_requests {
                 estimates.add(*target, *load, now_ms);
             }
         }
