@@ -132,6 +132,10 @@ struct Decision {
     peer_requests: Vec<(WorkerRank, BookedLoad)>,
 }
 
+/// Seed of the tie-breaks of a replica's placements: the same in every
+/// replica, whatever its router seed ("kvplaces").
+const PLACE_SEED: u64 = 0x6b76_706c_6163_6573;
+
 /// The load a request books on its target once selected (what
 /// `admission::commit` books, counting its blocks once for decode).
 fn request_load(request: &SelectRequest, selection: &Selection) -> BookedLoad {
@@ -223,30 +227,39 @@ impl RouterCore {
         inputs: &Inputs,
     ) -> Result<Decision, SelectError> {
         let now_ms = self.now_ms();
-        let select_with =
-            |request: &SelectRequest, overlaps: &RankMap<u32>, booked: &dyn select::BookedLoads| {
-                let context = SelectContext {
-                    workers: &inputs.workers,
-                    overlaps,
-                    cached_blocks: &inputs.cached_blocks,
-                    booked,
-                    sessions: &state.sessions,
-                    now_ms,
-                };
-                let mut rng = state.rng_for(&request.request_id);
-                select::select(
-                    request,
-                    &context,
-                    &self.select_config(),
-                    &CostScorer,
-                    &mut rng,
-                )
+        // `place`: the decision's place among the replicas' (see above),
+        // whose exact ties every replica breaks alike: a shared seed, not
+        // the router's or the request's, or replicas with distinct places
+        // could still choose alike among equal workers.
+        let select_with = |request: &SelectRequest,
+                           overlaps: &RankMap<u32>,
+                           booked: &dyn select::BookedLoads,
+                           place: Option<u32>| {
+            let context = SelectContext {
+                workers: &inputs.workers,
+                overlaps,
+                cached_blocks: &inputs.cached_blocks,
+                booked,
+                sessions: &state.sessions,
+                now_ms,
             };
+            let mut rng = match place {
+                None => state.rng_for(&request.request_id),
+                Some(place) => StdRng::seed_from_u64(PLACE_SEED ^ u64::from(place)),
+            };
+            select::select(
+                request,
+                &context,
+                &self.select_config(),
+                &CostScorer,
+                &mut rng,
+            )
+        };
         let request = &prepared.request;
         let replicas = self.config.replicas;
         if !replicas.estimates_peers() {
             return Ok(Decision {
-                selection: select_with(request, &inputs.overlaps, &state.ledger)?,
+                selection: select_with(request, &inputs.overlaps, &state.ledger, None)?,
                 peer_requests: Vec::new(),
             });
         }
@@ -260,6 +273,7 @@ impl RouterCore {
                 now_ms,
                 placed: &placed,
             },
+            Some(0),
         )?;
         if alone.route != select::Route::Scored {
             return Ok(Decision {
@@ -288,13 +302,13 @@ impl RouterCore {
                 let selection = if place == 0 {
                     alone.clone()
                 } else {
-                    select_with(request, &inputs.overlaps, &view)?
+                    select_with(request, &inputs.overlaps, &view, Some(place))?
                 };
                 let load = request_load(request, &selection);
                 own = Some((placed.len(), selection.clone()));
                 placed.push((selection.target, load));
             } else {
-                let target = select_with(&peer_request, &no_overlaps, &view)?.target;
+                let target = select_with(&peer_request, &no_overlaps, &view, Some(place))?.target;
                 placed.push((target, peer_load));
             }
         }
