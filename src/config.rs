@@ -317,6 +317,7 @@ impl ServeConfig {
                 max_events_per_batch: self.max_events_per_batch,
                 max_blocks_per_event: self.max_blocks_per_event,
             },
+            replicas: self.cluster.replica_settings(),
         }
     }
 
@@ -455,6 +456,38 @@ mod tests {
         assert_eq!(
             ServeConfig::fallback().router_config(),
             RouterConfig::default()
+        );
+    }
+
+    #[test]
+    fn cluster_replicas_tell_the_core_of_their_peers() {
+        use crate::router::ReplicaSettings;
+        let cluster = |replicas: u32, index: Option<u32>, name: &str| {
+            let mut config = ServeConfig::default();
+            config.cluster.nats_url = Some("nats://nats:4222".into());
+            config.cluster.cluster_replicas = replicas;
+            config.cluster.replica_index = index;
+            config.cluster.replica_id = Some(name.into());
+            config.router_config().replicas
+        };
+        let settings = cluster(3, None, "kvroute-2");
+        assert_eq!((settings.count, settings.index), (3, 2));
+        assert_eq!(settings.sync_delay, Duration::from_millis(2));
+        assert!(settings.estimates_peers());
+        assert_eq!(
+            cluster(3, None, "kvroute-4").index,
+            1,
+            "modulo the replicas"
+        );
+        assert_eq!(cluster(3, Some(1), "kvroute-0").index, 1, "the flag wins");
+        assert!(cluster(3, None, "router-a").index < 3, "a hash of the name");
+        assert_eq!(cluster(1, None, "kvroute-2"), ReplicaSettings::default());
+        let mut alone = ServeConfig::default();
+        alone.cluster.cluster_replicas = 3;
+        assert_eq!(
+            alone.router_config().replicas,
+            ReplicaSettings::default(),
+            "no cluster without --nats-url"
         );
     }
     use crate::engine_events::Dialect;

@@ -12,6 +12,7 @@
 //!   nothing (a duplicate booking leaves the session table untouched).
 
 pub mod bookings;
+pub mod peers;
 pub mod queue;
 
 use crate::select::{ErrorCode, SelectMode, SelectRequest, Selection, SessionTable};

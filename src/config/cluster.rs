@@ -4,6 +4,8 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::Args;
 
+use crate::router::ReplicaSettings;
+
 /// Cluster mode: several replicas sharing one index over NATS JetStream.
 /// Without `--nats-url` kvroute runs alone and needs no other server.
 #[derive(Clone, Debug, Args)]
@@ -25,6 +27,27 @@ pub struct ClusterOptions {
     /// host name and process id).
     #[arg(long, env = "KVROUTE_REPLICA_ID")]
     pub replica_id: Option<String>,
+
+    /// Replicas of this cluster routing at once. Above 1, each replica
+    /// estimates the load its peers book before their bookings reach it
+    /// (`--replica-sync-delay`), so replicas deciding a burst from the same
+    /// view spread it as one router would (README, "Router replicas").
+    #[arg(long, env = "KVROUTE_CLUSTER_REPLICAS", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub cluster_replicas: u32,
+
+    /// This replica's place among `--cluster-replicas`, from 0; replicas
+    /// with distinct places make distinct choices from the same view.
+    /// Default: the replica name's trailing number (a StatefulSet's
+    /// `kvroute-2` is 2), else a hash of the name, modulo the replicas.
+    #[arg(long, env = "KVROUTE_REPLICA_INDEX")]
+    pub replica_index: Option<u32>,
+
+    /// How late a peer's booking is expected to reach this replica: how
+    /// long the estimate of a peer's load counts (0 turns it off).
+    #[arg(long, env = "KVROUTE_REPLICA_SYNC_DELAY", default_value = "2ms",
+          value_parser = humantime::parse_duration)]
+    pub replica_sync_delay: Duration,
 
     /// NATS credentials file (JWT and NKey seed, `.creds`).
     #[arg(long, env = "KVROUTE_NATS_CREDS")]
@@ -80,6 +103,9 @@ impl Default for ClusterOptions {
             nats_url: None,
             cluster_name: "kvroute".into(),
             replica_id: None,
+            cluster_replicas: 1,
+            replica_index: None,
+            replica_sync_delay: Duration::from_millis(2),
             nats_creds: None,
             nats_user: None,
             nats_password: None,
@@ -92,6 +118,16 @@ impl Default for ClusterOptions {
             log_duplicate_window: Duration::from_secs(600),
         }
     }
+}
+
+/// A replica's default place among `count`: its name's trailing number,
+/// else a hash of the name, modulo `count`.
+fn place_of(replica: &str, count: u32) -> u32 {
+    let digits = replica.bytes().rev().take_while(u8::is_ascii_digit).count();
+    let number = replica[replica.len() - digits..]
+        .parse::<u64>()
+        .unwrap_or_else(|_| xxhash_rust::xxh3::xxh3_64(replica.as_bytes()));
+    u32::try_from(number % u64::from(count.max(1))).unwrap_or(0)
 }
 
 fn parse_cluster_name(text: &str) -> Result<String, String> {
@@ -121,5 +157,22 @@ impl ClusterOptions {
             };
             format!("{host}-{}", std::process::id())
         })
+    }
+
+    /// What this process's router core knows of its peer replicas: nothing
+    /// alone (no `--nats-url`), else the cluster's replica flags.
+    pub fn replica_settings(&self) -> ReplicaSettings {
+        if self.nats_url.is_none() || self.cluster_replicas <= 1 {
+            return ReplicaSettings::default();
+        }
+        let count = self.cluster_replicas;
+        let index = self
+            .replica_index
+            .unwrap_or_else(|| place_of(&self.replica(), count));
+        ReplicaSettings {
+            count,
+            index: index % count,
+            sync_delay: self.replica_sync_delay,
+        }
     }
 }

@@ -35,6 +35,55 @@ impl Default for InputLimits {
     }
 }
 
+/// The router replicas this core is one of (cluster mode), for the
+/// estimate of the load its peers book meanwhile (`admission::peers`).
+///
+/// A replica learns of its peers' bookings `sync_delay` late. Until then
+/// it counts, for each request it routes, `count - 1` peers' requests as
+/// large as it, placed as one router would place them before and after
+/// its own (its place is `index`): replicas deciding from the same view
+/// then spread a burst as one router does instead of all choosing the same
+/// workers. One replica, or no delay, changes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplicaSettings {
+    /// Replicas routing for the same fleet; 1 alone.
+    pub count: u32,
+    /// This replica's place among them, `0..count`: replicas with distinct
+    /// places make distinct choices from the same view.
+    pub index: u32,
+    /// How late a peer's booking reaches this replica; zero turns the
+    /// estimate off.
+    pub sync_delay: Duration,
+}
+
+impl Default for ReplicaSettings {
+    fn default() -> Self {
+        Self {
+            count: 1,
+            index: 0,
+            sync_delay: Duration::ZERO,
+        }
+    }
+}
+
+impl ReplicaSettings {
+    /// Whether decisions estimate peer load: several replicas, learning of
+    /// each other late.
+    pub fn estimates_peers(&self) -> bool {
+        self.count > 1 && !self.sync_delay.is_zero()
+    }
+
+    /// How long an estimate counts: the sync delay in whole milliseconds
+    /// of the routing clock, rounded up; 0 when the estimate is off.
+    pub fn horizon_ms(&self) -> u64 {
+        if self.estimates_peers() {
+            u64::try_from(self.sync_delay.as_micros().div_ceil(1000)).unwrap_or(u64::MAX)
+        } else {
+            0
+        }
+    }
+}
+
 /// What the router core is configured with (see `kvroute serve --help` for
 /// each setting's meaning; the defaults here are the flags' defaults).
 #[derive(Clone, Debug, PartialEq)]
@@ -57,6 +106,8 @@ pub struct RouterConfig {
     /// Seed of tie-breaks and sampling; 0 draws one per process.
     pub seed: u64,
     pub limits: InputLimits,
+    /// The replicas this core is one of (cluster mode); one by default.
+    pub replicas: ReplicaSettings,
 }
 
 impl Default for RouterConfig {
@@ -74,6 +125,7 @@ impl Default for RouterConfig {
             session_ttl: Duration::from_secs(600),
             seed: 0,
             limits: InputLimits::default(),
+            replicas: ReplicaSettings::default(),
         }
     }
 }

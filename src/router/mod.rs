@@ -21,6 +21,8 @@
 //! holding `members`, and none takes `members` while holding an index lock.
 
 pub mod config;
+#[cfg(test)]
+mod replica_tests;
 mod routing;
 pub mod sync;
 
@@ -44,7 +46,9 @@ use crate::{
     types::{BookedLoad, DpRank, RankLoad, WorkerId, WorkerRank},
 };
 
-pub use config::{DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig};
+pub use config::{
+    DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, ReplicaSettings, RouterConfig,
+};
 pub use routing::{Admitted, PreparedRequest, RouteError, RouteOutcome};
 pub use sync::RoutingChange;
 
@@ -65,6 +69,9 @@ pub struct RouterCore {
     routing: RwLock<routing::RoutingState>,
     /// When this core started: zero of the routing clock.
     started: Instant,
+    /// The routing clock's reading when a caller drives it (the replay
+    /// simulator's virtual time); `None`: tokio's clock since `started`.
+    manual_clock: Option<std::sync::atomic::AtomicU64>,
     /// Where this core's own routing changes go (cluster mode, `sync.rs`).
     feed: parking_lot::Mutex<Option<tokio::sync::mpsc::Sender<sync::RoutingChange>>>,
     /// Releases that came before their booking (`sync.rs`).
@@ -94,12 +101,31 @@ impl RouterCore {
                 config.queue_capacity,
                 config.session_ttl,
                 config.seed,
+                config.replicas.horizon_ms(),
             )),
             started: now(),
+            manual_clock: None,
             feed: parking_lot::Mutex::new(None),
             released: parking_lot::Mutex::new(sync::RecentReleases::default()),
             config,
             metrics,
+        }
+    }
+
+    /// A core whose routing clock (bookings, sessions, peer estimates;
+    /// not leases) reads what [`Self::set_clock_ms`] last set, from 0: the
+    /// replay simulator runs it on virtual time.
+    pub fn with_manual_clock(config: RouterConfig, metrics: Arc<Metrics>) -> Self {
+        Self {
+            manual_clock: Some(std::sync::atomic::AtomicU64::new(0)),
+            ..Self::new(config, metrics)
+        }
+    }
+
+    /// Sets a manual routing clock (never back); does nothing to tokio's.
+    pub fn set_clock_ms(&self, now_ms: u64) {
+        if let Some(clock) = &self.manual_clock {
+            clock.fetch_max(now_ms, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

@@ -18,7 +18,10 @@ use tokio::sync::oneshot;
 use super::{RouterCore, now, sync::RoutingChange};
 use crate::{
     admission::{
-        self, Admission, AdmissionError, AdmissionMode, bookings::BookingLedger, queue::WaitQueue,
+        self, Admission, AdmissionError, AdmissionMode,
+        bookings::BookingLedger,
+        peers::{LoadView, PeerEstimates},
+        queue::WaitQueue,
     },
     select::{
         self, SelectConfig, SelectContext, SelectMode, SelectRequest, Selection,
@@ -26,7 +29,7 @@ use crate::{
         error::SelectError,
         scoring::cost::CostScorer,
     },
-    types::{LocalHash, RankMap, WorkerId, WorkerRank},
+    types::{BookedLoad, LocalHash, RankMap, RequestPhase, WorkerId, WorkerRank},
 };
 
 /// Why a SelectWorker call failed.
@@ -72,6 +75,9 @@ pub struct RouteOutcome {
 pub(super) struct RoutingState {
     pub(super) ledger: BookingLedger,
     pub(super) sessions: SessionTable,
+    /// Load the peer replicas are estimated to book meanwhile (cluster
+    /// mode, `admission::peers`); always empty for one router.
+    estimates: PeerEstimates,
     queue: WaitQueue<Waiter>,
     /// Seed of every call's tie-break and sampling draws.
     seed: u64,
@@ -79,10 +85,16 @@ pub(super) struct RoutingState {
 
 impl RoutingState {
     /// `seed` 0 draws a seed for this process from the OS.
-    pub(super) fn new(queue_capacity: usize, session_ttl: Duration, seed: u64) -> Self {
+    pub(super) fn new(
+        queue_capacity: usize,
+        session_ttl: Duration,
+        seed: u64,
+        estimate_horizon_ms: u64,
+    ) -> Self {
         Self {
             ledger: BookingLedger::new(),
             sessions: SessionTable::new(millis(session_ttl)),
+            estimates: PeerEstimates::new(estimate_horizon_ms),
             queue: WaitQueue::new(queue_capacity),
             seed: if seed == 0 {
                 StdRng::from_os_rng().next_u64()
@@ -111,6 +123,37 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// A decision: the selection, and where and how much the requests this
+/// replica estimates its peers route meanwhile book (empty for one router;
+/// see [`RouterCore::decide`]).
+#[derive(Debug)]
+struct Decision {
+    selection: Selection,
+    peer_requests: Vec<(WorkerRank, BookedLoad)>,
+}
+
+/// Seed of the tie-breaks of a replica's placements: the same in every
+/// replica, whatever its router seed ("kvplaces").
+const PLACE_SEED: u64 = 0x6b76_706c_6163_6573;
+
+/// The load a request books on its target once selected (what
+/// `admission::commit` books, counting its blocks once for decode).
+fn request_load(request: &SelectRequest, selection: &Selection) -> BookedLoad {
+    let (prefill_tokens, prefill_blocks) = match request.phase {
+        RequestPhase::Decode => (0, 0),
+        RequestPhase::Prefill | RequestPhase::Aggregated => (
+            selection.request_prefill_tokens,
+            selection.request_prefill_blocks,
+        ),
+    };
+    BookedLoad {
+        prefill_tokens,
+        prefill_blocks,
+        decode_blocks: u64::from(selection.total_blocks),
+        active_requests: 1,
+    }
+}
+
 /// The inputs of one decision gathered from the registry and the index.
 struct Inputs {
     workers: std::sync::Arc<[crate::types::WorkerSnapshot]>,
@@ -121,7 +164,10 @@ struct Inputs {
 impl RouterCore {
     /// Milliseconds on the routing clock (tokio's, so tests can pause it).
     pub fn now_ms(&self) -> u64 {
-        millis(now().saturating_duration_since(self.started))
+        match &self.manual_clock {
+            Some(clock) => clock.load(std::sync::atomic::Ordering::Relaxed),
+            None => millis(now().saturating_duration_since(self.started)),
+        }
     }
 
     pub fn select_config(&self) -> SelectConfig {
@@ -160,35 +206,127 @@ impl RouterCore {
         }
     }
 
+    /// Selects a target for a request. One router selects once from its
+    /// booked load. A replica that estimates its peers' load
+    /// (`RouterConfig::replicas`, `admission::peers`) counts its estimates
+    /// too, and takes the request as a sample of what each of the `count`
+    /// replicas may be routing at this moment: it places `count` requests
+    /// one after another, each seeing the ones before, as one router would
+    /// place them, its own in its place (`index`) and the others, the
+    /// peers', before and after it. It knows nothing of the peers'
+    /// requests but their likely size: each books what this request books
+    /// where it would go alone, and goes where load alone sends it (their
+    /// cached prefixes are unknown; this request's is not theirs). The
+    /// peers' placements are returned as the load they are estimated to
+    /// book. A pinned request is no sample of what peers route: it
+    /// estimates nothing.
     fn decide(
         &self,
         state: &RoutingState,
         prepared: &PreparedRequest,
         inputs: &Inputs,
-    ) -> Result<Selection, SelectError> {
-        let context = SelectContext {
-            workers: &inputs.workers,
-            overlaps: &inputs.overlaps,
-            cached_blocks: &inputs.cached_blocks,
-            booked: &state.ledger,
-            sessions: &state.sessions,
-            now_ms: self.now_ms(),
+    ) -> Result<Decision, SelectError> {
+        let now_ms = self.now_ms();
+        // `place`: the decision's place among the replicas' (see above),
+        // whose exact ties every replica breaks alike: a shared seed, not
+        // the router's or the request's, or replicas with distinct places
+        // could still choose alike among equal workers.
+        let select_with = |request: &SelectRequest,
+                           overlaps: &RankMap<u32>,
+                           booked: &dyn select::BookedLoads,
+                           place: Option<u32>| {
+            let context = SelectContext {
+                workers: &inputs.workers,
+                overlaps,
+                cached_blocks: &inputs.cached_blocks,
+                booked,
+                sessions: &state.sessions,
+                now_ms,
+            };
+            let mut rng = match place {
+                None => state.rng_for(&request.request_id),
+                Some(place) => StdRng::seed_from_u64(PLACE_SEED ^ u64::from(place)),
+            };
+            select::select(
+                request,
+                &context,
+                &self.select_config(),
+                &CostScorer,
+                &mut rng,
+            )
         };
-        let mut rng = state.rng_for(&prepared.request.request_id);
-        select::select(
-            &prepared.request,
-            &context,
-            &self.select_config(),
-            &CostScorer,
-            &mut rng,
-        )
+        let request = &prepared.request;
+        let replicas = self.config.replicas;
+        if !replicas.estimates_peers() {
+            return Ok(Decision {
+                selection: select_with(request, &inputs.overlaps, &state.ledger, None)?,
+                peer_requests: Vec::new(),
+            });
+        }
+        let mut placed: Vec<(WorkerRank, BookedLoad)> = Vec::with_capacity(replicas.count as usize);
+        let alone = select_with(
+            request,
+            &inputs.overlaps,
+            &LoadView {
+                ledger: &state.ledger,
+                estimates: &state.estimates,
+                now_ms,
+                placed: &placed,
+            },
+            Some(0),
+        )?;
+        if alone.route != select::Route::Scored {
+            return Ok(Decision {
+                selection: alone,
+                peer_requests: Vec::new(),
+            });
+        }
+        // A peer's request: this one's size, no session, no cached prefix.
+        let peer_load = request_load(request, &alone);
+        let peer_request = SelectRequest {
+            session: None,
+            planned_worker: None,
+            ..request.clone()
+        };
+        let no_overlaps = RankMap::default();
+        let own_place = replicas.index.min(replicas.count - 1);
+        let mut own = None;
+        for place in 0..replicas.count {
+            let view = LoadView {
+                ledger: &state.ledger,
+                estimates: &state.estimates,
+                now_ms,
+                placed: &placed,
+            };
+            if place == own_place {
+                let selection = if place == 0 {
+                    alone.clone()
+                } else {
+                    select_with(request, &inputs.overlaps, &view, Some(place))?
+                };
+                let load = request_load(request, &selection);
+                own = Some((placed.len(), selection.clone()));
+                placed.push((selection.target, load));
+            } else {
+                let target = select_with(&peer_request, &no_overlaps, &view, Some(place))?.target;
+                placed.push((target, peer_load));
+            }
+        }
+        let (at, selection) = own.unwrap_or((placed.len(), alone));
+        if at < placed.len() {
+            placed.remove(at);
+        }
+        Ok(Decision {
+            selection,
+            peer_requests: placed,
+        })
     }
 
     /// Scores a request without changing anything (ExplainSelection).
     pub fn explain(&self, prepared: &PreparedRequest) -> Result<Selection, RouteError> {
         let inputs = self.gather(&prepared.request, &prepared.hashes);
         let state = self.routing.read();
-        Ok(self.decide(&state, prepared, &inputs)?)
+        Ok(self.decide(&state, prepared, &inputs)?.selection)
     }
 
     /// Routes and books a request at once, whatever its admission mode and
@@ -197,8 +335,9 @@ impl RouterCore {
     pub fn route_unqueued(&self, prepared: PreparedRequest) -> Result<RouteOutcome, RouteError> {
         let inputs = self.gather(&prepared.request, &prepared.hashes);
         let mut state = self.routing.write();
-        let selection = self.decide(&state, &prepared, &inputs)?;
-        let booked = self.commit(&mut state, &prepared, &selection)?;
+        let decision = self.decide(&state, &prepared, &inputs)?;
+        let booked = self.commit(&mut state, &prepared, &decision)?;
+        let selection = decision.selection;
         drop(state);
         let admitted = if booked {
             Admitted::Now
@@ -219,7 +358,9 @@ impl RouterCore {
         let query_only = prepared.request.mode == SelectMode::QueryOnly;
         if query_only || prepared.admission == AdmissionMode::Advisory {
             // Nothing to book: decide under the read lock, in parallel.
-            let selection = self.decide(&self.routing.read(), &prepared, &inputs)?;
+            let selection = self
+                .decide(&self.routing.read(), &prepared, &inputs)?
+                .selection;
             let outcome = match admission::admit(&request_id, prepared.admission, &selection)? {
                 Admission::Advisory => "advisory",
                 _ => "query_only",
@@ -228,13 +369,14 @@ impl RouterCore {
         }
         let (receiver, target) = {
             let mut state = self.routing.write();
-            let selection = self.decide(&state, &prepared, &inputs)?;
-            match admission::admit(&request_id, prepared.admission, &selection)? {
+            let decision = self.decide(&state, &prepared, &inputs)?;
+            match admission::admit(&request_id, prepared.admission, &decision.selection)? {
                 Admission::Advisory => {
-                    return Ok(self.record(selection, Admitted::Untracked, "advisory"));
+                    return Ok(self.record(decision.selection, Admitted::Untracked, "advisory"));
                 }
                 Admission::Admit => {
-                    let booked = self.commit(&mut state, &prepared, &selection)?;
+                    let booked = self.commit(&mut state, &prepared, &decision)?;
+                    let selection = decision.selection;
                     let (admitted, outcome) = if booked {
                         (Admitted::Now, "admitted")
                     } else {
@@ -248,7 +390,7 @@ impl RouterCore {
                     let (strict, jump) =
                         (request.hints.strict_priority, request.hints.priority_jump);
                     let now_ms = self.now_ms();
-                    let target = selection.target;
+                    let target = decision.selection.target;
                     state.queue.push(
                         &request_id,
                         strict,
@@ -308,15 +450,21 @@ impl RouterCore {
         }
     }
 
+    /// Books a decision (RESERVE): the request's load, its session, and
+    /// the load estimated for its peers, which ages out by itself.
     fn commit(
         &self,
         state: &mut RoutingState,
         prepared: &PreparedRequest,
-        selection: &Selection,
+        decision: &Decision,
     ) -> Result<bool, AdmissionError> {
         let now_ms = self.now_ms();
+        let selection = &decision.selection;
         let RoutingState {
-            ledger, sessions, ..
+            ledger,
+            sessions,
+            estimates,
+            ..
         } = state;
         let booked = admission::commit(
             &prepared.request,
@@ -326,6 +474,11 @@ impl RouterCore {
             sessions,
             now_ms,
         )?;
+        if booked {
+            for (target, load) in &decision.peer_requests {
+                estimates.add(*target, *load, now_ms);
+            }
+        }
         self.metrics.bookings_active.set(ledger.len() as i64);
         if booked && self.feeding() {
             let request = &prepared.request;
@@ -442,14 +595,14 @@ impl RouterCore {
                 &entry.payload.prepared.request,
                 &entry.payload.prepared.hashes,
             );
-            let selection = match self.decide(&state, &entry.payload.prepared, &inputs) {
-                Ok(selection) => selection,
+            let decision = match self.decide(&state, &entry.payload.prepared, &inputs) {
+                Ok(decision) => decision,
                 Err(error) => {
                     let _ = entry.payload.reply.send(Err(error.into()));
                     continue;
                 }
             };
-            if selection.all_busy {
+            if decision.selection.all_busy {
                 // Still busy: back to its place, and the rest wait behind it.
                 if state.queue.reinsert(entry).is_err() {
                     tracing::warn!("queue reinsert failed");
@@ -458,8 +611,8 @@ impl RouterCore {
             }
             let prepared = &entry.payload.prepared;
             let result = self
-                .commit(&mut state, prepared, &selection)
-                .map(|_| selection)
+                .commit(&mut state, prepared, &decision)
+                .map(|_| decision.selection)
                 .map_err(RouteError::from);
             let request_id = prepared.request.request_id.clone();
             if entry.payload.reply.send(result).is_err() {

@@ -5,9 +5,10 @@
 //! code as `PublishEvents` (called directly, without the channel).
 //!
 //! Differences from the service, on purpose: admission never queues (the
-//! simulated engines keep their own waiting queues, and the router's WAIT
-//! queue would need virtual time), and workers report load on every
-//! routing call instead of by heartbeat.
+//! simulated engines keep their own waiting queues), workers report load
+//! on every routing call instead of by heartbeat, and the core's routing
+//! clock (bookings, sessions, peer estimates) is the replay's virtual time
+//! in whole milliseconds.
 
 use std::sync::Arc;
 
@@ -17,7 +18,9 @@ use crate::{
     ingest::EventWriter,
     pb,
     registry::Registration,
-    router::{DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, RouterConfig, RouterCore},
+    router::{
+        DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, ReplicaSettings, RouterConfig, RouterCore,
+    },
     types::{RankLoad, WorkerRole},
 };
 
@@ -62,16 +65,27 @@ pub struct KvRoutePolicy {
 }
 
 impl KvRoutePolicy {
+    /// One router.
     pub fn new(knobs: KvRouteKnobs) -> Result<Self, prometheus::Error> {
+        Self::replica(knobs, ReplicaSettings::default())
+    }
+
+    /// One of several router replicas (`super::replicas`), told what the
+    /// service's cluster mode tells its core.
+    pub fn replica(
+        knobs: KvRouteKnobs,
+        replicas: ReplicaSettings,
+    ) -> Result<Self, prometheus::Error> {
         let config = RouterConfig {
             overlap_weight: knobs.overlap_weight,
             overlap_credit: knobs.overlap_credit,
             temperature: knobs.temperature,
             seed: knobs.seed.max(1),
+            replicas,
             ..RouterConfig::default()
         };
         let metrics = crate::metrics::Metrics::new()?;
-        let core = Arc::new(RouterCore::new(config, metrics));
+        let core = Arc::new(RouterCore::with_manual_clock(config, metrics));
         Ok(Self {
             writer: EventWriter::new(core.clone()),
             core,
@@ -126,9 +140,16 @@ impl KvRoutePolicy {
     /// Books load another router replica booked (its prefill completion
     /// and release come through `on_prefill_complete` and
     /// `on_request_complete`, as this router's own do).
-    pub(super) fn book_for_peer(&mut self, booking: SavedBooking) {
+    pub(super) fn book_for_peer(&mut self, booking: SavedBooking, now_ms: f64) {
+        self.set_clock(now_ms);
         let refused = self.core.restore_routing(Vec::new(), vec![booking]);
         self.errors += refused as u64;
+    }
+
+    /// Moves the core's routing clock to the replay's virtual time.
+    fn set_clock(&self, now_ms: f64) {
+        // virtual time is finite and non-negative; `as` floors it
+        self.core.set_clock_ms(now_ms.max(0.0) as u64);
     }
 
     fn report_load(&mut self, fleet: &FleetView) {
@@ -190,8 +211,9 @@ impl Router for KvRoutePolicy {
         }
     }
 
-    fn route(&mut self, request: &SimRequest, _now_ms: f64, fleet: &FleetView) -> usize {
+    fn route(&mut self, request: &SimRequest, now_ms: f64, fleet: &FleetView) -> usize {
         self.ensure_registered(fleet);
+        self.set_clock(now_ms);
         self.report_load(fleet);
         match self.select(request, fleet.block_size as u32) {
             Ok(worker_id) => usize::try_from(worker_id)
@@ -267,11 +289,13 @@ impl Router for KvRoutePolicy {
         }
     }
 
-    fn on_prefill_complete(&mut self, request_id: u64, _now_ms: f64) {
+    fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64) {
+        self.set_clock(now_ms);
         self.core.mark_prefill_complete(&request_id.to_string());
     }
 
-    fn on_request_complete(&mut self, request_id: u64, _now_ms: f64) {
+    fn on_request_complete(&mut self, request_id: u64, now_ms: f64) {
+        self.set_clock(now_ms);
         self.core.release_request(&request_id.to_string());
     }
 }

@@ -24,10 +24,16 @@
 //! Only booked load is delayed. With a 0 ms delay every replica holds every
 //! booking before the next decision, so N replicas route exactly as one
 //! router does (tested below).
+//!
+//! Each replica's core is told what cluster mode tells it
+//! (`RouterConfig::replicas`): `count` replicas, its index, and the sync
+//! delay, so it estimates the load its peers book before it hears of it
+//! (`admission::peers`). Replicas that never sync are told nothing: there
+//! is no delay after which an estimate could give way to the real load.
 
-use std::collections::VecDeque;
+use std::{collections::VecDeque, time::Duration};
 
-use crate::admission::bookings::SavedBooking;
+use crate::{admission::bookings::SavedBooking, router::ReplicaSettings};
 
 use super::engine::EngineKvEvent;
 use super::kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
@@ -50,6 +56,19 @@ struct InFlight {
     what: Shared,
 }
 
+/// What replica `index` of `count` knows of its peers: the sync delay, as
+/// cluster mode would configure it; nothing when they never sync.
+fn replica_settings(setup: ReplicaSetup, count: usize, index: usize) -> ReplicaSettings {
+    match setup.sync_delay_ms {
+        Some(delay_ms) if delay_ms > 0.0 => ReplicaSettings {
+            count: u32::try_from(count).unwrap_or(u32::MAX),
+            index: u32::try_from(index).unwrap_or(u32::MAX),
+            sync_delay: Duration::from_secs_f64(delay_ms / 1000.0),
+        },
+        _ => ReplicaSettings::default(),
+    }
+}
+
 /// N `kvroute` policies behind the simulator's [`Router`] seam (see the
 /// module docs).
 pub struct ReplicatedKvRoute {
@@ -65,7 +84,7 @@ impl ReplicatedKvRoute {
     pub fn new(knobs: KvRouteKnobs, setup: ReplicaSetup) -> Result<Self, prometheus::Error> {
         let count = setup.count.max(1);
         let replicas = (0..count)
-            .map(|_| KvRoutePolicy::new(knobs))
+            .map(|index| KvRoutePolicy::replica(knobs, replica_settings(setup, count, index)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             replicas,
@@ -111,7 +130,7 @@ impl ReplicatedKvRoute {
                 .filter(|(i, _)| *i != message.from);
             for (_, replica) in others {
                 match &message.what {
-                    Shared::Booked(booking) => replica.book_for_peer(booking.clone()),
+                    Shared::Booked(booking) => replica.book_for_peer(booking.clone(), now_ms),
                     Shared::PrefillComplete(id) => replica.on_prefill_complete(*id, now_ms),
                     Shared::Released(id) => replica.on_request_complete(*id, now_ms),
                 }
@@ -332,15 +351,56 @@ mod tests {
         assert!(synced < unsynced, "synced replicas spread: {synced} of 6");
     }
 
+    /// `burst` requests of 24 trace blocks each, nothing shared, at one
+    /// instant.
+    fn cold_burst(burst: u64) -> Trace {
+        let records = (0..burst)
+            .map(|i| TraceRequest {
+                timestamp: 1_000,
+                input_length: 24 * 512,
+                output_length: 32,
+                hash_ids: (0..24).map(|j| 100 * i + j).collect(),
+            })
+            .collect();
+        Trace { records }
+    }
+
+    /// Requests per engine, busiest first.
+    fn spread(engines: &[usize]) -> Vec<usize> {
+        let mut counts = std::collections::BTreeMap::new();
+        for engine in engines {
+            *counts.entry(*engine).or_insert(0) += 1;
+        }
+        let mut counts: Vec<usize> = counts.into_values().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        counts
+    }
+
     #[test]
-    fn a_delay_longer_than_the_burst_herds_as_no_sync_does() {
+    fn replicas_told_of_the_delay_spread_a_cold_burst_as_one_router_does() {
+        // 1 ms is longer than the burst, which arrives at one instant: no
+        // booking of it reaches another replica in time, and each replica
+        // estimates what the others book meanwhile.
+        let trace = cold_burst(12);
+        let cfg = SimConfig::default();
+        let (one, _) = run(&trace, &cfg, None);
+        let (late, _) = run(&trace, &cfg, three(Some(1.0)));
+        assert_eq!(spread(&one), [3, 3, 3, 3], "one router: {one:?}");
+        assert_eq!(spread(&late), spread(&one), "synced 1 ms late: {late:?}");
+    }
+
+    #[test]
+    fn a_burst_sharing_a_prefix_still_herds_when_bookings_come_late() {
+        // The estimate takes a peer's request to hold none of this one's
+        // prefix (on conversations it does not); here all of them do, and
+        // every replica sends its two to the engine that holds it, as
+        // replicas that never sync do. One router sends three.
         let trace = shared_prefix_burst(6);
         let cfg = SimConfig::default();
-        let (unsynced, _) = run(&trace, &cfg, three(None));
+        let (one, _) = run(&trace, &cfg, None);
         let (late, _) = run(&trace, &cfg, three(Some(1.0)));
-        assert_eq!(
-            late, unsynced,
-            "bookings 1 ms late miss a burst of one instant"
-        );
+        let (unsynced, _) = run(&trace, &cfg, three(None));
+        assert_eq!(on_cached_engine(&one), 3);
+        assert_eq!(late, unsynced);
     }
 }
