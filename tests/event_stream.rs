@@ -219,7 +219,8 @@ struct Answer {
 enum Renumber {
     /// Its own next id.
     Continue,
-    Zero,
+    /// As low as kvroute allows (the reply's resync floor).
+    Floor,
     Far(u64),
 }
 
@@ -228,7 +229,7 @@ fn answer() -> impl Strategy<Value = Answer> {
         proptest::bool::weighted(0.7),
         prop_oneof![
             3 => Just(Renumber::Continue),
-            1 => Just(Renumber::Zero),
+            1 => Just(Renumber::Floor),
             1 => (0u64..1 << 40).prop_map(Renumber::Far),
         ],
     )
@@ -349,7 +350,7 @@ impl Sim {
         }
         let from = match answer.renumber {
             Renumber::Continue => self.worker.next_event_id(),
-            Renumber::Zero => 0,
+            Renumber::Floor => 0, // the reply's floor, the lowest allowed
             Renumber::Far(id) => id,
         };
         let (resyncs, own_next) = (self.worker.resyncs, self.worker.next_event_id());
@@ -357,6 +358,7 @@ impl Sim {
             last_applied: outcome.last_applied,
             resend_from: outcome.resend_from,
             resync_required: outcome.resync_required,
+            resync_floor: outcome.resync_floor,
         };
         let events = self.worker.on_reply(reply, from);
         let renumbered = events.first().is_some_and(|(id, _)| *id != own_next);

@@ -488,11 +488,14 @@ async fn an_absurd_id_jump_asks_for_a_resync_not_a_resend() {
     assert_eq!(next.resend_from_event_id, None);
     assert!(next.resync_required);
     assert_eq!(cached_blocks(&server, 1).await, Some(1));
-    // The resync: cleared, then everything it holds, numbered from 50.
+    // The resync: cleared, then everything it holds, numbered from the
+    // floor the replies name (one past the highest id received).
+    let floor = next.resync_from_event_id.expect("a resync floor");
+    assert_eq!(floor, (1 << 63) + 1);
     tx.send(batch(
         1,
         0,
-        vec![cleared(50), stored(51, None, &[(11, 1), (13, 3)])],
+        vec![cleared(floor), stored(floor + 1, None, &[(11, 1), (13, 3)])],
     ))
     .await
     .unwrap();
@@ -503,7 +506,7 @@ async fn an_absurd_id_jump_asks_for_a_resync_not_a_resend() {
             resynced.last_applied_event_id,
             resynced.resend_from_event_id
         ),
-        (51, None)
+        (floor + 1, None)
     );
     assert_eq!(cached_blocks(&server, 1).await, Some(2));
     let (_, body) = server.http_get("/metrics").await;
@@ -617,15 +620,22 @@ async fn a_worker_told_to_resync_sends_its_cache_and_the_index_holds_exactly_tha
     assert!(reply.resync_required, "{reply:?}");
     assert_eq!(reply.resend_from_event_id, None);
 
-    // The worker answers with cleared + everything it holds, numbered from 7.
+    // The reply names the lowest id the answer may start at: one past the
+    // highest kvroute received. Below it, an answer is taken for a late copy.
+    let floor = reply.resync_from_event_id.expect("a resync floor");
+    assert_eq!(floor, after.last().map(|e| e.0 + 1).unwrap());
+    let early = vec![(7, Ev::Cleared)];
+    let skipped = send_events(&tx, &mut replies, &worker, &early).await;
+    assert!(skipped.resync_required, "{skipped:?}");
+    // The worker answers with cleared + everything it holds, from there.
     let dump = worker.on_reply(Reply::from_pb(&reply), 7);
-    assert_eq!(dump[0], (7, Ev::Cleared));
+    assert_eq!(dump[0], (floor, Ev::Cleared));
     assert_eq!(worker.resyncs, 1);
     let reply = send_events(&tx, &mut replies, &worker, &dump).await;
     assert!(!reply.resync_required, "{reply:?}");
     assert_eq!(reply.resend_from_event_id, None);
     assert_eq!(reply.rejected, 0, "{}", reply.first_rejection);
-    assert_eq!(reply.last_applied_event_id, 7 + dump.len() as u64 - 1);
+    assert_eq!(reply.last_applied_event_id, floor + dump.len() as u64 - 1);
     worker.on_reply(Reply::from_pb(&reply), 0);
 
     let held = worker.held_count();
@@ -658,7 +668,7 @@ async fn a_worker_told_to_resync_sends_its_cache_and_the_index_holds_exactly_tha
 
     // The stream goes on after the dump, numbered on from it.
     let (id, event) = worker.store(Some(tips[6][7]), &[5000]);
-    assert_eq!(id, 7 + dump.len() as u64);
+    assert_eq!(id, floor + dump.len() as u64);
     let reply = send_events(&tx, &mut replies, &worker, &[(id, event)]).await;
     assert_eq!((reply.last_applied_event_id, reply.rejected), (id, 0));
     assert_eq!(cached_blocks(&server, 1).await, Some(held + 1));
@@ -671,9 +681,9 @@ async fn a_worker_told_to_resync_sends_its_cache_and_the_index_holds_exactly_tha
     assert_eq!(info.ranks[0].events_rejected, 0);
     assert_eq!(
         info.ranks[0].events_skipped,
-        cursor::MAX_HELD_EVENTS + 2,
+        cursor::MAX_HELD_EVENTS + 3,
         "the held events and the one past the bound (dropped for the resync), \
-         and the removal after it"
+         the removal after it, and the answer below the floor"
     );
 }
 

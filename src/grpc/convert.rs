@@ -186,6 +186,7 @@ pub fn publish_reply_to_pb(outcome: &BatchOutcome) -> pb::PublishEventsReply {
             .unwrap_or_default(),
         resync_required: outcome.resync_required,
         held_events: outcome.held,
+        resync_from_event_id: outcome.resync_floor,
     }
 }
 

@@ -35,7 +35,13 @@
 //!   until the answer, a batch whose FIRST event is `cleared`. The index
 //!   keeps what was applied in order until then.
 //! * **New start.** That answer starts the stream anew at its `cleared`'s
-//!   id, whatever the id: the worker may renumber.
+//!   id. The id must be at least the *resync floor*, one past the highest
+//!   id the cursor has ever received (replies that ask for the resync say
+//!   it): a batch starting with a `cleared` below it is a late copy of an
+//!   old batch (the network may deliver one between the request and the
+//!   answer), and is skipped. A worker may renumber upwards; one that
+//!   counts from 0 again (its engine restarted) registers again, which
+//!   starts a new stream.
 //! * **Cleared behind.** A batch whose first event is a `cleared` at an id
 //!   already passed, while no resync was asked for, is either a late copy
 //!   of an old batch or a worker that renumbered (its engine restarted).
@@ -149,6 +155,9 @@ pub struct EventCursor {
     held_blocks: usize,
     /// A resync was asked for and not yet answered.
     resync_required: bool,
+    /// The highest id received since the stream started (see the resync
+    /// floor in the module docs).
+    seen_max: Option<u64>,
     pub applied: u64,
     pub skipped: u64,
     pub rejected: u64,
@@ -194,6 +203,13 @@ impl EventCursor {
         self.resync_required
     }
 
+    /// While a resync is asked for: the lowest id its answer's `cleared`
+    /// may carry (see the module docs).
+    pub fn resync_floor(&self) -> Option<u64> {
+        self.resync_required
+            .then(|| self.seen_max.map_or(0, |m| m.saturating_add(1)))
+    }
+
     /// Events held behind a gap.
     pub fn held_events(&self) -> usize {
         self.held.len()
@@ -216,11 +232,17 @@ impl EventCursor {
             return receipt;
         };
         let leading_clear = matches!(first.event, KvEvent::Cleared);
-        if leading_clear && (self.resync_required || self.next == Next::Unstarted) {
+        let answers_resync = self.resync_required
+            && self
+                .resync_floor()
+                .is_some_and(|floor| first.event_id >= floor);
+        let highest = events.iter().map(|e| e.event_id).max();
+        self.seen_max = self.seen_max.max(highest);
+        if leading_clear && (answers_resync || self.next == Next::Unstarted) {
             // A new start (the cursor holds nothing during a resync).
             self.resync_required = false;
             self.next = Next::At(first.event_id);
-        } else if leading_clear && self.passed(first.event_id) {
+        } else if leading_clear && !self.resync_required && self.passed(first.event_id) {
             self.ask_resync(&mut receipt);
         } else if self.next == Next::Unstarted {
             let start = events.iter().map(|e| e.event_id).min().unwrap_or(0);

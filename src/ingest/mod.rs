@@ -68,6 +68,9 @@ pub struct BatchOutcome {
     pub resend_from: Option<u64>,
     /// The cursor gave up on a gap: the worker must resynchronise.
     pub resync_required: bool,
+    /// With `resync_required`: the lowest id the answer's `cleared` may
+    /// carry.
+    pub resync_floor: Option<u64>,
     pub applied: u32,
     pub skipped: u32,
     pub rejected: u32,
@@ -455,6 +458,7 @@ impl EventWriter {
             last_applied: cursor.last_applied(),
             resend_from: cursor.resend_from(),
             resync_required: cursor.resync_required(),
+            resync_floor: cursor.resync_floor(),
             held: u32::try_from(cursor.held_events()).unwrap_or(u32::MAX),
             ..BatchOutcome::default()
         };

@@ -59,6 +59,8 @@ pub struct Reply {
     pub last_applied: Option<u64>,
     pub resend_from: Option<u64>,
     pub resync_required: bool,
+    /// With `resync_required`: the lowest id the answer may start at.
+    pub resync_floor: Option<u64>,
 }
 
 impl Reply {
@@ -69,6 +71,7 @@ impl Reply {
             last_applied: Some(reply.last_applied_event_id),
             resend_from: reply.resend_from_event_id,
             resync_required: reply.resync_required,
+            resync_floor: reply.resync_from_event_id,
         }
     }
 }
@@ -224,10 +227,11 @@ impl TestWorker {
 
     /// Takes a reply to heart: forgets what it acknowledges and returns the
     /// events to send in answer: a resend, a resync (numbered from
-    /// `resync_from` when kvroute asked for it), or nothing.
+    /// `resync_from`, or the reply's floor if that is higher, when kvroute
+    /// asked for it), or nothing.
     pub fn on_reply(&mut self, reply: Reply, resync_from: u64) -> Vec<(u64, Ev)> {
         if reply.resync_required {
-            return self.resync(resync_from);
+            return self.resync(resync_from.max(reply.resync_floor.unwrap_or(0)));
         }
         if let Some(last) = reply.last_applied {
             match reply.resend_from {

@@ -251,16 +251,23 @@ def test_a_worker_told_to_resync_sends_its_cache(stubs, kvroute_pb):
     # Until it resyncs, its events are skipped.
     reply = s.send(batch(stored(3, 4, 1, engine=504, parent=503)))
     assert reply.resync_required and reply.skipped == 1, reply
-    # The answer, numbered from 0: cleared, then what it holds (P2 P3 P4
-    # below the evicted P1, so P0 P1 are stored and P1 removed again).
+    # The answer starts at the floor the reply names (one past the highest
+    # id kvroute received): an answer numbered below it is taken for a late
+    # copy of an old batch and skipped.
+    floor = reply.resync_from_event_id
+    assert floor == 1_000_001, reply
+    reply = s.send(batch(w.KvEvent(event_id=0, cleared=w.CacheCleared())))
+    assert reply.resync_required and reply.skipped == 1, reply
+    # Cleared, then what it holds (P2 P3 P4 below the evicted P1, so P0 P1
+    # are stored and P1 removed again).
     reply = s.send(batch(
-        w.KvEvent(event_id=0, cleared=w.CacheCleared()),
-        stored(1, 0, 2, engine=500),
-        stored(2, 2, 3, engine=502, parent=501),
-        w.KvEvent(event_id=3, removed=w.BlocksRemoved(engine_hashes=[501])),
+        w.KvEvent(event_id=floor, cleared=w.CacheCleared()),
+        stored(floor + 1, 0, 2, engine=500),
+        stored(floor + 2, 2, 3, engine=502, parent=501),
+        w.KvEvent(event_id=floor + 3, removed=w.BlocksRemoved(engine_hashes=[501])),
     ))
     assert not reply.resync_required, reply
-    assert (reply.last_applied_event_id, reply.skipped, reply.rejected) == (3, 0, 0), reply
+    assert (reply.last_applied_event_id, reply.skipped, reply.rejected) == (floor + 3, 0, 0), reply
     assert reply.first_rejection == ""
     info = admin.GetWorker(pb.admin_pb2.GetWorkerRequest(worker_id=W), timeout=TIMEOUT)
     assert info.ranks[0].cached_blocks == 4

@@ -190,17 +190,24 @@ fn a_batch_starting_with_a_cleared_already_passed_asks_for_a_resync() {
     assert!(h.cursor.resync_required());
     assert_eq!(h.seen(), "0 1 2 3 4 5 6 7 8 9");
     assert_eq!(h.cursor.last_applied(), Some(9));
-    // The answer starts the stream anew, at any id.
-    h.send(vec![clear(0), ev(1)]);
+    // The answer must start at the floor, one past the highest id received
+    // (12): another late copy below it is skipped, not taken for it.
+    assert_eq!(h.cursor.resync_floor(), Some(13));
+    let receipt = h.send(vec![clear(0), ev(1)]);
+    assert_eq!(receipt.skipped(SkipReason::Resync), 2);
+    assert!(h.cursor.resync_required());
+    // The answer starts the stream anew.
+    h.send(vec![clear(13), ev(14)]);
     assert!(!h.cursor.resync_required());
-    assert_eq!(h.seen(), "C 1");
-    assert_eq!(h.cursor.last_applied(), Some(1));
+    assert_eq!(h.cursor.resync_floor(), None);
+    assert_eq!(h.seen(), "C 14");
+    assert_eq!(h.cursor.last_applied(), Some(14));
     // A cleared already passed that is not first in its batch is only a
     // duplicate.
-    let receipt = h.send(vec![ev(2), clear(0)]);
+    let receipt = h.send(vec![ev(15), clear(13)]);
     assert_eq!(receipt.skipped(SkipReason::Duplicate), 1);
     assert!(!h.cursor.resync_required());
-    assert_eq!(h.seen(), "2");
+    assert_eq!(h.seen(), "15");
 }
 
 #[test]
@@ -225,12 +232,17 @@ fn an_id_jump_past_the_hold_bound_asks_for_a_resync() {
     let receipt = h.send(vec![ev(1), clear(2)]);
     assert_eq!(receipt.skipped(SkipReason::Resync), 2);
     assert!(h.cursor.resync_required());
-    // The answer, numbered from wherever the worker likes.
-    let receipt = h.send(vec![clear(500), ev(501), ev(502)]);
+    // An answer below the floor (one past the jump) is skipped; at or past
+    // it, wherever the worker likes, it starts the stream anew.
+    let floor = (1 << 63) + 1;
+    assert_eq!(h.cursor.resync_floor(), Some(floor));
+    let receipt = h.send(vec![clear(500), ev(501)]);
+    assert_eq!(receipt.skipped(SkipReason::Resync), 2);
+    let receipt = h.send(vec![clear(floor + 10), ev(floor + 11), ev(floor + 12)]);
     assert_eq!(receipt.applied, 3);
     assert!(!h.cursor.resync_required());
-    assert_eq!(h.seen(), "C 501 502");
-    assert_eq!(h.cursor.last_applied(), Some(502));
+    assert_eq!(h.seen(), "C 9223372036854775820 9223372036854775821");
+    assert_eq!(h.cursor.last_applied(), Some(floor + 12));
 }
 
 #[test]
@@ -271,9 +283,14 @@ fn the_last_id_can_be_passed_and_a_resync_follows() {
     assert_eq!(EventCursor::resumed(Some(u64::MAX)).resend_from(), None);
     h.send(vec![clear(0), ev(1)]);
     assert!(h.cursor.resync_required());
+    // Nothing is above the last id: no answer numbered below it is taken
+    // (a worker at the end of the id space registers again instead).
+    assert_eq!(h.cursor.resync_floor(), Some(u64::MAX));
     h.send(vec![clear(0), ev(1)]);
-    assert_eq!(h.cursor.last_applied(), Some(1));
-    assert_eq!(h.seen(), format!("{} {} C 1", u64::MAX - 1, u64::MAX));
+    assert!(h.cursor.resync_required());
+    h.send(vec![clear(u64::MAX)]);
+    assert!(!h.cursor.resync_required());
+    assert_eq!(h.seen(), format!("{} {} C", u64::MAX - 1, u64::MAX));
 }
 
 #[test]
