@@ -33,7 +33,7 @@ pub struct ClusterOptions {
     /// (`--replica-sync-delay`), so replicas deciding a burst from the same
     /// view spread it as one router would (README, "Router replicas").
     #[arg(long, env = "KVROUTE_CLUSTER_REPLICAS", default_value_t = 1,
-          value_parser = clap::value_parser!(u32).range(1..))]
+          value_parser = clap::value_parser!(u32).range(1..=64))]
     pub cluster_replicas: u32,
 
     /// This replica's place among `--cluster-replicas`, from 0; replicas
@@ -45,8 +45,9 @@ pub struct ClusterOptions {
 
     /// How late a peer's booking is expected to reach this replica: how
     /// long the estimate of a peer's load counts (0 turns it off).
+    /// At most 1s: each decision keeps its peers' estimates that long.
     #[arg(long, env = "KVROUTE_REPLICA_SYNC_DELAY", default_value = "2ms",
-          value_parser = humantime::parse_duration)]
+          value_parser = parse_sync_delay)]
     pub replica_sync_delay: Duration,
 
     /// NATS credentials file (JWT and NKey seed, `.creds`).
@@ -130,6 +131,14 @@ fn place_of(replica: &str, count: u32) -> u32 {
     u32::try_from(number % u64::from(count.max(1))).unwrap_or(0)
 }
 
+fn parse_sync_delay(text: &str) -> Result<Duration, String> {
+    let delay = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if delay > Duration::from_secs(1) {
+        return Err("at most 1s (replicas share bookings within milliseconds)".into());
+    }
+    Ok(delay)
+}
+
 fn parse_cluster_name(text: &str) -> Result<String, String> {
     let ok = !text.is_empty()
         && text.len() <= 64
@@ -174,5 +183,20 @@ impl ClusterOptions {
             index: index % count,
             sync_delay: self.replica_sync_delay,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_delays_are_bounded() {
+        assert!(parse_cluster_name("prod-a_1").is_ok());
+        assert!(parse_cluster_name("a.b").is_err());
+        assert!(parse_cluster_name("").is_err());
+        assert!(parse_cluster_name(&"x".repeat(65)).is_err());
+        assert_eq!(parse_sync_delay("2ms"), Ok(Duration::from_millis(2)));
+        assert!(parse_sync_delay("2s").is_err());
     }
 }
