@@ -263,7 +263,7 @@ impl Log {
         self.applied.send_replace(from.saturating_sub(1));
         while !stop.is_cancelled() {
             let next = self.position() + 1;
-            let messages = match self.consume_from(next).await {
+            let messages = match ordered_from(&self.js, &self.stream, next).await {
                 Ok(messages) => messages,
                 Err(error) => {
                     tracing::warn!(%error, next, "shared log: cannot consume; retrying");
@@ -301,31 +301,6 @@ impl Log {
                 }
             }
         }
-    }
-
-    async fn consume_from(
-        &self,
-        start: u64,
-    ) -> Result<
-        impl futures::Stream<Item = Result<jetstream::Message, jetstream::consumer::pull::OrderedError>>,
-        String,
-    > {
-        let stream = self
-            .js
-            .get_stream(&self.stream)
-            .await
-            .map_err(|e| e.to_string())?;
-        let deliver_policy = DeliverPolicy::ByStartSequence {
-            start_sequence: start,
-        };
-        let consumer = stream
-            .create_consumer(OrderedConfig {
-                deliver_policy,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| e.to_string())?;
-        consumer.messages().await.map_err(|e| e.to_string())
     }
 
     /// Applies one record. A record this replica cannot decode is counted
@@ -390,6 +365,30 @@ impl Log {
             .with_label_values(&[kind])
             .inc();
     }
+}
+
+/// The messages of `stream` from position `start` on, in order: an ordered
+/// consumer starts again after the last message it delivered when it
+/// misses one or loses its connection.
+pub(super) async fn ordered_from(
+    js: &jetstream::Context,
+    stream: &str,
+    start: u64,
+) -> Result<
+    impl futures::Stream<Item = Result<jetstream::Message, jetstream::consumer::pull::OrderedError>>,
+    String,
+> {
+    let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
+    let consumer = stream
+        .create_consumer(OrderedConfig {
+            deliver_policy: DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    consumer.messages().await.map_err(|e| e.to_string())
 }
 
 /// Unix microseconds (replicas on one host or NTP-synced hosts).

@@ -26,7 +26,6 @@ use std::{
 
 use async_nats::jetstream::{
     self,
-    consumer::{DeliverPolicy, pull::OrderedConfig},
     kv::{self, Operation},
 };
 use bytes::Bytes;
@@ -36,6 +35,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{
+    log::ordered_from,
     names::{Names, session_key},
     parts,
 };
@@ -230,16 +230,19 @@ impl RoutingSync {
         let mut origins: HashMap<String, Origin> = HashMap::new();
         let mut next_stream_sequence = 1u64;
         while !stop.is_cancelled() {
-            let messages = match self.consume(next_stream_sequence).await {
-                Ok(messages) => messages,
-                Err(error) => {
-                    tracing::debug!(%error, "bookings stream: cannot consume; retrying");
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(Duration::from_millis(500)) => continue,
+            let messages =
+                match ordered_from(&self.js, &self.names.bookings_stream, next_stream_sequence)
+                    .await
+                {
+                    Ok(messages) => messages,
+                    Err(error) => {
+                        tracing::debug!(%error, "bookings stream: cannot consume; retrying");
+                        tokio::select! {
+                            () = stop.cancelled() => return,
+                            () = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                        }
                     }
-                }
-            };
+                };
             tokio::pin!(messages);
             loop {
                 let message = tokio::select! {
@@ -333,30 +336,6 @@ impl RoutingSync {
             .with_label_values(&["received", kind(&change)])
             .inc();
         self.router.apply_remote(change);
-    }
-
-    async fn consume(
-        &self,
-        start: u64,
-    ) -> Result<
-        impl futures::Stream<Item = Result<jetstream::Message, jetstream::consumer::pull::OrderedError>>,
-        String,
-    > {
-        let stream = self
-            .js
-            .get_stream(&self.names.bookings_stream)
-            .await
-            .map_err(|e| e.to_string())?;
-        let consumer = stream
-            .create_consumer(OrderedConfig {
-                deliver_policy: DeliverPolicy::ByStartSequence {
-                    start_sequence: start,
-                },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| e.to_string())?;
-        consumer.messages().await.map_err(|e| e.to_string())
     }
 
     /// Applies session bindings made at other replicas, until `stop`.
