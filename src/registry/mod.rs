@@ -20,6 +20,13 @@ use crate::types::{DpRank, RankLoad, WorkerId, WorkerRole, WorkerSnapshot};
 pub const MAX_DP_SIZE: u32 = 1024;
 /// Largest number of taints one worker may declare.
 pub const MAX_TAINTS: usize = 64;
+/// Largest block size a worker may declare, in tokens: far above any
+/// engine's (16 to 512), and small enough that one block's token ids fit
+/// a message many times over.
+pub const MAX_BLOCK_SIZE: u32 = 65_536;
+/// Longest lease a worker may ask for: a worker that dies is forgotten
+/// within this, whatever it declared.
+pub const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
 
 /// What a worker declares when it registers.
 #[derive(Clone, Debug, PartialEq)]
@@ -203,6 +210,21 @@ impl Registry {
         let invalid = |message: String| RegistryError::Invalid { worker_id, message };
         if registration.block_size == 0 {
             return Err(invalid("block_size must be at least 1".into()));
+        }
+        if registration.block_size > MAX_BLOCK_SIZE {
+            return Err(invalid(format!(
+                "block_size {} exceeds the limit of {MAX_BLOCK_SIZE}",
+                registration.block_size
+            )));
+        }
+        if let Some(ttl) = registration.lease_ttl
+            && ttl > MAX_LEASE_TTL
+        {
+            return Err(invalid(format!(
+                "lease_ttl_secs {} exceeds the limit of {}",
+                ttl.as_secs(),
+                MAX_LEASE_TTL.as_secs()
+            )));
         }
         if registration.dp_size == 0 {
             registration.dp_size = 1;

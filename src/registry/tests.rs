@@ -161,5 +161,28 @@ fn invalid_registrations_are_refused() {
     overflow.dp_start_rank = u32::MAX;
     overflow.dp_size = 2;
     assert!(registry.register(overflow, ttl, now).is_err());
+    // A caller's numbers do not decide how long it is remembered or how
+    // large its blocks are.
+    let mut forever = registration(1, "m", 16);
+    forever.lease_ttl = Some(MAX_LEASE_TTL + Duration::from_secs(1));
+    let refused = registry
+        .register(forever, ttl, now)
+        .expect_err("lease too long");
+    assert!(
+        refused.to_string().contains("lease_ttl_secs 3601"),
+        "{refused}"
+    );
+    let mut huge = registration(1, "m", MAX_BLOCK_SIZE + 1);
+    huge.lease_ttl = Some(MAX_LEASE_TTL);
+    let refused = registry
+        .register(huge, ttl, now)
+        .expect_err("block too large");
+    assert!(
+        refused.to_string().contains("block_size 65537"),
+        "{refused}"
+    );
     assert_eq!(registry.all().len(), 0);
+    let mut longest = registration(1, "m", MAX_BLOCK_SIZE);
+    longest.lease_ttl = Some(MAX_LEASE_TTL);
+    assert!(registry.register(longest, ttl, now).is_ok());
 }
