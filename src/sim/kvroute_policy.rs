@@ -109,7 +109,9 @@ impl KvRoutePolicy {
                 total_kv_blocks: load.total_blocks as u64,
                 max_num_batched_tokens: fleet.max_num_batched_tokens as u64,
                 taints: Vec::new(),
-                lease_ttl: Some(std::time::Duration::from_secs(365 * 24 * 3600)),
+                // The longest a worker may ask for; the replay never
+                // reaps leases, so they do not lapse in virtual time.
+                lease_ttl: Some(crate::registry::MAX_LEASE_TTL),
             };
             match self.core.register_worker(registration) {
                 // as the service does at registration: size the index
