@@ -98,15 +98,14 @@ impl Leases {
     }
 
     /// Rewrites a worker's entry with `change` applied to what the bucket
-    /// holds (or to this replica's view, when it holds nothing).
+    /// holds (or to `local`, this replica's view, when the bucket holds
+    /// nothing of this registration).
     async fn modify(
         &self,
         worker_id: WorkerId,
+        local: &pb::WorkerLease,
         change: impl Fn(&mut pb::WorkerLease),
     ) -> Result<(), String> {
-        let Some(local) = self.local_entry(worker_id) else {
-            return Ok(()); // removed meanwhile
-        };
         for _ in 0..CAS_TRIES {
             let current = self
                 .kv
@@ -153,7 +152,7 @@ impl Leases {
         let Some(local) = self.local_entry(worker_id) else {
             return Ok(());
         };
-        self.modify(worker_id, |e| {
+        self.modify(worker_id, &local, |e| {
             e.expires_unix_ms = local.expires_unix_ms;
             e.lease_ttl_ms = local.lease_ttl_ms;
         })
@@ -170,7 +169,7 @@ impl Leases {
             .map(|(rank, load)| convert::rank_load_to_pb(*rank, *load))
             .collect();
         let result = self
-            .modify(worker_id, |e| {
+            .modify(worker_id, &local, |e| {
                 e.expires_unix_ms = local.expires_unix_ms;
                 e.lease_ttl_ms = local.lease_ttl_ms;
                 if !loads.is_empty() {
@@ -185,7 +184,11 @@ impl Leases {
 
     /// A cordon change this replica applied.
     pub async fn set_cordoned(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), String> {
-        self.modify(worker_id, |e| e.cordoned = cordoned).await
+        let Some(local) = self.local_entry(worker_id) else {
+            return Ok(()); // removed meanwhile
+        };
+        self.modify(worker_id, &local, |e| e.cordoned = cordoned)
+            .await
     }
 
     /// A deregistration this replica applied.

@@ -214,11 +214,6 @@ impl Cluster {
         self.connected.clone()
     }
 
-    /// The last log position this replica applied.
-    pub fn position(&self) -> u64 {
-        self.log.position()
-    }
-
     async fn follow_connection(self: Arc<Self>, stop: CancellationToken) {
         let mut connected = self.connected.clone();
         let gauge = self.fleet.router().metrics().cluster.connected.clone();
@@ -445,15 +440,11 @@ impl Replication for Cluster {
     }
 
     async fn snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
-        self.write_snapshot().await
+        self.snapshots.write().await.map_err(Status::unavailable)
     }
 }
 
 impl Cluster {
-    async fn write_snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
-        self.snapshots.write().await.map_err(Status::unavailable)
-    }
-
     async fn publish_part(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
         let (first, last) = match (batch.events.first(), batch.events.last()) {
             (Some(f), Some(l)) => (f.event_id, l.event_id),
