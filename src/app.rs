@@ -6,7 +6,7 @@
 //! accepting) → stop accepting, let in-flight calls finish → after the grace
 //! period, abort whatever is left → background tasks stop → return.
 
-use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
+use std::{future::Future, net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -30,6 +30,10 @@ use crate::{
     metrics::Metrics,
     pb,
     router::RouterCore,
+    security::{
+        EndpointAllow, Guard, Policy,
+        tls::{ServerTls, TlsFiles},
+    },
     snapshot::{SnapshotError, Snapshots},
 };
 
@@ -63,6 +67,8 @@ pub enum ServeError {
     Snapshot(#[from] SnapshotError),
     #[error("cluster mode: {0}")]
     Cluster(String),
+    #[error("{0}")]
+    Security(String),
 }
 
 /// Binds the configured gRPC and metrics addresses, naming the setting on
@@ -90,6 +96,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new()?;
+    let grpc_local = grpc_listener.local_addr().ok();
+    let security = Security::load(&config, grpc_local, &metrics)?;
     // Health says NOT_SERVING from the first moment until the snapshot is
     // loaded; the listeners are bound already, so probes get an answer.
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -104,7 +112,7 @@ pub async fn run(
         &config,
         &metrics,
         (&fleet, snapshots.clone(), replica.clone()),
-        &gate,
+        (&gate, &security),
         health_service,
         grpc_listener,
         stop_accepting.clone(),
@@ -150,6 +158,7 @@ pub async fn run(
         &fleet,
         snapshots.clone(),
         &config,
+        &security,
     );
 
     set_health(&health, tonic_health::ServingStatus::Serving).await;
@@ -359,11 +368,11 @@ fn grpc_server<H: Health>(
         Option<Arc<Snapshots>>,
         Option<Arc<ReplicaSlot>>,
     ),
-    gate: &StartupGate,
+    (gate, security): (&StartupGate, &Security),
     health: HealthServer<H>,
     listener: TcpListener,
     stop_accepting: CancellationToken,
-) -> Result<impl Future<Output = Result<(), tonic::transport::Error>> + use<H>, ServeError> {
+) -> Result<ServerFuture, ServeError> {
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -391,6 +400,7 @@ fn grpc_server<H: Health>(
             AdminService::new(fleet.clone(), snapshots),
         ),
     };
+    let workers = workers.with_endpoint_allow(security.endpoint_allow.clone());
     let workers = pb::workers_server::WorkersServer::new(workers)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
@@ -402,27 +412,125 @@ fn grpc_server<H: Health>(
         pb::FILE_DESCRIPTOR_SET,
         tonic_health::pb::FILE_DESCRIPTOR_SET,
     ]);
+    let guard = security.guard(metrics, known_paths.clone());
     let concurrency = usize::try_from(config.concurrency_limit).unwrap_or(usize::MAX);
-    Ok(Server::builder()
+    let (reflection_v1, reflection_v1alpha) = if security.reflection {
+        (Some(reflection_v1), Some(reflection_v1alpha))
+    } else {
+        (None, None)
+    };
+    let router = Server::builder()
         .timeout(config.request_timeout)
         .trace_fn(|request| tracing::info_span!("rpc", method = %request.uri().path()))
         .layer(GlobalConcurrencyLimitLayer::new(concurrency))
         .layer(RpcMetricsLayer::new(metrics.clone(), known_paths))
+        .layer(guard)
         .layer(gate.clone())
         .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+        .add_optional_service(reflection_v1)
+        .add_optional_service(reflection_v1alpha)
         .add_service(router)
         .add_service(workers)
-        .add_service(admin)
-        .serve_with_incoming_shutdown(
-            // TCP_NODELAY: a request's HEADERS and DATA frames are separate
-            // writes; with Nagle on, delayed ACKs stall them ~40 ms.
-            TcpIncoming::from(listener)
-                .with_nodelay(Some(true))
-                .with_keepalive(Some(Duration::from_secs(60))),
-            stop_accepting.cancelled_owned(),
-        ))
+        .add_service(admin);
+    // TCP_NODELAY: a request's HEADERS and DATA frames are separate
+    // writes; with Nagle on, delayed ACKs stall them ~40 ms.
+    let tcp = TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(60)));
+    let stop = stop_accepting.clone().cancelled_owned();
+    Ok(match &security.grpc_tls {
+        Some(tls) => {
+            let failures = metrics
+                .security
+                .tls_handshake_failures
+                .with_label_values(&["grpc"]);
+            let incoming = tls.clone().incoming(tcp, failures, stop_accepting);
+            Box::pin(router.serve_with_incoming_shutdown(incoming, stop))
+        }
+        None => Box::pin(router.serve_with_incoming_shutdown(tcp, stop)),
+    })
+}
+
+/// The gRPC server, plain or TLS.
+type ServerFuture = Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>;
+
+/// The security settings, loaded: TLS of each port, the auth policy, the
+/// engine endpoint allow-list, whether reflection is offered.
+struct Security {
+    grpc_tls: Option<Arc<ServerTls>>,
+    metrics_tls: Option<Arc<ServerTls>>,
+    policy: Option<Arc<Policy>>,
+    endpoint_allow: EndpointAllow,
+    reflection: bool,
+    reload_interval: Duration,
+}
+
+impl Security {
+    /// Loads the files and checks protected mode for the gRPC address.
+    fn load(
+        config: &ServeConfig,
+        grpc_addr: Option<SocketAddr>,
+        metrics: &Metrics,
+    ) -> Result<Self, ServeError> {
+        let options = &config.security;
+        let reloads = metrics.security.tls_reloads.clone();
+        let tls = |files: Option<TlsFiles>, alpn: &[&[u8]]| {
+            files
+                .map(|files| {
+                    ServerTls::load(files, alpn, reloads.clone())
+                        .map_err(|e| ServeError::Security(format!("--tls-cert/--tls-key: {e}")))
+                })
+                .transpose()
+        };
+        let grpc_tls = tls(options.grpc_tls(), &[b"h2"])?;
+        let metrics_tls = tls(options.metrics_tls_files(), &[b"http/1.1"])?;
+        let policy = options
+            .auth_policy
+            .as_deref()
+            .map(|path| Policy::load(path).map(Arc::new))
+            .transpose()
+            .map_err(|e| ServeError::Security(format!("--auth-policy {e}")))?;
+        let client_certificates = grpc_tls
+            .as_ref()
+            .is_some_and(|t| t.requires_client_certificates());
+        crate::security::protected_mode(
+            grpc_addr.unwrap_or(config.grpc_addr),
+            client_certificates,
+            policy.is_some(),
+            options.allow_unauthenticated,
+        )
+        .map_err(ServeError::Security)?;
+        let endpoint_allow = options.endpoint_allow().map_err(ServeError::Security)?;
+        let reflection = match options.reflection {
+            crate::config::Reflection::On => true,
+            crate::config::Reflection::Off => false,
+            crate::config::Reflection::Auto => policy
+                .as_ref()
+                .map_or(true, |p| p.reflection.unwrap_or(false)),
+        };
+        if policy.is_some() && grpc_tls.is_none() && !config.grpc_addr.ip().is_loopback() {
+            tracing::warn!("an auth policy without TLS: bearer tokens cross the network in clear");
+        }
+        Ok(Self {
+            grpc_tls,
+            metrics_tls,
+            policy,
+            endpoint_allow,
+            reflection,
+            reload_interval: options.tls_reload_interval,
+        })
+    }
+
+    fn guard(&self, metrics: &Metrics, known_paths: std::collections::HashSet<String>) -> Guard {
+        Guard::new(
+            self.policy.clone(),
+            self.grpc_tls
+                .as_ref()
+                .is_some_and(|t| t.requires_client_certificates()),
+            metrics.security.auth_decisions.clone(),
+            known_paths,
+        )
+    }
 }
 
 /// The tasks beside the gRPC server: the metrics endpoint and housekeeping.
@@ -438,15 +546,20 @@ impl Background {
         fleet: &Arc<Fleet>,
         snapshots: Option<Arc<Snapshots>>,
         config: &ServeConfig,
+        security: &Security,
     ) -> Self {
         let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
         tasks.spawn(serve_metrics(
             metrics_listener,
+            security.metrics_tls.clone(),
             metrics.clone(),
             fleet.clone(),
             snapshots.clone(),
             stop.clone(),
         ));
+        for tls in [&security.grpc_tls, &security.metrics_tls].into_iter().flatten() {
+            tasks.spawn(tls.clone().watch(security.reload_interval, stop.clone()));
+        }
         tasks.spawn(housekeeping(fleet.clone(), config.lease_ttl, stop.clone()));
         if let Some(snapshots) = snapshots {
             let (interval, stop) = (config.snapshot_interval, stop.clone());
@@ -509,11 +622,13 @@ async fn housekeeping(fleet: Arc<Fleet>, lease_ttl: Duration, stop: Cancellation
 
 async fn serve_metrics(
     listener: TcpListener,
+    tls: Option<Arc<ServerTls>>,
     metrics: Arc<Metrics>,
     fleet: Arc<Fleet>,
     snapshots: Option<Arc<Snapshots>>,
     stop: CancellationToken,
 ) {
+    let handshake_failures = metrics.security.tls_handshake_failures.clone();
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
@@ -533,10 +648,77 @@ async fn serve_metrics(
             }
         }),
     );
-    if let Err(error) = axum::serve(listener, app)
-        .with_graceful_shutdown(stop.cancelled_owned())
-        .await
-    {
+    let served = match tls {
+        Some(tls) => {
+            let failures = handshake_failures.with_label_values(&["metrics"]);
+            let listener = TlsListener::new(listener, tls, failures, stop.clone());
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+        }
+    };
+    if let Err(error) = served {
         tracing::error!(%error, "metrics server failed");
+    }
+}
+
+/// The metrics port's listener with `--metrics-tls`: TLS connections,
+/// handshaken as the gRPC port's are.
+struct TlsListener {
+    connections: Pin<
+        Box<
+            dyn futures::Stream<
+                    Item = std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+                > + Send,
+        >,
+    >,
+    local: std::io::Result<SocketAddr>,
+}
+
+impl TlsListener {
+    fn new(
+        listener: TcpListener,
+        tls: Arc<ServerTls>,
+        failures: prometheus::IntCounter,
+        stop: CancellationToken,
+    ) -> Self {
+        let local = listener.local_addr();
+        let tcp = TcpIncoming::from(listener).with_nodelay(Some(true));
+        Self {
+            connections: Box::pin(tls.incoming(tcp, failures, stop)),
+            local,
+        }
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = Option<SocketAddr>;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        use futures::StreamExt;
+        loop {
+            match self.connections.next().await {
+                Some(Ok(stream)) => {
+                    let peer = stream.get_ref().0.peer_addr().ok();
+                    return (stream, peer);
+                }
+                Some(Err(_)) => {}
+                // Accepting stopped: shutdown is under way.
+                None => std::future::pending::<()>().await,
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        match &self.local {
+            Ok(addr) => Ok(Some(*addr)),
+            Err(error) => Err(std::io::Error::new(error.kind(), error.to_string())),
+        }
     }
 }

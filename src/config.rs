@@ -8,12 +8,14 @@
 //! same parsers and error messages as flags.
 
 mod cluster;
+mod security;
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, ValueEnum, parser::ValueSource};
 
 pub use cluster::ClusterOptions;
+pub use security::{Reflection, SecurityOptions};
 
 use crate::{
     engine_events::{EngineSource, EngineSpec},
@@ -186,6 +188,9 @@ pub struct ServeConfig {
 
     #[command(flatten)]
     pub cluster: ClusterOptions,
+
+    #[command(flatten)]
+    pub security: SecurityOptions,
 }
 
 /// Parses `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`.
@@ -296,6 +301,7 @@ impl ServeConfig {
             require_snapshot: false,
             engine: Vec::new(),
             cluster: ClusterOptions::default(),
+            security: SecurityOptions::default(),
         }
     }
 

@@ -10,11 +10,12 @@ use std::{io::Write, path::PathBuf, time::Duration};
 
 use clap::{Args, Subcommand, ValueEnum};
 use serde_json::{Value, json};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::{
     grpc::rpc_metrics::code_name,
     pb::{self, admin_client::AdminClient},
+    security::client::{Bearer, ClientCredentials},
 };
 
 /// The address `ctl` talks to unless told otherwise (the `serve` default).
@@ -33,6 +34,8 @@ pub struct CtlArgs {
     /// Print JSON instead of a table.
     #[arg(long, global = true)]
     pub json: bool,
+    #[command(flatten)]
+    pub credentials: ClientCredentials,
     #[command(subcommand)]
     pub command: CtlCommand,
 }
@@ -71,6 +74,13 @@ pub enum CtlCommand {
     },
     /// Write a snapshot of the router's state to its --state-dir now.
     Snapshot,
+    /// Ask the gRPC health service (open to every caller); exits non-zero
+    /// unless SERVING. The Kubernetes probe over TLS.
+    Health {
+        /// A service name (e.g. `kvroute.v1.Router`); empty: the server.
+        #[arg(long, default_value = "")]
+        service: String,
+    },
 }
 
 /// Arguments of `kvroute ctl explain`.
@@ -143,6 +153,12 @@ pub enum CtlError {
     /// Writing the output failed.
     #[error("writing stdout: {0}")]
     Write(#[from] std::io::Error),
+    /// `--ca`, `--cert`, `--key` or `--token` cannot be used.
+    #[error("credentials: {0}")]
+    Credentials(String),
+    /// `ctl health` got an answer other than SERVING.
+    #[error("health: {0}")]
+    NotServing(String),
     /// The async runtime did not start.
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
@@ -201,9 +217,17 @@ pub async fn execute(args: CtlArgs, out: &mut dyn Write) -> Result<(), CtlError>
         CtlCommand::Explain(explain) => Some(explain_request(explain)?),
         _ => None,
     };
-    let mut admin = AdminClient::new(connect(&args.addr).await?);
+    let channel = connect(&args.addr, &args.credentials).await?;
+    let bearer = args.credentials.bearer().map_err(CtlError::Credentials)?;
+    let command = match args.command {
+        CtlCommand::Health { service } => {
+            return health(channel, bearer, &service, args.json, out).await;
+        }
+        other => other,
+    };
+    let mut admin = AdminClient::with_interceptor(channel, bearer);
     let json = args.json;
-    match (args.command, explain) {
+    match (command, explain) {
         (CtlCommand::Workers { model }, _) => {
             let reply = admin
                 .list_workers(pb::ListWorkersRequest { model })
@@ -252,7 +276,8 @@ pub async fn execute(args: CtlArgs, out: &mut dyn Write) -> Result<(), CtlError>
                 Ok(())
             }
         }
-        (CtlCommand::Explain(_), None) => Ok(()),
+        // Answered above, before the Admin client.
+        (CtlCommand::Explain(_), None) | (CtlCommand::Health { .. }, _) => Ok(()),
         (CtlCommand::Cordon { id }, _) => {
             let info = admin
                 .cordon_worker(pb::CordonWorkerRequest { worker_id: id })
@@ -298,12 +323,41 @@ pub async fn execute(args: CtlArgs, out: &mut dyn Write) -> Result<(), CtlError>
     }
 }
 
-async fn connect(addr: &str) -> Result<Channel, CtlError> {
+/// `kvroute ctl health`: SERVING is success, anything else an error.
+async fn health(
+    channel: Channel,
+    bearer: Bearer,
+    service: &str,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<(), CtlError> {
+    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    let reply = HealthClient::with_interceptor(channel, bearer)
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await?
+        .into_inner();
+    let status = ServingStatus::try_from(reply.status).unwrap_or(ServingStatus::Unknown);
+    if json {
+        print_json(out, &json!({ "service": service, "status": status.as_str_name() }))?;
+    } else {
+        writeln!(out, "{}", status.as_str_name())?;
+    }
+    if status == ServingStatus::Serving {
+        Ok(())
+    } else {
+        Err(CtlError::NotServing(status.as_str_name().to_owned()))
+    }
+}
+
+async fn connect(addr: &str, credentials: &ClientCredentials) -> Result<Channel, CtlError> {
     let uri = normalize_addr(addr);
-    let endpoint = Endpoint::from_shared(uri.clone())
-        .map_err(|e| CtlError::BadAddr {
+    let endpoint = credentials
+        .endpoint(&uri)
+        .map_err(|message| CtlError::BadAddr {
             addr: addr.to_string(),
-            message: chain(&e),
+            message,
         })?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(CALL_TIMEOUT);

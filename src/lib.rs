@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod oplog;
 pub mod registry;
 pub mod router;
+pub mod security;
 pub mod select;
 pub mod sim;
 pub mod snapshot;

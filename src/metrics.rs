@@ -40,6 +40,8 @@ pub struct Metrics {
     /// `source`: grpc (events applied by batches answering a resend). An
     /// engine's catch-up is `engine_event_replayed_batches_total{worker}`.
     pub catchup_events: IntCounterVec,
+    /// TLS, authentication and roles (`crate::security`).
+    pub security: SecurityFamilies,
 }
 
 /// Engine-native KV event subscriptions, per worker (`subscriptions`).
@@ -213,6 +215,7 @@ impl Metrics {
             engine: EngineEventFamilies::register(&registry)?,
             snapshot: SnapshotFamilies::register(&registry)?,
             cluster: ClusterFamilies::register(&registry)?,
+            security: SecurityFamilies::register(&registry)?,
             catchup_events: registered(
                 &registry,
                 IntCounterVec::new(
@@ -472,6 +475,52 @@ impl SnapshotFamilies {
             entries_restored: int_gauge(
                 "snapshot_entries_restored",
                 "Cached entries restored from the snapshot loaded at start",
+            )?,
+        })
+    }
+}
+
+/// TLS, authentication and roles (`crate::security`).
+#[derive(Clone)]
+pub struct SecurityFamilies {
+    /// `method` (a known RPC path or `unknown`), `role` (the role the method
+    /// needs), `outcome` (allowed, unauthenticated, denied)
+    pub auth_decisions: IntCounterVec,
+    /// `outcome` (applied, failed): certificate files that changed
+    pub tls_reloads: IntCounterVec,
+    /// `port` (grpc, metrics)
+    pub tls_handshake_failures: IntCounterVec,
+    /// RegisterWorker `events_endpoint`s refused by `--engine-endpoint-allow`
+    pub endpoints_refused: IntCounter,
+}
+
+impl SecurityFamilies {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            registered(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
+        };
+        Ok(Self {
+            auth_decisions: counter_vec(
+                "auth_decisions_total",
+                "Calls checked against the auth policy, by method, role needed and outcome",
+                &["method", "role", "outcome"],
+            )?,
+            tls_reloads: counter_vec(
+                "tls_reloads_total",
+                "Changed TLS certificate files, by whether they loaded",
+                &["outcome"],
+            )?,
+            tls_handshake_failures: counter_vec(
+                "tls_handshake_failures_total",
+                "TLS handshakes that failed or timed out, by port",
+                &["port"],
+            )?,
+            endpoints_refused: registered(
+                registry,
+                IntCounter::new(
+                    "engine_endpoints_refused_total",
+                    "RegisterWorker events endpoints outside --engine-endpoint-allow",
+                )?,
             )?,
         })
     }

@@ -22,7 +22,55 @@ pub fn init(format: LogFormat, filter: &str) {
         .with_writer(std::io::stderr);
     // A second init (tests) is not an error worth reporting.
     let _ = match format {
-        LogFormat::Pretty => builder.try_init(),
+        LogFormat::Pretty => builder.fmt_fields(escaped_fields()).try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+}
+
+/// Field formatting of the pretty format with control characters escaped,
+/// as the JSON format does: a value with a newline in it (an endpoint a
+/// client sent) cannot start a forged log line.
+fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
+        let raw = format!("{value:?}");
+        let text = escape_controls(&raw);
+        if field.name() == "message" {
+            write!(writer, "{text}")
+        } else {
+            write!(writer, "{field}={text}")
+        }
+    })
+    .delimited(" ")
+}
+
+/// `text` with every control character written as its escape (`\n`,
+/// `\u{1b}`).
+pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut escaped = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() {
+            escaped.extend(c.escape_default());
+        } else {
+            escaped.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(escaped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::escape_controls;
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(escape_controls("tcp://h:1"), "tcp://h:1");
+        assert_eq!(
+            escape_controls("tcp://h:1\nINFO forged\u{1b}[31m\r"),
+            "tcp://h:1\\nINFO forged\\u{1b}[31m\\r"
+        );
+    }
 }

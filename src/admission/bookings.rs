@@ -18,6 +18,7 @@
 //!   every booking returns every total to zero and leaves no per-rank entry.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::collections::hash_map::Entry;
 
 use crate::select::BookedLoads;
@@ -51,6 +52,8 @@ struct Booking {
     prefill: Option<(u64, u64)>,
     keys: Vec<u64>,
     booked_at_ms: u64,
+    /// The identity that booked it, when callers are authenticated.
+    owner: Option<Arc<str>>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -71,6 +74,8 @@ pub struct SavedBooking {
     /// The prompt's prefix keys ([`prefix_keys`]).
     pub keys: Vec<u64>,
     pub age_ms: u64,
+    /// The identity that booked it (`None`: callers were not authenticated).
+    pub owner: Option<Arc<str>>,
 }
 
 /// What is booked for one request.
@@ -117,6 +122,7 @@ impl BookingLedger {
                 prefill: Some((prefill_tokens, prefill_blocks)),
                 keys: prefix_keys(block_hashes),
                 booked_at_ms: now_ms,
+                owner: None,
             },
         )
     }
@@ -170,6 +176,7 @@ impl BookingLedger {
             prefill: b.prefill,
             keys: b.keys.clone(),
             age_ms: now_ms.saturating_sub(b.booked_at_ms),
+            owner: b.owner.clone(),
         }
     }
 
@@ -183,8 +190,23 @@ impl BookingLedger {
                 prefill: saved.prefill,
                 keys: saved.keys,
                 booked_at_ms: now_ms.saturating_sub(saved.age_ms),
+                owner: saved.owner,
             },
         )
+    }
+
+    /// Records who made a booking (just after [`Self::book`], under the
+    /// same lock).
+    pub fn set_owner(&mut self, request_id: &str, owner: Arc<str>) {
+        if let Some(booking) = self.bookings.get_mut(request_id) {
+            booking.owner = Some(owner);
+        }
+    }
+
+    /// The identity that made an open booking: `None` when there is no such
+    /// booking, `Some(None)` when it was made unauthenticated.
+    pub fn owner(&self, request_id: &str) -> Option<Option<&Arc<str>>> {
+        self.bookings.get(request_id).map(|b| b.owner.as_ref())
     }
 
     /// Drops the prefill part of a booking. Returns whether anything changed.

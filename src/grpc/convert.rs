@@ -400,6 +400,7 @@ pub fn select_request_from_pb(
         overrides,
     };
     Ok(PreparedRequest {
+        owner: None,
         request: select_request,
         hashes,
         admission,

@@ -9,6 +9,7 @@ use crate::{
     grpc::{convert, status::reason_label},
     pb,
     router::{Admitted, PreparedRequest, RouterCore},
+    security::{self, Role},
 };
 
 /// Handlers of `kvroute.v1.Router`.
@@ -25,6 +26,36 @@ impl RouterService {
             core,
             request_timeout,
         }
+    }
+
+    /// Refuses a lifecycle call on another identity's booking; an
+    /// operator-write identity may release any.
+    fn check_owner(
+        &self,
+        extensions: &http::Extensions,
+        request_id: &str,
+        method: &str,
+        operator_may: bool,
+    ) -> Result<(), Status> {
+        let Some(caller) = security::caller(extensions) else {
+            return Ok(());
+        };
+        if operator_may && caller.has(Role::OperatorWrite) {
+            return Ok(());
+        }
+        if !self.core.booked_by_other(request_id, &caller.name) {
+            return Ok(());
+        }
+        self.core
+            .metrics()
+            .security
+            .auth_decisions
+            .with_label_values(&[method, "frontend", "denied"])
+            .inc();
+        Err(Status::permission_denied(format!(
+            "request_id {request_id:?} was booked by another identity than {:?}",
+            caller.name
+        )))
     }
 
     fn fail(&self, status: Status) -> Status {
@@ -90,7 +121,9 @@ impl pb::router_server::Router for RouterService {
         request: Request<pb::SelectWorkerRequest>,
     ) -> Result<Response<pb::SelectWorkerResponse>, Status> {
         let deadline = deadline(&request, self.request_timeout);
-        let prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
+        let owner = security::caller(request.extensions()).map(|c| Arc::<str>::from(c.name.as_str()));
+        let mut prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
+        prepared.owner = owner;
         let advisory = prepared.admission == AdmissionMode::Advisory;
         let request_id = prepared.request.request_id.clone();
         let outcome = self
@@ -119,8 +152,10 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<pb::MarkPrefillCompleteRequest>,
     ) -> Result<Response<pb::MarkPrefillCompleteResponse>, Status> {
+        let extensions = request.extensions().clone();
         let id = request.into_inner().request_id;
         convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
+        self.check_owner(&extensions, &id, "/kvroute.v1.Router/MarkPrefillComplete", false)?;
         let changed = self.core.mark_prefill_complete(&id);
         Ok(Response::new(pb::MarkPrefillCompleteResponse { changed }))
     }
@@ -129,8 +164,10 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<pb::ReleaseRequestRequest>,
     ) -> Result<Response<pb::ReleaseRequestResponse>, Status> {
+        let extensions = request.extensions().clone();
         let id = request.into_inner().request_id;
         convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
+        self.check_owner(&extensions, &id, "/kvroute.v1.Router/ReleaseRequest", true)?;
         let changed = self.core.release_request(&id);
         Ok(Response::new(pb::ReleaseRequestResponse { changed }))
     }

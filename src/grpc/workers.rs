@@ -17,6 +17,7 @@ use crate::{
         status::reason_label,
     },
     pb,
+    security::{self, EndpointAllow, endpoint_allow},
 };
 
 /// Handlers of `kvroute.v1.Workers`.
@@ -25,6 +26,8 @@ pub struct WorkersService {
     fleet: Arc<Fleet>,
     /// Set in cluster mode: changes go through the shared log.
     replication: Option<Arc<dyn Replication>>,
+    /// Hosts a registration's events endpoint may point at.
+    endpoint_allow: Arc<EndpointAllow>,
 }
 
 impl WorkersService {
@@ -32,6 +35,15 @@ impl WorkersService {
         Self {
             fleet,
             replication: None,
+            endpoint_allow: Arc::default(),
+        }
+    }
+
+    /// Checks registrations' events endpoints against `allow`.
+    pub fn with_endpoint_allow(self, allow: EndpointAllow) -> Self {
+        Self {
+            endpoint_allow: Arc::new(allow),
+            ..self
         }
     }
 
@@ -40,6 +52,7 @@ impl WorkersService {
         Self {
             fleet,
             replication: Some(replication),
+            endpoint_allow: Arc::default(),
         }
     }
 
@@ -57,6 +70,25 @@ impl WorkersService {
         let label = reason_label(&status);
         self.rejected(label, status)
     }
+
+    /// A worker identity may act only for its own worker ids.
+    fn check_worker_id(
+        &self,
+        extensions: &http::Extensions,
+        method: &str,
+        worker_id: u64,
+    ) -> Result<(), Status> {
+        security::check_worker_id(extensions, worker_id).map_err(|status| {
+            self.fleet
+                .router()
+                .metrics()
+                .security
+                .auth_decisions
+                .with_label_values(&[method, "worker", "denied"])
+                .inc();
+            status
+        })
+    }
 }
 
 type ReplyStream = Pin<Box<dyn Stream<Item = Result<pb::PublishEventsReply, Status>> + Send>>;
@@ -67,9 +99,31 @@ impl pb::workers_server::Workers for WorkersService {
         &self,
         request: Request<pb::RegisterWorkerRequest>,
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        let peer = request.remote_addr().map(|a| a.ip());
+        self.check_worker_id(
+            request.extensions(),
+            "/kvroute.v1.Workers/RegisterWorker",
+            request.get_ref().worker_id,
+        )?;
         let request = request.into_inner();
         let (registration, source) =
             convert::registration_from_pb(request.clone()).map_err(|e| self.fail(e.into()))?;
+        // No connection is made to a host the worker may not name; the
+        // answer is the same whether or not anything listens there.
+        if let Some(source) = &source
+            && [Some(&source.endpoint), source.replay_endpoint.as_ref()]
+                .into_iter()
+                .flatten()
+                .any(|endpoint| !self.endpoint_allow.permits(endpoint, peer))
+        {
+            self.fleet
+                .router()
+                .metrics()
+                .security
+                .endpoints_refused
+                .inc();
+            return Err(self.fail(Status::permission_denied(endpoint_allow::REFUSED)));
+        }
         let outcome = match &self.replication {
             Some(replication) => {
                 self.fleet
@@ -96,6 +150,11 @@ impl pb::workers_server::Workers for WorkersService {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        self.check_worker_id(
+            request.extensions(),
+            "/kvroute.v1.Workers/Heartbeat",
+            request.get_ref().worker_id,
+        )?;
         let request = request.into_inner();
         let loads: Vec<_> = request
             .load
@@ -118,6 +177,11 @@ impl pb::workers_server::Workers for WorkersService {
         &self,
         request: Request<pb::DeregisterWorkerRequest>,
     ) -> Result<Response<pb::DeregisterWorkerResponse>, Status> {
+        self.check_worker_id(
+            request.extensions(),
+            "/kvroute.v1.Workers/DeregisterWorker",
+            request.get_ref().worker_id,
+        )?;
         let worker_id = request.into_inner().worker_id;
         let blocks_removed = match &self.replication {
             Some(replication) => {
@@ -147,6 +211,7 @@ impl pb::workers_server::Workers for WorkersService {
         &self,
         request: Request<Streaming<pb::KvEventBatch>>,
     ) -> Result<Response<Self::PublishEventsStream>, Status> {
+        let caller = request.extensions().clone();
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<pb::PublishEventsReply, Status>>(4);
         let service = self.clone();
@@ -163,7 +228,14 @@ impl pb::workers_server::Workers for WorkersService {
                         break;
                     }
                 };
-                let reply = service.apply_batch(batch).await;
+                let reply = match service.check_worker_id(
+                    &caller,
+                    "/kvroute.v1.Workers/PublishEvents",
+                    batch.worker_id,
+                ) {
+                    Ok(()) => service.apply_batch(batch).await,
+                    Err(status) => Err(status),
+                };
                 let failed = reply.is_err();
                 if tx.send(reply).await.is_err() || failed {
                     break;

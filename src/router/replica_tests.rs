@@ -48,6 +48,7 @@ fn core(replicas: ReplicaSettings) -> RouterCore {
             prefill: Some((16 * (k - 1), k - 1)),
             keys: Vec::new(),
             age_ms: 0,
+            owner: None,
         })
         .collect();
     assert_eq!(core.restore_routing(Vec::new(), known), 0);
@@ -58,6 +59,7 @@ fn core(replicas: ReplicaSettings) -> RouterCore {
 /// the differences between the workers' earlier load.
 fn request(n: u64, mode: SelectMode) -> PreparedRequest {
     PreparedRequest {
+        owner: None,
         request: SelectRequest {
             request_id: format!("r{n}"),
             model: MODEL.into(),

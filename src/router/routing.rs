@@ -10,7 +10,7 @@
 //! away drops its ticket, which takes it out of the queue and releases a
 //! booking made for it in the meantime, so nothing is left behind.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use rand::{RngCore, SeedableRng, rngs::StdRng};
 use tokio::sync::oneshot;
@@ -49,6 +49,8 @@ pub struct PreparedRequest {
     pub request: SelectRequest,
     pub hashes: Vec<LocalHash>,
     pub admission: AdmissionMode,
+    /// The authenticated caller, who will own the booking.
+    pub owner: Option<Arc<str>>,
 }
 
 /// How admission went.
@@ -474,6 +476,9 @@ impl RouterCore {
             sessions,
             now_ms,
         )?;
+        if booked && let Some(owner) = &prepared.owner {
+            ledger.set_owner(&prepared.request.request_id, owner.clone());
+        }
         if booked {
             for (target, load) in &decision.peer_requests {
                 estimates.add(*target, *load, now_ms);
@@ -517,6 +522,13 @@ impl RouterCore {
             selection,
             admitted,
         }
+    }
+
+    /// Whether an open booking was made by another identity than `caller`
+    /// (bookings made without authentication belong to no one).
+    pub fn booked_by_other(&self, request_id: &str, caller: &str) -> bool {
+        let state = self.routing.read();
+        matches!(state.ledger.owner(request_id), Some(Some(owner)) if &**owner != caller)
     }
 
     /// Drops a request's booked prefill; idempotent.

@@ -158,6 +158,7 @@ mod tests {
             prefill: Some((32, 2)),
             keys: vec![7, 8],
             age_ms: 0,
+            owner: None,
         }
     }
 

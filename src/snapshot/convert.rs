@@ -76,6 +76,7 @@ pub fn booking_to_pb(b: &SavedBooking) -> pb::SnapshotBooking {
         prefill_blocks: b.prefill.map_or(0, |p| p.1),
         keys: b.keys.clone(),
         age_ms: b.age_ms,
+        owner: b.owner.as_deref().unwrap_or_default().to_owned(),
     }
 }
 
@@ -88,6 +89,7 @@ pub fn booking_from_pb(b: pb::SnapshotBooking) -> SavedBooking {
             .then_some((b.prefill_tokens, b.prefill_blocks)),
         keys: b.keys,
         age_ms: b.age_ms,
+        owner: (!b.owner.is_empty()).then(|| b.owner.into()),
     }
 }
 
