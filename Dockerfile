@@ -24,7 +24,12 @@ RUN apt-get update \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvroute
 COPY --from=build /usr/local/bin/kvroute /usr/local/bin/kvroute
 USER 10001:10001
-# Listen on every interface inside the container.
+# Listen on every interface inside the container. On a non-loopback address
+# kvroute refuses to start without client authentication (protected mode),
+# and this image sets none on purpose: `docker run` must choose, either
+# credentials (KVROUTE_TLS_CERT, KVROUTE_TLS_KEY, KVROUTE_TLS_CLIENT_CA,
+# KVROUTE_AUTH_POLICY: files mounted into the container), or
+# -e KVROUTE_ALLOW_UNAUTHENTICATED=true to let in anyone who reaches the port.
 ENV KVROUTE_GRPC_ADDR=0.0.0.0:50051 \
     KVROUTE_METRICS_ADDR=0.0.0.0:9464 \
     KVROUTE_LOG_FORMAT=json

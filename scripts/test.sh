@@ -5,12 +5,14 @@
 # proptests, cluster mode against a real nats-server, installed from Debian
 # if missing), the real vLLM / SGLang publisher test
 # (scripts/publisher-test.sh: a missing prerequisite fails it) and the
-# Python tests against the binary cargo just built.
+# Python tests against the binary cargo just built (the TLS ones make
+# their certificates with openssl, installed from Debian if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/venv.sh
 source scripts/nats.sh
+source scripts/openssl.sh
 
 cargo test --all-targets
 bash scripts/publisher-test.sh
