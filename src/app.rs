@@ -506,7 +506,7 @@ impl Security {
             crate::config::Reflection::Off => false,
             crate::config::Reflection::Auto => policy
                 .as_ref()
-                .map_or(true, |p| p.reflection.unwrap_or(false)),
+                .is_none_or(|p| p.reflection.unwrap_or(false)),
         };
         if policy.is_some() && grpc_tls.is_none() && !config.grpc_addr.ip().is_loopback() {
             tracing::warn!("an auth policy without TLS: bearer tokens cross the network in clear");
@@ -557,7 +557,10 @@ impl Background {
             snapshots.clone(),
             stop.clone(),
         ));
-        for tls in [&security.grpc_tls, &security.metrics_tls].into_iter().flatten() {
+        for tls in [&security.grpc_tls, &security.metrics_tls]
+            .into_iter()
+            .flatten()
+        {
             tasks.spawn(tls.clone().watch(security.reload_interval, stop.clone()));
         }
         tasks.spawn(housekeeping(fleet.clone(), config.lease_ttl, stop.clone()));

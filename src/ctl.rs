@@ -331,7 +331,9 @@ async fn health(
     json: bool,
     out: &mut dyn Write,
 ) -> Result<(), CtlError> {
-    use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+    use tonic_health::pb::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
     let reply = HealthClient::with_interceptor(channel, bearer)
         .check(HealthCheckRequest {
             service: service.to_owned(),
@@ -340,7 +342,10 @@ async fn health(
         .into_inner();
     let status = ServingStatus::try_from(reply.status).unwrap_or(ServingStatus::Unknown);
     if json {
-        print_json(out, &json!({ "service": service, "status": status.as_str_name() }))?;
+        print_json(
+            out,
+            &json!({ "service": service, "status": status.as_str_name() }),
+        )?;
     } else {
         writeln!(out, "{}", status.as_str_name())?;
     }

@@ -63,7 +63,41 @@ pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
 
 #[cfg(test)]
 mod tests {
-    use super::escape_controls;
+    use std::sync::{Arc, Mutex};
+
+    use super::{escape_controls, escaped_fields};
+
+    /// Lines written by the pretty format with a hostile value in a field
+    /// and in the message stay one line each.
+    #[test]
+    fn a_newline_in_a_value_cannot_forge_a_line() {
+        let written = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let sink = written.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .fmt_fields(escaped_fields())
+            .with_writer(move || SharedWriter(sink.clone()))
+            .finish();
+        let hostile = "tcp://h:1\n2026-12-03T00:00:00Z  INFO kvroute: worker registered";
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info!(endpoint = %hostile, debug = ?hostile, "refused {}", hostile);
+        });
+        let text = String::from_utf8(written.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(text.contains("endpoint=tcp://h:1\\n2026"), "{text}");
+    }
+
+    struct SharedWriter(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for SharedWriter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
 
     #[test]
     fn control_characters_are_escaped() {

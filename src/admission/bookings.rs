@@ -18,8 +18,8 @@
 //!   every booking returns every total to zero and leaves no per-rank entry.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::collections::hash_map::Entry;
+use std::sync::Arc;
 
 use crate::select::BookedLoads;
 use crate::types::{BookedLoad, LocalHash, WorkerId, WorkerRank};

@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod ingest;
 pub mod select;
 pub mod snapshot;
+mod tls;
 
 use std::{net::SocketAddr, time::Duration};
 

@@ -50,6 +50,10 @@ pub struct SelectBenchArgs {
     /// Send prompts as token ids (the server hashes them) instead of block hashes.
     #[arg(long)]
     pub send_tokens: bool,
+    /// Serve and call over mTLS with an auth policy (certificates made for
+    /// the run), to measure what TLS and authorization cost.
+    #[arg(long, conflicts_with = "addr")]
+    pub tls: bool,
 }
 
 /// One phase's figures.
@@ -73,15 +77,23 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
             args.warm
         )));
     }
-    let config = ServeConfig {
+    let mut config = ServeConfig {
         block_size: args.block_size,
         concurrency_limit: 1 << 20,
         ..ServeConfig::for_tests()
     };
+    let tls = if args.tls {
+        Some(super::tls::Fixture::make(&mut config)?)
+    } else {
+        None
+    };
     let (addr, local) = target(args.addr.as_deref(), config).await?;
     let mut channels = Vec::new();
     for _ in 0..args.connections.max(1) {
-        channels.push(connect(&addr).await?);
+        channels.push(match &tls {
+            Some(tls) => tls.connect(&addr).await?,
+            None => connect(&addr).await?,
+        });
     }
     let options = HashOptions::default();
     let prompts: Vec<Vec<u32>> = trace.records.iter().map(|r| r.tokens()).collect();

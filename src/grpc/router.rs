@@ -121,7 +121,8 @@ impl pb::router_server::Router for RouterService {
         request: Request<pb::SelectWorkerRequest>,
     ) -> Result<Response<pb::SelectWorkerResponse>, Status> {
         let deadline = deadline(&request, self.request_timeout);
-        let owner = security::caller(request.extensions()).map(|c| Arc::<str>::from(c.name.as_str()));
+        let owner =
+            security::caller(request.extensions()).map(|c| Arc::<str>::from(c.name.as_str()));
         let mut prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
         prepared.owner = owner;
         let advisory = prepared.admission == AdmissionMode::Advisory;
@@ -155,7 +156,12 @@ impl pb::router_server::Router for RouterService {
         let extensions = request.extensions().clone();
         let id = request.into_inner().request_id;
         convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
-        self.check_owner(&extensions, &id, "/kvroute.v1.Router/MarkPrefillComplete", false)?;
+        self.check_owner(
+            &extensions,
+            &id,
+            "/kvroute.v1.Router/MarkPrefillComplete",
+            false,
+        )?;
         let changed = self.core.mark_prefill_complete(&id);
         Ok(Response::new(pb::MarkPrefillCompleteResponse { changed }))
     }

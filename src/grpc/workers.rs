@@ -78,7 +78,7 @@ impl WorkersService {
         method: &str,
         worker_id: u64,
     ) -> Result<(), Status> {
-        security::check_worker_id(extensions, worker_id).map_err(|status| {
+        security::check_worker_id(extensions, worker_id).inspect_err(|_| {
             self.fleet
                 .router()
                 .metrics()
@@ -86,7 +86,6 @@ impl WorkersService {
                 .auth_decisions
                 .with_label_values(&[method, "worker", "denied"])
                 .inc();
-            status
         })
     }
 }

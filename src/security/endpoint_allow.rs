@@ -43,8 +43,12 @@ impl EndpointAllow {
             if let Some(network) = parse_network(entry)? {
                 list.networks.push(network);
             } else if let Some(suffix) = entry.strip_prefix("*.") {
-                list.suffixes.push(format!(".{}", suffix.to_ascii_lowercase()));
-            } else if entry.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.') {
+                list.suffixes
+                    .push(format!(".{}", suffix.to_ascii_lowercase()));
+            } else if entry
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+            {
                 list.hosts.push(entry.to_ascii_lowercase());
             } else {
                 return Err(format!(
@@ -188,6 +192,10 @@ mod tests {
             let error = EndpointAllow::parse(&[bad.into()]).unwrap_err();
             assert!(error.contains(bad), "{error}");
         }
-        assert!(in_network(ip("1.2.3.4").unwrap(), ip("0.0.0.0").unwrap(), 0));
+        assert!(in_network(
+            ip("1.2.3.4").unwrap(),
+            ip("0.0.0.0").unwrap(),
+            0
+        ));
     }
 }

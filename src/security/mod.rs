@@ -60,7 +60,12 @@ impl Access {
 /// The roles each method needs. Every Admin method not listed as a read is
 /// a change, so a method added later is guarded as operator-write.
 pub fn access(path: &str) -> Access {
-    const ADMIN_READS: [&str; 4] = ["ListWorkers", "GetWorker", "GetIndexStats", "ExplainSelection"];
+    const ADMIN_READS: [&str; 4] = [
+        "ListWorkers",
+        "GetWorker",
+        "GetIndexStats",
+        "ExplainSelection",
+    ];
     if path.starts_with("/grpc.health.v1.Health/") || path.starts_with("/grpc.reflection.") {
         return Access::Open;
     }
@@ -189,7 +194,10 @@ impl Guard {
             let token = value
                 .to_str()
                 .ok()
-                .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+                .and_then(|v| {
+                    v.strip_prefix("Bearer ")
+                        .or_else(|| v.strip_prefix("bearer "))
+                })
                 .map(str::trim)
                 .filter(|t| !t.is_empty())
                 .ok_or_else(|| {
@@ -286,9 +294,11 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        let decided =
-            self.guard
-                .authorize(request.uri().path(), request.headers(), request.extensions());
+        let decided = self.guard.authorize(
+            request.uri().path(),
+            request.headers(),
+            request.extensions(),
+        );
         match decided {
             Ok(identity) => {
                 if let Some(identity) = identity {
@@ -313,19 +323,38 @@ mod tests {
         };
         assert_eq!(role("/grpc.health.v1.Health/Check"), vec![]);
         assert_eq!(role("/kvroute.v1.Router/SelectWorker"), [Role::Frontend]);
-        assert_eq!(role("/kvroute.v1.Router/MarkPrefillComplete"), [Role::Frontend]);
+        assert_eq!(
+            role("/kvroute.v1.Router/MarkPrefillComplete"),
+            [Role::Frontend]
+        );
         assert_eq!(
             role("/kvroute.v1.Router/ReleaseRequest"),
             [Role::Frontend, Role::OperatorWrite]
         );
-        for m in ["RegisterWorker", "Heartbeat", "DeregisterWorker", "PublishEvents"] {
+        for m in [
+            "RegisterWorker",
+            "Heartbeat",
+            "DeregisterWorker",
+            "PublishEvents",
+        ] {
             assert_eq!(role(&format!("/kvroute.v1.Workers/{m}")), [Role::Worker]);
         }
-        for m in ["ListWorkers", "GetWorker", "GetIndexStats", "ExplainSelection"] {
-            assert_eq!(role(&format!("/kvroute.v1.Admin/{m}")), [Role::OperatorRead]);
+        for m in [
+            "ListWorkers",
+            "GetWorker",
+            "GetIndexStats",
+            "ExplainSelection",
+        ] {
+            assert_eq!(
+                role(&format!("/kvroute.v1.Admin/{m}")),
+                [Role::OperatorRead]
+            );
         }
         for m in ["CordonWorker", "UncordonWorker", "Snapshot", "SomethingNew"] {
-            assert_eq!(role(&format!("/kvroute.v1.Admin/{m}")), [Role::OperatorWrite]);
+            assert_eq!(
+                role(&format!("/kvroute.v1.Admin/{m}")),
+                [Role::OperatorWrite]
+            );
         }
         assert_eq!(role("/other.Service/Method"), [Role::OperatorWrite]);
     }

@@ -64,9 +64,9 @@ impl WorkerIds {
         let mut ranges = Vec::with_capacity(entries.len());
         for entry in entries {
             let number = |text: &str| {
-                text.trim()
-                    .parse::<WorkerId>()
-                    .map_err(|_| format!("worker_ids: `{entry}` is not an id, a range `lo-hi` or `*`"))
+                text.trim().parse::<WorkerId>().map_err(|_| {
+                    format!("worker_ids: `{entry}` is not an id, a range `lo-hi` or `*`")
+                })
             };
             let range = match entry.split_once('-') {
                 Some((lo, hi)) => (number(lo)?, number(hi)?),
@@ -185,7 +185,10 @@ impl Policy {
         let worker_ids = match (entry.roles.contains(&Role::Worker), &entry.worker_ids) {
             (true, Some(ids)) => Some(WorkerIds::parse(ids)?),
             (true, None) => {
-                return Err("role worker needs worker_ids (a list of ids, `lo-hi` ranges, or [\"*\"])".into());
+                return Err(
+                    "role worker needs worker_ids (a list of ids, `lo-hi` ranges, or [\"*\"])"
+                        .into(),
+                );
             }
             (false, Some(_)) => return Err("worker_ids without the worker role".into()),
             (false, None) => None,
@@ -222,7 +225,8 @@ impl Policy {
 
     /// The identity of the first of a certificate's SANs the policy lists.
     pub fn by_sans<'a>(&self, sans: impl IntoIterator<Item = &'a str>) -> Option<Arc<Identity>> {
-        sans.into_iter().find_map(|san| self.by_san.get(san).cloned())
+        sans.into_iter()
+            .find_map(|san| self.by_san.get(san).cloned())
     }
 
     pub fn identities(&self) -> &[Arc<Identity>] {
@@ -287,13 +291,22 @@ mod tests {
     fn mistakes_are_named() {
         let cases = [
             ("", "no [[identity]]"),
-            ("[[identity]]\nname = \"a\"\nroles = [\"root\"]\nsan = [\"x\"]", "unknown variant"),
-            ("[[identity]]\nname = \"a\"\nroles = [\"worker\"]\nsan = [\"x\"]", "needs worker_ids"),
+            (
+                "[[identity]]\nname = \"a\"\nroles = [\"root\"]\nsan = [\"x\"]",
+                "unknown variant",
+            ),
+            (
+                "[[identity]]\nname = \"a\"\nroles = [\"worker\"]\nsan = [\"x\"]",
+                "needs worker_ids",
+            ),
             (
                 "[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsan = [\"x\"]\nworker_ids = [\"1\"]",
                 "without the worker role",
             ),
-            ("[[identity]]\nname = \"a\"\nroles = [\"frontend\"]", "give `san`"),
+            (
+                "[[identity]]\nname = \"a\"\nroles = [\"frontend\"]",
+                "give `san`",
+            ),
             (
                 "[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\ntoken_sha256 = \"abc\"",
                 "64 hex digits",
@@ -306,7 +319,10 @@ mod tests {
                 "[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsan = [\"x\"]\n[[identity]]\nname = \"b\"\nroles = [\"frontend\"]\nsan = [\"x\"]",
                 "also \"a\"'s",
             ),
-            ("[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsans = [\"x\"]", "unknown field"),
+            (
+                "[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsans = [\"x\"]",
+                "unknown field",
+            ),
         ];
         for (text, expected) in cases {
             let error = policy(text).unwrap_err();
@@ -324,7 +340,10 @@ mod tests {
             Role::OperatorRead,
             Role::OperatorWrite,
         ] {
-            assert!(p.identities().iter().any(|i| i.has(role)), "no {role} identity");
+            assert!(
+                p.identities().iter().any(|i| i.has(role)),
+                "no {role} identity"
+            );
         }
         assert!(
             p.identities()

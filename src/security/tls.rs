@@ -166,10 +166,12 @@ impl ServerTls {
                 let Ok(permit) = handshakes.clone().acquire_owned().await else {
                     return;
                 };
-                let (acceptor, sender, failures) = (self.acceptor(), sender.clone(), failures.clone());
+                let (acceptor, sender, failures) =
+                    (self.acceptor(), sender.clone(), failures.clone());
                 tokio::spawn(async move {
                     let peer = stream.peer_addr().ok();
-                    let shaken = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
+                    let shaken =
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
                     drop(permit);
                     match shaken {
                         Ok(Ok(tls)) => {
@@ -194,7 +196,8 @@ impl ServerTls {
 /// The files' contents (cert, key, client CA) and a fingerprint of them.
 fn read(files: &TlsFiles) -> io::Result<([Vec<u8>; 3], u64)> {
     let named = |path: &PathBuf| {
-        std::fs::read(path).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+        std::fs::read(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))
     };
     let cert = named(&files.cert)?;
     let key = named(&files.key)?;
