@@ -32,6 +32,7 @@ use crate::{
     router::RouterCore,
     security::{
         EndpointAllow, Guard, Policy,
+        screen::ScreenLayer,
         tls::{ServerTls, TlsFiles},
     },
     snapshot::{SnapshotError, Snapshots},
@@ -424,8 +425,8 @@ fn grpc_server<H: Health>(
         .trace_fn(|request| tracing::info_span!("rpc", method = %request.uri().path()))
         .layer(GlobalConcurrencyLimitLayer::new(concurrency))
         .layer(RpcMetricsLayer::new(metrics.clone(), known_paths))
-        .layer(guard)
-        .layer(gate.clone())
+        .layer(ScreenLayer(guard))
+        .layer(ScreenLayer(gate.clone()))
         .add_service(health)
         .add_optional_service(reflection_v1)
         .add_optional_service(reflection_v1alpha)

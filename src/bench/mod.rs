@@ -45,6 +45,15 @@ pub struct LocalServer {
 
 impl LocalServer {
     pub async fn start(config: ServeConfig) -> Result<Self, BenchError> {
+        Self::start_with_client(config, None).await
+    }
+
+    /// Starts a server that `client` can reach (a TLS one, for
+    /// `bench select --tls`).
+    pub async fn start_with_client(
+        config: ServeConfig,
+        client: Option<&tls::Fixture>,
+    ) -> Result<Self, BenchError> {
         let bind = |what: &'static str| async move {
             TcpListener::bind("127.0.0.1:0")
                 .await
@@ -68,17 +77,21 @@ impl LocalServer {
             stop: Some(stop),
             handle,
         };
-        server.wait_serving().await?;
+        let channel = match client {
+            Some(client) => client.connect(&addr.to_string()).await?,
+            None => connect(&addr.to_string()).await?,
+        };
+        server.wait_serving(channel).await?;
         Ok(server)
     }
 
     /// Waits until health says SERVING (with a state directory, every other
     /// call is UNAVAILABLE while the snapshot loads).
-    async fn wait_serving(&self) -> Result<(), BenchError> {
+    async fn wait_serving(&self, channel: Channel) -> Result<(), BenchError> {
         use tonic_health::pb::{
             HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
         };
-        let mut health = HealthClient::new(connect(&self.addr.to_string()).await?);
+        let mut health = HealthClient::new(channel);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
         while tokio::time::Instant::now() < deadline {
             let status = health

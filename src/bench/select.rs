@@ -87,7 +87,13 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
     } else {
         None
     };
-    let (addr, local) = target(args.addr.as_deref(), config).await?;
+    let (addr, local) = match &tls {
+        Some(tls) => {
+            let local = super::LocalServer::start_with_client(config, Some(tls)).await?;
+            (local.addr.to_string(), Some(local))
+        }
+        None => target(args.addr.as_deref(), config).await?,
+    };
     let mut channels = Vec::new();
     for _ in 0..args.connections.max(1) {
         channels.push(match &tls {

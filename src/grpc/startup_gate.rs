@@ -4,17 +4,12 @@
 //! the first moment, while no call sees a fleet that is still being
 //! restored.
 
-use std::{
-    future::Future,
-    pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    task::{Context, Poll},
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
 };
 
-use tower::{Layer, Service};
+use crate::security::screen::Screen;
 
 /// Opens once; until then only health and reflection are served.
 #[derive(Clone, Debug, Default)]
@@ -39,47 +34,19 @@ impl StartupGate {
     }
 }
 
-impl<S> Layer<S> for StartupGate {
-    type Service = Gated<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        Gated {
-            inner,
-            gate: self.clone(),
+impl Screen for StartupGate {
+    fn screen(
+        &self,
+        path: &str,
+        _headers: &http::HeaderMap,
+        _extensions: &mut http::Extensions,
+    ) -> Result<(), tonic::Status> {
+        if self.passes(path) {
+            return Ok(());
         }
-    }
-}
-
-/// The service made by [`StartupGate`].
-#[derive(Clone)]
-pub struct Gated<S> {
-    inner: S,
-    gate: StartupGate,
-}
-
-impl<S, B, RB> Service<http::Request<B>> for Gated<S>
-where
-    S: Service<http::Request<B>, Response = http::Response<RB>>,
-    S::Future: Send + 'static,
-    RB: Default + Send + 'static,
-    S::Error: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        if self.gate.passes(request.uri().path()) {
-            return Box::pin(self.inner.call(request));
-        }
-        let refused = tonic::Status::unavailable(
+        Err(tonic::Status::unavailable(
             "kvroute is starting: its saved state is being loaded; retry shortly",
-        )
-        .into_http::<RB>();
-        Box::pin(std::future::ready(Ok(refused)))
+        ))
     }
 }
 

@@ -4,7 +4,8 @@
 //! * `policy`: the auth policy file, identities and their roles;
 //! * `certificate`: a client certificate's SANs, which name its identity;
 //! * `endpoint_allow`: which hosts a worker may make kvroute connect to;
-//! * here: [`Guard`], the tower layer that authenticates every call and
+//! * `screen`: a layer that answers a call itself when a check refuses it;
+//! * here: [`Guard`], the check that authenticates every call and
 //!   checks its method's role, and the per-call checks the handlers make
 //!   (a worker acts only for its own ids, a booking is released only by
 //!   its owner).
@@ -17,22 +18,16 @@ pub mod certificate;
 pub mod client;
 pub mod endpoint_allow;
 pub mod policy;
+pub mod screen;
 pub mod tls;
 
-use std::{
-    future::Future,
-    net::SocketAddr,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll},
-};
+use std::{net::SocketAddr, sync::Arc};
 
 use prometheus::IntCounterVec;
 use tonic::{
     Status,
     transport::server::{TcpConnectInfo, TlsConnectInfo},
 };
-use tower::{Layer, Service};
 
 pub use endpoint_allow::EndpointAllow;
 pub use policy::{Identity, Policy, Role};
@@ -128,7 +123,17 @@ struct GuardState {
     /// `auth_decisions_total{method, role, outcome}`
     decisions: IntCounterVec,
     known_paths: Arc<std::collections::HashSet<String>>,
+    /// What each client certificate seen lately identifies (reading a
+    /// certificate costs more than the rest of the check), by its DER bytes.
+    certificates: parking_lot::Mutex<std::collections::HashMap<Vec<u8>, Identified>>,
 }
+
+/// What a certificate identifies, or why it does not.
+type Identified = Result<Arc<Identity>, Status>;
+
+/// Certificates whose identity is remembered; past this the memory is
+/// emptied, so clients cannot grow it.
+const MAX_REMEMBERED_CERTIFICATES: usize = 4096;
 
 impl Guard {
     pub fn new(
@@ -143,6 +148,7 @@ impl Guard {
                 client_certificates,
                 decisions,
                 known_paths: Arc::new(known_paths),
+                certificates: parking_lot::Mutex::default(),
             }),
         }
     }
@@ -207,16 +213,35 @@ impl Guard {
                 Status::unauthenticated("the bearer token matches no identity of the auth policy")
             });
         }
-        let certificate = extensions
+        let chain = extensions
             .get::<TlsConnectInfo<TcpConnectInfo>>()
-            .and_then(TlsConnectInfo::peer_certs)
-            .and_then(|chain| chain.first().map(|c| certificate::subject_alt_names(c)));
-        let Some(sans) = certificate else {
+            .and_then(TlsConnectInfo::peer_certs);
+        let Some(certificate) = chain.as_deref().and_then(|c| c.first()) else {
             return Err(Status::unauthenticated(
                 "no credentials: present a client certificate or `authorization: Bearer <token>` metadata",
             ));
         };
-        match policy {
+        let known = self
+            .inner
+            .certificates
+            .lock()
+            .get(certificate.as_ref())
+            .cloned();
+        if let Some(known) = known {
+            return known;
+        }
+        let decided = self.identify(certificate::subject_alt_names(certificate));
+        let mut certificates = self.inner.certificates.lock();
+        if certificates.len() >= MAX_REMEMBERED_CERTIFICATES {
+            certificates.clear();
+        }
+        certificates.insert(certificate.to_vec(), decided.clone());
+        decided
+    }
+
+    /// The identity of a verified client certificate with these names.
+    fn identify(&self, sans: Vec<String>) -> Result<Arc<Identity>, Status> {
+        match self.inner.policy.as_deref() {
             Some(policy) => policy.by_sans(sans.iter().map(String::as_str)).ok_or_else(|| {
                 Status::unauthenticated(format!(
                     "the client certificate's names {sans:?} match no identity of the auth policy"
@@ -261,53 +286,17 @@ pub fn protected_mode(
     ))
 }
 
-impl<S> Layer<S> for Guard {
-    type Service = Guarded<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        Guarded {
-            inner,
-            guard: self.clone(),
+impl screen::Screen for Guard {
+    fn screen(
+        &self,
+        path: &str,
+        headers: &http::HeaderMap,
+        extensions: &mut http::Extensions,
+    ) -> Result<(), Status> {
+        if let Some(identity) = self.authorize(path, headers, extensions)? {
+            extensions.insert(Caller(identity));
         }
-    }
-}
-
-/// The service made by [`Guard`].
-#[derive(Clone)]
-pub struct Guarded<S> {
-    inner: S,
-    guard: Guard,
-}
-
-impl<S, B, RB> Service<http::Request<B>> for Guarded<S>
-where
-    S: Service<http::Request<B>, Response = http::Response<RB>>,
-    S::Future: Send + 'static,
-    RB: Default + Send + 'static,
-    S::Error: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        let decided = self.guard.authorize(
-            request.uri().path(),
-            request.headers(),
-            request.extensions(),
-        );
-        match decided {
-            Ok(identity) => {
-                if let Some(identity) = identity {
-                    request.extensions_mut().insert(Caller(identity));
-                }
-                Box::pin(self.inner.call(request))
-            }
-            Err(status) => Box::pin(std::future::ready(Ok(status.into_http::<RB>()))),
-        }
+        Ok(())
     }
 }
 
