@@ -494,8 +494,9 @@ impl Security {
         let client_certificates = grpc_tls
             .as_ref()
             .is_some_and(|t| t.requires_client_certificates());
+        let grpc_addr = grpc_addr.unwrap_or(config.grpc_addr);
         crate::security::protected_mode(
-            grpc_addr.unwrap_or(config.grpc_addr),
+            grpc_addr,
             client_certificates,
             policy.is_some(),
             options.allow_unauthenticated,
@@ -509,7 +510,7 @@ impl Security {
                 .as_ref()
                 .is_none_or(|p| p.reflection.unwrap_or(false)),
         };
-        if policy.is_some() && grpc_tls.is_none() && !config.grpc_addr.ip().is_loopback() {
+        if policy.is_some() && grpc_tls.is_none() && !grpc_addr.ip().is_loopback() {
             tracing::warn!("an auth policy without TLS: bearer tokens cross the network in clear");
         }
         Ok(Self {
@@ -681,7 +682,7 @@ struct TlsListener {
                 > + Send,
         >,
     >,
-    local: std::io::Result<SocketAddr>,
+    local: Option<SocketAddr>,
 }
 
 impl TlsListener {
@@ -691,7 +692,7 @@ impl TlsListener {
         failures: prometheus::IntCounter,
         stop: CancellationToken,
     ) -> Self {
-        let local = listener.local_addr();
+        let local = listener.local_addr().ok();
         let tcp = TcpIncoming::from(listener).with_nodelay(Some(true));
         Self {
             connections: Box::pin(tls.incoming(tcp, failures, stop)),
@@ -720,9 +721,6 @@ impl axum::serve::Listener for TlsListener {
     }
 
     fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        match &self.local {
-            Ok(addr) => Ok(Some(*addr)),
-            Err(error) => Err(std::io::Error::new(error.kind(), error.to_string())),
-        }
+        Ok(self.local)
     }
 }

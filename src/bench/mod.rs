@@ -14,9 +14,9 @@ mod tls;
 use std::{net::SocketAddr, time::Duration};
 
 use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
-use crate::{app, config::ServeConfig};
+use crate::{app, config::ServeConfig, security::client::ClientCredentials};
 
 /// Why a benchmark failed.
 #[derive(Debug, thiserror::Error)]
@@ -45,14 +45,14 @@ pub struct LocalServer {
 
 impl LocalServer {
     pub async fn start(config: ServeConfig) -> Result<Self, BenchError> {
-        Self::start_with_client(config, None).await
+        Self::start_with_client(config, &ClientCredentials::default()).await
     }
 
-    /// Starts a server that `client` can reach (a TLS one, for
-    /// `bench select --tls`).
+    /// Starts a server that a client with `credentials` can reach (a TLS
+    /// one, for `bench select --tls`).
     pub async fn start_with_client(
         config: ServeConfig,
-        client: Option<&tls::Fixture>,
+        credentials: &ClientCredentials,
     ) -> Result<Self, BenchError> {
         let bind = |what: &'static str| async move {
             TcpListener::bind("127.0.0.1:0")
@@ -77,10 +77,7 @@ impl LocalServer {
             stop: Some(stop),
             handle,
         };
-        let channel = match client {
-            Some(client) => client.connect(&addr.to_string()).await?,
-            None => connect(&addr.to_string()).await?,
-        };
+        let channel = connect_as(credentials, &addr.to_string()).await?;
         server.wait_serving(channel).await?;
         Ok(server)
     }
@@ -146,14 +143,17 @@ pub async fn target(
     }
 }
 
-/// Connects to `addr` (host:port or a URL).
+/// Connects to `addr` (host:port or a URL) in plaintext.
 pub async fn connect(addr: &str) -> Result<Channel, BenchError> {
-    let url = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    let endpoint = Endpoint::from_shared(url).map_err(|e| BenchError::Setup(e.to_string()))?;
+    connect_as(&ClientCredentials::default(), addr).await
+}
+
+/// Connects to `addr` with `credentials` (TLS when they name a CA).
+pub async fn connect_as(
+    credentials: &ClientCredentials,
+    addr: &str,
+) -> Result<Channel, BenchError> {
+    let endpoint = credentials.endpoint(addr).map_err(BenchError::Setup)?;
     Ok(endpoint
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)

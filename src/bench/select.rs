@@ -12,7 +12,7 @@ use std::{
 use clap::Args;
 use tonic::transport::Channel;
 
-use super::{BenchError, Latency, connect, target};
+use super::{BenchError, Latency, connect_as, target};
 use crate::{
     config::ServeConfig,
     hashing::{HashOptions, compute_block_hashes},
@@ -87,19 +87,20 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
     } else {
         None
     };
+    let credentials = tls
+        .as_ref()
+        .map(|t| t.credentials().clone())
+        .unwrap_or_default();
     let (addr, local) = match &tls {
-        Some(tls) => {
-            let local = super::LocalServer::start_with_client(config, Some(tls)).await?;
+        Some(_) => {
+            let local = super::LocalServer::start_with_client(config, &credentials).await?;
             (local.addr.to_string(), Some(local))
         }
         None => target(args.addr.as_deref(), config).await?,
     };
     let mut channels = Vec::new();
     for _ in 0..args.connections.max(1) {
-        channels.push(match &tls {
-            Some(tls) => tls.connect(&addr).await?,
-            None => connect(&addr).await?,
-        });
+        channels.push(connect_as(&credentials, &addr).await?);
     }
     let options = HashOptions::default();
     let prompts: Vec<Vec<u32>> = trace.records.iter().map(|r| r.tokens()).collect();

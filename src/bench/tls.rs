@@ -3,10 +3,9 @@
 //! frontend and worker roles, so the benchmark pays for TLS, client
 //! certificate verification and the role check on every call.
 
-use std::{path::PathBuf, time::Duration};
+use std::path::PathBuf;
 
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType};
-use tonic::transport::Channel;
 
 use super::BenchError;
 use crate::{config::ServeConfig, security::client::ClientCredentials};
@@ -70,16 +69,9 @@ impl Fixture {
         Ok(Self { dir, client })
     }
 
-    /// A channel with the client's certificate.
-    pub async fn connect(&self, addr: &str) -> Result<Channel, BenchError> {
-        Ok(self
-            .client
-            .endpoint(addr)
-            .map_err(BenchError::Setup)?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .connect()
-            .await?)
+    /// The client's certificate and the CA it trusts.
+    pub fn credentials(&self) -> &ClientCredentials {
+        &self.client
     }
 }
 

@@ -9,7 +9,7 @@ use crate::{
     grpc::{convert, status::reason_label},
     pb,
     router::{Admitted, PreparedRequest, RouterCore},
-    security::{self, Role},
+    security::{self, Identity, Role},
 };
 
 /// Handlers of `kvroute.v1.Router`.
@@ -32,12 +32,12 @@ impl RouterService {
     /// operator-write identity may release any.
     fn check_owner(
         &self,
-        extensions: &http::Extensions,
+        caller: Option<&Identity>,
         request_id: &str,
         method: &str,
         operator_may: bool,
     ) -> Result<(), Status> {
-        let Some(caller) = security::caller(extensions) else {
+        let Some(caller) = caller else {
             return Ok(());
         };
         if operator_may && caller.has(Role::OperatorWrite) {
@@ -121,8 +121,7 @@ impl pb::router_server::Router for RouterService {
         request: Request<pb::SelectWorkerRequest>,
     ) -> Result<Response<pb::SelectWorkerResponse>, Status> {
         let deadline = deadline(&request, self.request_timeout);
-        let owner =
-            security::caller(request.extensions()).map(|c| Arc::<str>::from(c.name.as_str()));
+        let owner = security::caller(request.extensions()).map(|c| c.name.clone());
         let mut prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
         prepared.owner = owner;
         let advisory = prepared.admission == AdmissionMode::Advisory;
@@ -153,11 +152,11 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<pb::MarkPrefillCompleteRequest>,
     ) -> Result<Response<pb::MarkPrefillCompleteResponse>, Status> {
-        let extensions = request.extensions().clone();
+        let caller = security::caller(request.extensions()).cloned();
         let id = request.into_inner().request_id;
         convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
         self.check_owner(
-            &extensions,
+            caller.as_deref(),
             &id,
             "/kvroute.v1.Router/MarkPrefillComplete",
             false,
@@ -170,10 +169,15 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<pb::ReleaseRequestRequest>,
     ) -> Result<Response<pb::ReleaseRequestResponse>, Status> {
-        let extensions = request.extensions().clone();
+        let caller = security::caller(request.extensions()).cloned();
         let id = request.into_inner().request_id;
         convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
-        self.check_owner(&extensions, &id, "/kvroute.v1.Router/ReleaseRequest", true)?;
+        self.check_owner(
+            caller.as_deref(),
+            &id,
+            "/kvroute.v1.Router/ReleaseRequest",
+            true,
+        )?;
         let changed = self.core.release_request(&id);
         Ok(Response::new(pb::ReleaseRequestResponse { changed }))
     }

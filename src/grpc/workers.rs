@@ -17,7 +17,7 @@ use crate::{
         status::reason_label,
     },
     pb,
-    security::{self, EndpointAllow, endpoint_allow},
+    security::{self, EndpointAllow, Identity, endpoint_allow},
 };
 
 /// Handlers of `kvroute.v1.Workers`.
@@ -74,11 +74,11 @@ impl WorkersService {
     /// A worker identity may act only for its own worker ids.
     fn check_worker_id(
         &self,
-        extensions: &http::Extensions,
+        caller: Option<&Identity>,
         method: &str,
         worker_id: u64,
     ) -> Result<(), Status> {
-        security::check_worker_id(extensions, worker_id).inspect_err(|_| {
+        security::check_worker_id(caller, worker_id).inspect_err(|_| {
             self.fleet
                 .router()
                 .metrics()
@@ -100,7 +100,7 @@ impl pb::workers_server::Workers for WorkersService {
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
         let peer = request.remote_addr().map(|a| a.ip());
         self.check_worker_id(
-            request.extensions(),
+            security::caller(request.extensions()).map(|c| &**c),
             "/kvroute.v1.Workers/RegisterWorker",
             request.get_ref().worker_id,
         )?;
@@ -150,7 +150,7 @@ impl pb::workers_server::Workers for WorkersService {
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         self.check_worker_id(
-            request.extensions(),
+            security::caller(request.extensions()).map(|c| &**c),
             "/kvroute.v1.Workers/Heartbeat",
             request.get_ref().worker_id,
         )?;
@@ -177,7 +177,7 @@ impl pb::workers_server::Workers for WorkersService {
         request: Request<pb::DeregisterWorkerRequest>,
     ) -> Result<Response<pb::DeregisterWorkerResponse>, Status> {
         self.check_worker_id(
-            request.extensions(),
+            security::caller(request.extensions()).map(|c| &**c),
             "/kvroute.v1.Workers/DeregisterWorker",
             request.get_ref().worker_id,
         )?;
@@ -210,7 +210,7 @@ impl pb::workers_server::Workers for WorkersService {
         &self,
         request: Request<Streaming<pb::KvEventBatch>>,
     ) -> Result<Response<Self::PublishEventsStream>, Status> {
-        let caller = request.extensions().clone();
+        let caller = security::caller(request.extensions()).cloned();
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<pb::PublishEventsReply, Status>>(4);
         let service = self.clone();
@@ -228,7 +228,7 @@ impl pb::workers_server::Workers for WorkersService {
                     }
                 };
                 let reply = match service.check_worker_id(
-                    &caller,
+                    caller.as_deref(),
                     "/kvroute.v1.Workers/PublishEvents",
                     batch.worker_id,
                 ) {

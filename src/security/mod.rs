@@ -91,9 +91,9 @@ pub fn caller(extensions: &http::Extensions) -> Option<&Arc<Identity>> {
 }
 
 /// Refuses a Workers call for `worker_id` by a `worker` identity whose list
-/// does not hold it. Without authentication every id is allowed.
-pub fn check_worker_id(extensions: &http::Extensions, worker_id: u64) -> Result<(), Status> {
-    let Some(identity) = caller(extensions) else {
+/// does not hold it. Without authentication (no caller) every id is allowed.
+pub fn check_worker_id(caller: Option<&Identity>, worker_id: u64) -> Result<(), Status> {
+    let Some(identity) = caller else {
         return Ok(());
     };
     if identity
@@ -248,7 +248,7 @@ impl Guard {
                 ))
             }),
             None => {
-                let name = sans.into_iter().next().unwrap_or_else(|| "client-certificate".into());
+                let name = sans.first().map_or("client-certificate", String::as_str);
                 Ok(Arc::new(Identity::trusted_client(name)))
             }
         }

@@ -87,7 +87,8 @@ impl WorkerIds {
 /// One identity of the policy.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Identity {
-    pub name: String,
+    /// Shared with every booking the identity makes.
+    pub name: Arc<str>,
     pub roles: Vec<Role>,
     /// `Some` for identities with the `worker` role.
     pub worker_ids: Option<WorkerIds>,
@@ -100,9 +101,9 @@ impl Identity {
 
     /// The identity a certificate-authenticated client has when no policy
     /// is loaded: every role, every worker id (etcd's client-cert-auth alone).
-    pub fn trusted_client(name: String) -> Self {
+    pub fn trusted_client(name: &str) -> Self {
         Self {
-            name,
+            name: name.into(),
             roles: vec![
                 Role::Frontend,
                 Role::Worker,
@@ -173,7 +174,7 @@ impl Policy {
         if entry.name.trim().is_empty() || entry.name.chars().any(char::is_control) {
             return Err("name must be non-empty printable text".into());
         }
-        if self.identities.iter().any(|i| i.name == entry.name) {
+        if self.identities.iter().any(|i| *i.name == *entry.name) {
             return Err("another identity has this name".into());
         }
         if entry.roles.is_empty() {
@@ -199,7 +200,7 @@ impl Policy {
             .map(parse_digest)
             .transpose()?;
         let identity = Arc::new(Identity {
-            name: entry.name,
+            name: entry.name.into(),
             roles: entry.roles,
             worker_ids,
         });
@@ -277,8 +278,8 @@ mod tests {
             "#
         ))
         .unwrap();
-        assert_eq!(p.by_sans(["x", "spiffe://t/gw"]).unwrap().name, "gw");
-        assert_eq!(p.by_token("foo").unwrap().name, "dash");
+        assert_eq!(&*p.by_sans(["x", "spiffe://t/gw"]).unwrap().name, "gw");
+        assert_eq!(&*p.by_token("foo").unwrap().name, "dash");
         assert!(p.by_token("food").is_none());
         let pool = p.by_sans(["pool.svc"]).unwrap();
         let ids = pool.worker_ids.as_ref().unwrap();
