@@ -97,6 +97,9 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let metrics = Metrics::new()?;
+    metrics.engine.set_series_cap(
+        usize::try_from(config.limits.max_engine_metric_workers).unwrap_or(usize::MAX),
+    );
     let grpc_local = grpc_listener.local_addr().ok();
     let security = Security::load(&config, grpc_local, &metrics)?;
     // Health says NOT_SERVING from the first moment until the snapshot is

@@ -8,6 +8,7 @@
 //! same parsers and error messages as flags.
 
 mod cluster;
+mod limits;
 mod security;
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
@@ -15,6 +16,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{Args, ValueEnum, parser::ValueSource};
 
 pub use cluster::ClusterOptions;
+pub use limits::{LimitOptions, parse_bytes};
 pub use security::{Reflection, SecurityOptions};
 
 use crate::{
@@ -191,6 +193,9 @@ pub struct ServeConfig {
 
     #[command(flatten)]
     pub security: SecurityOptions,
+
+    #[command(flatten)]
+    pub limits: LimitOptions,
 }
 
 /// Parses `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`.
@@ -302,6 +307,7 @@ impl ServeConfig {
             engine: Vec::new(),
             cluster: ClusterOptions::default(),
             security: SecurityOptions::default(),
+            limits: LimitOptions::default(),
         }
     }
 
@@ -322,8 +328,11 @@ impl ServeConfig {
             limits: InputLimits {
                 max_events_per_batch: self.max_events_per_batch,
                 max_blocks_per_event: self.max_blocks_per_event,
+                max_engine_message_bytes: usize::try_from(self.limits.max_engine_message_bytes)
+                    .unwrap_or(usize::MAX),
             },
             replicas: self.cluster.replica_settings(),
+            registry_limits: self.limits.registry_limits(),
         }
     }
 

@@ -78,6 +78,66 @@ pub struct EngineEventFamilies {
     pub connected_ranks: IntGaugeVec,
     /// `worker`; absent before the first batch
     pub last_event_age: GaugeVec,
+    /// Which workers have series of their own (`None` in the shadow).
+    series: Option<Arc<SeriesBudget>>,
+}
+
+/// At most `cap` workers get engine-event series: each one adds about 30,
+/// and a fleet of engines must not grow the scrape without bound. Workers
+/// past the cap count in `shadow`, the same families in a registry nobody
+/// scrapes, so `GetWorker` still reads their own counters; how many there
+/// are is `engine_event_workers_without_series`.
+struct SeriesBudget {
+    cap: std::sync::atomic::AtomicUsize,
+    exported: parking_lot::Mutex<std::collections::HashSet<crate::types::WorkerId>>,
+    shadow: EngineEventFamilies,
+    without_series: IntGauge,
+    without: parking_lot::Mutex<std::collections::HashSet<crate::types::WorkerId>>,
+}
+
+/// Default of `--max-engine-metric-workers`.
+pub const DEFAULT_ENGINE_SERIES_WORKERS: usize = 64;
+
+impl EngineEventFamilies {
+    /// Most workers with series of their own.
+    pub fn set_series_cap(&self, cap: usize) {
+        if let Some(series) = &self.series {
+            series.cap.store(cap, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The families `worker_id`'s counters go to: these while it has (or
+    /// can get) series of its own, the unscraped shadow past the cap.
+    pub fn families_for(&self, worker_id: crate::types::WorkerId) -> &EngineEventFamilies {
+        let Some(series) = &self.series else {
+            return self;
+        };
+        let cap = series.cap.load(std::sync::atomic::Ordering::Relaxed);
+        let mut exported = series.exported.lock();
+        if exported.contains(&worker_id) || exported.len() < cap {
+            exported.insert(worker_id);
+            return self;
+        }
+        let mut without = series.without.lock();
+        without.insert(worker_id);
+        series.without_series.set(without.len() as i64);
+        &series.shadow
+    }
+
+    /// Forgets `worker_id` (its subscription stopped): the families its
+    /// series were in, so the caller removes them there.
+    pub fn release(&self, worker_id: crate::types::WorkerId) -> &EngineEventFamilies {
+        let Some(series) = &self.series else {
+            return self;
+        };
+        if series.exported.lock().remove(&worker_id) {
+            return self;
+        }
+        let mut without = series.without.lock();
+        without.remove(&worker_id);
+        series.without_series.set(without.len() as i64);
+        &series.shadow
+    }
 }
 
 impl std::fmt::Debug for Metrics {
@@ -260,8 +320,27 @@ where
 }
 
 impl EngineEventFamilies {
-    /// Creates the engine-event families and registers them in `registry`.
+    /// Creates the engine-event families and registers them in `registry`,
+    /// with their cap of workers with series.
     fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let mut families = Self::families(registry)?;
+        families.series = Some(Arc::new(SeriesBudget {
+            cap: std::sync::atomic::AtomicUsize::new(DEFAULT_ENGINE_SERIES_WORKERS),
+            exported: Default::default(),
+            shadow: Self::families(&Registry::new())?,
+            without_series: registered(
+                registry,
+                IntGauge::new(
+                    "engine_event_workers_without_series",
+                    "Engine-subscribed workers past --max-engine-metric-workers: counted, not exported",
+                )?,
+            )?,
+            without: Default::default(),
+        }));
+        Ok(families)
+    }
+
+    fn families(registry: &Registry) -> Result<Self, prometheus::Error> {
         Ok(Self {
             batches: registered(
                 registry,
@@ -413,6 +492,7 @@ impl EngineEventFamilies {
                     &["worker"],
                 )?,
             )?,
+            series: None,
         })
     }
 }

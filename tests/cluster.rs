@@ -530,7 +530,13 @@ async fn a_batch_larger_than_a_nats_message_is_applied_whole() {
     let _serial = SERIAL.lock().await;
     let nats = Nats::start("large");
     let replicas = three(&nats, "large", &[]).await;
-    register(&replicas[0].channel, 1).await;
+    WorkersClient::new(replicas[0].channel.clone())
+        .register_worker(pb::RegisterWorkerRequest {
+            total_kv_blocks: 1 << 17, // room for the 65,536 blocks
+            ..registration(1, MODEL)
+        })
+        .await
+        .expect("register");
     // Four events of 16,384 blocks: about 1.3 MB, over NATS's 1 MB.
     let events: Vec<pb::KvEvent> = (0..4u64)
         .map(|e| {

@@ -732,3 +732,92 @@ async fn replay_that_cannot_reach_back_leaves_the_rank_unsynced_until_cleared() 
     drop(engine);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// --- bounds on what an engine's stream may cost -------------------------------
+
+/// A message larger than `max_engine_message_bytes` is not decoded: it is
+/// counted as `too_large` and the stream goes on. Engines past
+/// `max_engine_metric_workers` are counted, not exported per worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_messages_and_series_past_the_cap() {
+    let dir = temp_dir("engine-bounds");
+    let mut config = ServeConfig::for_tests();
+    config.limits.max_engine_message_bytes = 1 << 20;
+    config.limits.max_engine_metric_workers = 1;
+    let server = TestServer::start_with(config).await;
+    let endpoints: Vec<String> = (0..2)
+        .map(|i| format!("ipc://{}/pub{i}.sock", dir.display()))
+        .collect();
+    let mut engines = Vec::new();
+    for (i, ep) in endpoints.iter().enumerate() {
+        let mut engine = PubSocket::new();
+        engine.bind(ep).await.unwrap();
+        server
+            .register(engine_registration(20 + i as u64, ep))
+            .await;
+        wait_worker(&server, 20 + i as u64, "connected", |w| {
+            w.subscription.contains(" connected,")
+        })
+        .await;
+        engines.push(engine);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let engine = &mut engines[0];
+    // 2 MiB of msgpack nil inside a valid-looking batch.
+    let mut huge = stored(1, None, 10);
+    huge.extend(std::iter::repeat_n(0xc0, 2 << 20));
+    send(engine, vec![vec![], seq(0), huge]).await;
+    send(engine, vec![vec![], seq(1), stored(2, None, 12)]).await;
+    let info = wait_worker(&server, 20, "the next batch", |w| cached(w) == 1).await;
+    assert!(
+        info.subscription.contains("1 decode error"),
+        "{}",
+        info.subscription
+    );
+
+    let (_, body) = server.http_get("/metrics").await;
+    assert!(
+        body.contains(
+            r#"kvroute_engine_event_decode_errors_total{reason="too_large",worker="20"} 1"#
+        ),
+        "{body}"
+    );
+    // Worker 21 is past the cap of one: no series of its own, counted.
+    assert!(!body.contains(r#"worker="21""#), "{body}");
+    assert!(
+        body.contains("kvroute_engine_event_workers_without_series 1"),
+        "{body}"
+    );
+    // Its own counters still reach GetWorker.
+    send(&mut engines[1], vec![vec![], seq(0), stored(3, None, 14)]).await;
+    let info = wait_worker(&server, 21, "its batch", |w| cached(w) == 1).await;
+    assert!(
+        info.subscription.contains("last seq 0"),
+        "{}",
+        info.subscription
+    );
+
+    // When worker 20 goes, the next subscription may have series again.
+    server
+        .workers()
+        .deregister_worker(pb::DeregisterWorkerRequest { worker_id: 20 })
+        .await
+        .unwrap();
+    server
+        .workers()
+        .deregister_worker(pb::DeregisterWorkerRequest { worker_id: 21 })
+        .await
+        .unwrap();
+    let (_, body) = server.http_get("/metrics").await;
+    assert!(
+        body.contains("kvroute_engine_event_workers_without_series 0"),
+        "{body}"
+    );
+    server
+        .register(engine_registration(22, &endpoints[1]))
+        .await;
+    let (_, body) = server.http_get("/metrics").await;
+    assert!(body.contains(r#"worker="22""#), "{body}");
+    server.stop().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -131,6 +131,7 @@ impl WorkerEventMetrics {
     /// Binds `worker_id`'s series in `families`: from now on they exist (at
     /// zero until counted) and count through the returned handles.
     pub fn bound(families: &EngineEventFamilies, worker_id: WorkerId) -> Self {
+        let families = families.families_for(worker_id);
         let w = worker_id.to_string();
         let w = w.as_str();
         let one = |family: &prometheus::IntCounterVec| family.with_label_values(&[w]);
@@ -172,7 +173,7 @@ impl WorkerEventMetrics {
     /// Removes every series of `worker_id` from `families` (its
     /// subscription stopped); handles still held count into nothing.
     pub fn unbind(families: &EngineEventFamilies, worker_id: WorkerId) {
-        let f = families;
+        let f = families.release(worker_id);
         let w = worker_id.to_string();
         let w = w.as_str();
         for family in [

@@ -127,6 +127,10 @@ pub struct RankEndpoints {
     pub replay_endpoint: Option<String>,
 }
 
+/// Default of [`EngineEventsConfig::max_message_bytes`]: far above any
+/// real batch (a few hundred kB at most).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
+
 /// Engine-event subscription of one worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineEventsConfig {
@@ -159,6 +163,9 @@ pub struct EngineEventsConfig {
     pub connect_timeout: Duration,
     /// How long one replay may take before it is abandoned.
     pub replay_timeout: Duration,
+    /// Largest message (all frames) decoded; larger ones are counted as
+    /// `too_large` and skipped (a live one is a lost batch, found as a gap).
+    pub max_message_bytes: usize,
     /// Saved last-applied engine sequence per dp rank (from
     /// [`WorkerSubscription::last_sequences`] before a restart): such a rank
     /// starts as if it had applied everything up to it, so its first live
@@ -197,6 +204,7 @@ impl EngineEventsConfig {
             topic: String::new(),
             kv_group: Some(0),
             lora_names: HashMap::new(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             reconnect_initial: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(2),

@@ -109,12 +109,13 @@ impl WorkerSubscription {
 }
 
 #[derive(Clone, Debug)]
-struct RankSettings {
+pub(crate) struct RankSettings {
     topic: String,
     connect_timeout: Duration,
     replay_timeout: Duration,
     reconnect_initial: Duration,
     reconnect_max: Duration,
+    max_message_bytes: usize,
 }
 
 /// Start one subscriber task per configured dp rank of a worker on
@@ -136,6 +137,7 @@ pub fn spawn_worker<S: EventSink>(
         replay_timeout: cfg.replay_timeout,
         reconnect_initial: cfg.reconnect_initial,
         reconnect_max: cfg.reconnect_max,
+        max_message_bytes: cfg.max_message_bytes,
     };
     let mut tasks = Vec::with_capacity(cfg.dp_ranks.len());
     let mut ranks = Vec::with_capacity(cfg.dp_ranks.len());
@@ -201,7 +203,7 @@ async fn run_rank<S: EventSink>(
                 // resumed from a snapshot, since) at once; an idle engine
                 // sends no live batch to reveal the gap.
                 if let (Some(start), Some(replay)) = (proc.take_catch_up(), &eps.replay_endpoint) {
-                    replay_from(&mut proc, replay, start, s.replay_timeout).await;
+                    replay_from(&mut proc, replay, start, &s).await;
                 }
                 let why = session(&mut proc, &mut sub, &mut monitor, &eps, &s, &cancel).await;
                 drop(sub);
@@ -270,6 +272,10 @@ async fn handle_live<S: EventSink>(
     s: &RankSettings,
 ) {
     let frames = msg.into_vec();
+    if let Err(e) = wire::check_message_size(&frames, s.max_message_bytes) {
+        proc.count_error(&e);
+        return;
+    }
     let live = match wire::parse_live_frames(&frames) {
         Ok(l) => l,
         Err(e) => {
@@ -280,7 +286,7 @@ async fn handle_live<S: EventSink>(
     if let Some(missing) = proc.on_live(live.seq).await
         && let Some(replay) = &eps.replay_endpoint
     {
-        replay_from(proc, replay, missing.start, s.replay_timeout).await;
+        replay_from(proc, replay, missing.start, s).await;
     }
     proc.apply_batch(live.seq, live.payload).await;
 }
@@ -291,7 +297,7 @@ pub(crate) async fn replay_from<S: EventSink>(
     proc: &mut RankProcessor<S>,
     endpoint: &str,
     start: u64,
-    timeout: Duration,
+    s: &RankSettings,
 ) {
     let metrics = Arc::clone(&proc.metrics);
     WorkerEventMetrics::inc(&metrics.replays_requested);
@@ -304,6 +310,10 @@ pub(crate) async fn replay_from<S: EventSink>(
         dealer.send(req).await.map_err(|e| e.to_string())?;
         loop {
             let frames = dealer.recv().await.map_err(|e| e.to_string())?.into_vec();
+            if let Err(e) = wire::check_message_size(&frames, s.max_message_bytes) {
+                proc.count_error(&e);
+                continue;
+            }
             match wire::parse_replay_frames(&frames) {
                 Ok(ReplayFrame::End) => return Ok::<(), String>(()),
                 Ok(ReplayFrame::Batch { seq, payload }) => {
@@ -314,7 +324,7 @@ pub(crate) async fn replay_from<S: EventSink>(
             }
         }
     };
-    match tokio::time::timeout(timeout, run).await {
+    match tokio::time::timeout(s.replay_timeout, run).await {
         Ok(Ok(())) => tracing::info!(%target, start, "replay complete"),
         Ok(Err(e)) => {
             WorkerEventMetrics::inc(&metrics.replay_failures);

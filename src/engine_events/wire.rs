@@ -78,10 +78,12 @@ pub enum DecodeReason {
     TokenCount,
     /// An extra key kvroute cannot fold into its hashes (e.g. prompt embeds).
     UnsupportedExtraKey,
+    /// The message is larger than `max_message_bytes`: not decoded.
+    TooLarge,
 }
 
 impl DecodeReason {
-    pub const ALL: [DecodeReason; 11] = [
+    pub const ALL: [DecodeReason; 12] = [
         DecodeReason::FrameCount,
         DecodeReason::SeqLength,
         DecodeReason::Msgpack,
@@ -93,6 +95,7 @@ impl DecodeReason {
         DecodeReason::BlockSizeMismatch,
         DecodeReason::TokenCount,
         DecodeReason::UnsupportedExtraKey,
+        DecodeReason::TooLarge,
     ];
 
     /// Stable snake_case label for metrics.
@@ -109,6 +112,7 @@ impl DecodeReason {
             DecodeReason::BlockSizeMismatch => "block_size_mismatch",
             DecodeReason::TokenCount => "token_count",
             DecodeReason::UnsupportedExtraKey => "unsupported_extra_key",
+            DecodeReason::TooLarge => "too_large",
         }
     }
 
@@ -124,6 +128,20 @@ impl DecodeReason {
 pub struct DecodeError {
     pub reason: DecodeReason,
     pub detail: String,
+}
+
+/// Refuses a message whose frames together are larger than `max` bytes,
+/// before anything in it is decoded: a payload decodes into several times
+/// its size, and an engine's message is untrusted.
+pub fn check_message_size(frames: &[bytes::Bytes], max: usize) -> Result<(), DecodeError> {
+    let size = frames.iter().fold(0usize, |n, f| n.saturating_add(f.len()));
+    if size > max {
+        return Err(DecodeError::new(
+            DecodeReason::TooLarge,
+            format!("{size} bytes is over the limit of {max}"),
+        ));
+    }
+    Ok(())
 }
 
 impl DecodeError {

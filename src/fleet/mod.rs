@@ -126,7 +126,8 @@ impl Drop for Turn<'_> {
 
 impl Fleet {
     pub fn new(router: Arc<RouterCore>, ingest: IngestHandle) -> Self {
-        let subscriptions = Subscriptions::new(ingest.clone(), router.metrics().clone());
+        let subscriptions = Subscriptions::new(ingest.clone(), router.metrics().clone())
+            .with_max_message_bytes(router.config().limits.max_engine_message_bytes);
         Self {
             router,
             ingest,

@@ -122,6 +122,8 @@ pub struct Subscriptions {
     tracker: TaskTracker,
     stop_all: CancellationToken,
     running: Mutex<HashMap<WorkerId, Running>>,
+    /// Largest engine message decoded (`InputLimits::max_engine_message_bytes`).
+    max_message_bytes: usize,
 }
 
 impl std::fmt::Debug for Subscriptions {
@@ -131,6 +133,12 @@ impl std::fmt::Debug for Subscriptions {
 }
 
 impl Subscriptions {
+    /// Decode engine messages of at most `bytes`.
+    pub fn with_max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = bytes;
+        self
+    }
+
     pub fn new(ingest: IngestHandle, metrics: Arc<Metrics>) -> Self {
         Self {
             ingest,
@@ -139,6 +147,7 @@ impl Subscriptions {
             tracker: TaskTracker::new(),
             stop_all: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
+            max_message_bytes: crate::engine_events::DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 
@@ -212,6 +221,7 @@ impl Subscriptions {
             r.dp_start_rank,
             r.dp_size,
         )?;
+        cfg.max_message_bytes = self.max_message_bytes;
         cfg.resume_from = resume.sequences;
         cfg.resume_unsynced = resume.unsynced;
         cfg.resume_salts = resume.salts;

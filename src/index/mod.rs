@@ -79,6 +79,15 @@ pub enum IndexError {
         worker: WorkerRank,
         engine_hash: EngineHash,
     },
+    #[error(
+        "{worker}: storing {blocks} blocks would take it past its KV capacity of {capacity} blocks (it holds {held})"
+    )]
+    OverCapacity {
+        worker: WorkerRank,
+        blocks: usize,
+        held: u64,
+        capacity: u64,
+    },
     #[error("{worker}: stored {blocks} blocks in one event, more than the {max} the index takes")]
     TooManyBlocks {
         worker: WorkerRank,
@@ -194,6 +203,13 @@ impl KvIndex {
     /// (room comes back when a target goes); forgotten with the target.
     pub fn reserve(&self, worker: WorkerRank, blocks: u64) {
         self.core.write().reserve(worker, blocks);
+    }
+
+    /// Holds `worker` to `blocks` cached blocks, its KV capacity: a store
+    /// that would take it past them is rejected
+    /// ([`IndexError::OverCapacity`]). Forgotten with the target.
+    pub fn limit_capacity(&self, worker: WorkerRank, blocks: u64) {
+        self.core.write().limit_capacity(worker, blocks);
     }
 
     /// Drop every dp rank of `worker` and all their blocks; returns blocks dropped.

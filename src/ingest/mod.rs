@@ -206,13 +206,11 @@ impl IngestHandle {
         answer.await.map_err(|_| IngestError::WriterStopped)?
     }
 
-    /// Sizes the index tables of a registered worker's dp ranks for its KV
-    /// capacity (see [`KvIndex::reserve`]), in order with the
-    /// jobs queued before. Nothing to do for a worker that declares none.
+    /// Holds a registered worker's dp ranks to their KV capacity in the
+    /// index (declared, or the registry's default; see
+    /// [`KvIndex::limit_capacity`]) and sizes their tables for a declared
+    /// one (see [`KvIndex::reserve`]), in order with the jobs queued before.
     pub async fn reserve(&self, worker: &WorkerSnapshot) {
-        if worker.total_kv_blocks == 0 {
-            return;
-        }
         let job = Job::Reserve {
             worker: worker.clone(),
         };
@@ -349,17 +347,20 @@ impl EventWriter {
             .fold((0, 0), |(s, r), c| (s + c.skipped, r + c.rejected))
     }
 
-    /// Sizes the index tables of `worker`'s dp ranks for its KV capacity.
+    /// Holds `worker`'s dp ranks to their KV capacity and sizes their tables.
     pub fn reserve(&self, worker: &WorkerSnapshot) {
-        if worker.total_kv_blocks == 0 {
-            return;
-        }
+        let capacity = self
+            .router
+            .config()
+            .registry_limits
+            .rank_capacity(worker.total_kv_blocks);
         if let Some(index) = self.router.index_of(&worker.model) {
             for rank in worker.ranks() {
-                index.reserve(
-                    WorkerRank::new(worker.worker_id, rank),
-                    worker.total_kv_blocks,
-                );
+                let target = WorkerRank::new(worker.worker_id, rank);
+                index.limit_capacity(target, capacity);
+                if worker.total_kv_blocks > 0 {
+                    index.reserve(target, worker.total_kv_blocks);
+                }
             }
         }
     }
@@ -566,5 +567,6 @@ fn rejection_reason(error: &IndexError) -> &'static str {
         IndexError::UnknownParent { .. } => "unknown_parent",
         IndexError::EngineHashConflict { .. } => "engine_hash_conflict",
         IndexError::TooManyBlocks { .. } => "too_many_blocks",
+        IndexError::OverCapacity { .. } => "over_capacity",
     }
 }

@@ -16,7 +16,12 @@ use std::{
 
 use crate::types::{DpRank, RankLoad, WorkerId, WorkerRole, WorkerSnapshot};
 
-/// Largest number of dp ranks one worker may declare.
+mod limits;
+
+pub use limits::{INDEX_BYTES_PER_BLOCK, RegistryLimits};
+
+/// Largest number of dp ranks one worker may declare, whatever
+/// `RegistryLimits::max_ranks_per_worker` says.
 pub const MAX_DP_SIZE: u32 = 1024;
 /// Largest number of taints one worker may declare.
 pub const MAX_TAINTS: usize = 64;
@@ -149,6 +154,15 @@ pub enum RegistryError {
         start: DpRank,
         end: u64,
     },
+    /// A server-side limit (see [`RegistryLimits`]) refuses the
+    /// registration; `limit` is the setting's name.
+    #[error("worker {worker_id}: {message}; the server's limit {limit} is {max}")]
+    LimitReached {
+        worker_id: WorkerId,
+        limit: &'static str,
+        max: u64,
+        message: String,
+    },
 }
 
 /// What a registration did.
@@ -167,6 +181,7 @@ pub struct RegisterOutcome {
 /// The registry of workers.
 #[derive(Debug, Default)]
 pub struct Registry {
+    limits: RegistryLimits,
     workers: HashMap<WorkerId, WorkerRecord>,
     next_generation: u64,
     /// Per model, its workers' snapshots sorted by id, rebuilt on every
@@ -178,6 +193,23 @@ pub struct Registry {
 impl Registry {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A registry whose registrations are held to `limits`.
+    pub fn with_limits(limits: RegistryLimits) -> Self {
+        Self {
+            limits,
+            ..Self::default()
+        }
+    }
+
+    pub fn limits(&self) -> &RegistryLimits {
+        &self.limits
+    }
+
+    /// The capacity a worker's every dp rank is held to in the index.
+    pub fn rank_capacity(&self, declared_total_kv_blocks: u64) -> u64 {
+        self.limits.rank_capacity(declared_total_kv_blocks)
     }
 
     /// Makes the next registration's generation `generation` (cluster mode:
@@ -194,7 +226,95 @@ impl Registry {
         default_lease: Duration,
         now: Instant,
     ) -> Result<RegisterOutcome, RegistryError> {
+        self.check_limits(&registration)?;
         self.register_with(registration, default_lease, now, |_| {})
+    }
+
+    /// Refuses a registration past a server-side limit (see
+    /// [`RegistryLimits`]), naming it. A snapshot's workers are not
+    /// checked: they were accepted once, and are not lost to a lowered
+    /// limit.
+    fn check_limits(&self, r: &Registration) -> Result<(), RegistryError> {
+        let limits = &self.limits;
+        let worker_id = r.worker_id;
+        let reached = |limit: &'static str, max: u64, message: String| {
+            Err(RegistryError::LimitReached {
+                worker_id,
+                limit,
+                max,
+                message,
+            })
+        };
+        let previous = self.workers.get(&worker_id);
+        if previous.is_none() && self.workers.len() >= limits.max_workers {
+            return reached(
+                "max_workers",
+                limits.max_workers as u64,
+                format!("{} workers are registered", self.workers.len()),
+            );
+        }
+        let other_models: std::collections::HashSet<&str> = self
+            .workers
+            .values()
+            .filter(|w| w.registration.worker_id != worker_id)
+            .map(|w| w.registration.model.as_str())
+            .collect();
+        if !other_models.contains(r.model.as_str()) && other_models.len() >= limits.max_models {
+            return reached(
+                "max_models",
+                limits.max_models as u64,
+                format!(
+                    "model {:?} would be one more than the {} registered",
+                    r.model,
+                    other_models.len()
+                ),
+            );
+        }
+        let dp_size = r.dp_size.max(1);
+        if dp_size > limits.max_ranks_per_worker {
+            return reached(
+                "max_ranks_per_worker",
+                u64::from(limits.max_ranks_per_worker),
+                format!("dp_size {dp_size} is more ranks than one worker may have"),
+            );
+        }
+        if r.total_kv_blocks > limits.max_kv_blocks_per_rank {
+            return reached(
+                "max_kv_blocks_per_rank",
+                limits.max_kv_blocks_per_rank,
+                format!(
+                    "total_kv_blocks {} is more than one rank may declare",
+                    r.total_kv_blocks
+                ),
+            );
+        }
+        let claim = |total_kv_blocks: u64, dp_size: u32| {
+            limits
+                .rank_capacity(total_kv_blocks)
+                .saturating_mul(u64::from(dp_size.max(1)))
+        };
+        let others: u64 = self
+            .workers
+            .values()
+            .filter(|w| w.registration.worker_id != worker_id)
+            .map(|w| claim(w.registration.total_kv_blocks, w.registration.dp_size))
+            .fold(0, u64::saturating_add);
+        let wanted = claim(r.total_kv_blocks, dp_size);
+        let budget = limits.budget_blocks();
+        if others.saturating_add(wanted) > budget {
+            return reached(
+                "index_memory_budget",
+                limits.index_memory_budget,
+                format!(
+                    "its {dp_size} rank(s) of {} blocks would take the capacity registered to \
+                     {} blocks of the {budget} ({INDEX_BYTES_PER_BLOCK} bytes each) the index \
+                     memory budget allows",
+                    limits.rank_capacity(r.total_kv_blocks),
+                    others.saturating_add(wanted),
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// [`Self::register`], letting `adjust` set what a snapshot restores
@@ -328,6 +448,16 @@ impl Registry {
             .workers
             .get_mut(&worker_id)
             .ok_or(RegistryError::UnknownWorker { worker_id })?;
+        if loads.len() > record.registration.dp_size as usize {
+            return Err(RegistryError::Invalid {
+                worker_id,
+                message: format!(
+                    "load: {} entries for a worker of {} dp rank(s)",
+                    loads.len(),
+                    record.registration.dp_size
+                ),
+            });
+        }
         if let Some((dp_rank, _)) = loads.iter().find(|(rank, _)| !record.has_rank(*rank)) {
             let r = &record.registration;
             return Err(RegistryError::UnknownRank {

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use crate::registry::RegistryLimits;
+
 /// Default weight of prefill cost against decode cost. Dynamo's router uses
 /// 1.0 (and `--overlap-weight 1 --overlap-credit 0` reproduces its choices);
 /// trace replay showed a high weight best for time to first token on both
@@ -24,6 +26,8 @@ pub struct InputLimits {
     pub max_events_per_batch: u32,
     /// Most blocks in one stored event, and prompt blocks per request.
     pub max_blocks_per_event: u32,
+    /// Largest ZeroMQ message decoded from an engine, in bytes.
+    pub max_engine_message_bytes: usize,
 }
 
 impl Default for InputLimits {
@@ -31,6 +35,7 @@ impl Default for InputLimits {
         Self {
             max_events_per_batch: 4096,
             max_blocks_per_event: 16384,
+            max_engine_message_bytes: crate::engine_events::DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
@@ -108,6 +113,8 @@ pub struct RouterConfig {
     pub limits: InputLimits,
     /// The replicas this core is one of (cluster mode); one by default.
     pub replicas: ReplicaSettings,
+    /// What registrations may claim (workers, models, ranks, capacity).
+    pub registry_limits: RegistryLimits,
 }
 
 impl Default for RouterConfig {
@@ -126,6 +133,7 @@ impl Default for RouterConfig {
             seed: 0,
             limits: InputLimits::default(),
             replicas: ReplicaSettings::default(),
+            registry_limits: RegistryLimits::default(),
         }
     }
 }

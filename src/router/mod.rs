@@ -94,7 +94,7 @@ impl RouterCore {
     pub fn new(config: RouterConfig, metrics: Arc<Metrics>) -> Self {
         Self {
             members: RwLock::new(Members {
-                registry: Registry::new(),
+                registry: Registry::with_limits(config.registry_limits),
                 indexes: HashMap::new(),
             }),
             routing: RwLock::new(routing::RoutingState::new(

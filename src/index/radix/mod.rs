@@ -176,6 +176,11 @@ pub struct IndexCore {
     reserved: FxHashMap<WorkerRank, u64>,
     /// Most room granted to all slots together, in blocks.
     reserve_budget: u64,
+    /// Most engine hashes each target may hold (its declared KV capacity):
+    /// an engine cannot cache more, so a store past it is rejected, and one
+    /// worker cannot grow the index without bound. Targets not here are
+    /// not held to one (the index's own tests and benchmarks).
+    capacity: FxHashMap<WorkerRank, u64>,
     /// (position, slot) -> references beyond the first.
     extra_refs: FxHashMap<(Pos, u32), u32>,
     /// Scratch: engine hashes added by the store being applied.
@@ -231,6 +236,7 @@ impl IndexCore {
             free_slots: BTreeSet::new(),
             reserved: FxHashMap::default(),
             reserve_budget: MAX_RESERVED_TOTAL,
+            capacity: FxHashMap::default(),
             extra_refs: FxHashMap::default(),
             undo: Vec::new(),
             pending: Vec::new(),

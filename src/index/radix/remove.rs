@@ -284,6 +284,7 @@ impl IndexCore {
 
     pub fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
         self.reserved.remove(&worker);
+        self.capacity.remove(&worker);
         match self.slot_of.get(&worker).copied() {
             Some(s) => {
                 let n = self.clear_slot(s);
@@ -296,6 +297,7 @@ impl IndexCore {
 
     pub fn remove_worker(&mut self, worker: WorkerId) -> u64 {
         self.reserved.retain(|r, _| r.worker_id != worker);
+        self.capacity.retain(|r, _| r.worker_id != worker);
         let ranks: Vec<WorkerRank> = self
             .slot_of
             .keys()

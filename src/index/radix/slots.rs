@@ -139,6 +139,12 @@ impl IndexCore {
         }
     }
 
+    /// Hold target `worker` to `blocks` engine hashes (its KV capacity):
+    /// stores past it are rejected. Forgotten with the target.
+    pub fn limit_capacity(&mut self, worker: WorkerRank, blocks: u64) {
+        self.capacity.insert(worker, blocks);
+    }
+
     fn reserve_slot(&mut self, s: u32, blocks: u64) {
         let others = self.reserved_room() - self.slots.get(s as usize).map_or(0, |x| x.reserved);
         let grant = blocks.min(self.reserve_budget.saturating_sub(others));

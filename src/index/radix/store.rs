@@ -54,6 +54,28 @@ impl IndexCore {
         if blocks.is_empty() {
             return Ok(ApplyOutcome::default());
         }
+        // Held to capacity before anything changes. Near it, only blocks
+        // the target does not hold yet count (one probe each).
+        if let Some(&capacity) = self.capacity.get(&worker) {
+            let held = existing
+                .and_then(|s| self.slots.get(s as usize))
+                .map_or(0, |x| x.count);
+            let new = if held.saturating_add(blocks.len() as u64) <= capacity {
+                0
+            } else {
+                let fresh =
+                    |&&(e, _): &&Block| existing.is_none_or(|s| self.lookup(s, e).is_none());
+                blocks.iter().filter(fresh).count() as u64
+            };
+            if held.saturating_add(new) > capacity {
+                return Err(IndexError::OverCapacity {
+                    worker,
+                    blocks: blocks.len(),
+                    held,
+                    capacity,
+                });
+            }
+        }
         let s = self.slot_or_create(worker);
         self.undo.clear();
         match self.store_blocks(s, parent_pos, blocks) {
