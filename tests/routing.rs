@@ -407,7 +407,7 @@ async fn busy_workers_reject_advise_queue_and_time_out() {
 
     // WAIT with a short deadline: DEADLINE_EXCEEDED, and nothing left behind.
     let mut request = tonic::Request::new(select_hashes("late", "m", &[50]));
-    request.set_timeout(Duration::from_millis(300));
+    request.set_timeout(Duration::from_millis(1000));
     let status = router.select_worker(request).await.unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert!(status.message().contains("late"));

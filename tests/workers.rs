@@ -262,7 +262,7 @@ async fn events_for_unknown_workers_ranks_and_oversized_batches_are_refused() {
         ),
         (
             batch(1, 5, vec![stored(0, None, &[(1, 1)])]),
-            Code::NotFound,
+            Code::FailedPrecondition,
             "dp_rank 5",
         ),
         (
@@ -361,7 +361,7 @@ async fn deregistering_drops_blocks_and_reregistering_updates() {
         })
         .await
         .unwrap_err();
-    assert_eq!(status.code(), Code::NotFound);
+    assert_eq!(status.code(), Code::FailedPrecondition);
     let removed = server
         .workers()
         .deregister_worker(pb::DeregisterWorkerRequest { worker_id: 1 })

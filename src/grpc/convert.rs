@@ -25,6 +25,23 @@ use crate::{
 /// Longest model, endpoint, taint, LoRA or id string accepted.
 pub const MAX_NAME_BYTES: usize = 1024;
 
+/// Most multimodal hashes one block may carry: one per image, audio or
+/// video clip whose tokens fall in the block; even a 512-token block holds
+/// only a few.
+pub const MAX_MM_HASHES_PER_BLOCK: usize = 64;
+
+/// Checks one block's multimodal hashes against
+/// [`MAX_MM_HASHES_PER_BLOCK`]; the error names no place (the caller does).
+fn mm_hashes_within_limit(info: &pb::BlockMultimodalInfo) -> Result<(), String> {
+    if info.mm_hashes.len() > MAX_MM_HASHES_PER_BLOCK {
+        return Err(format!(
+            "{} multimodal hashes in one block is over the limit of {MAX_MM_HASHES_PER_BLOCK}",
+            info.mm_hashes.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a string field's length.
 pub fn name(field: &str, value: &str) -> Result<(), InvalidInput> {
     if value.len() > MAX_NAME_BYTES {
@@ -280,6 +297,10 @@ fn stored_from_pb(
                         ),
                     ));
                 }
+                if let Some(info) = &block.mm_info {
+                    mm_hashes_within_limit(info)
+                        .map_err(|m| place.error(&format!("stored.blocks[{i}].mm_info"), m))?;
+                }
                 let mm = block.mm_info.map(|info| vec![info.mm_hashes]);
                 compute_block_hashes(&tokens.ids, block_size, &options, mm.as_deref())
                     .first()
@@ -363,11 +384,11 @@ pub fn select_request_from_pb(
     if request.request_id.is_empty() {
         return Err(InvalidInput::new("request_id", "must not be empty"));
     }
-    name("request_id", &request.request_id)?;
-    name("model", &request.model)?;
-    name("lora_name", &request.lora_name)?;
-    name("cache_namespace", &request.cache_namespace)?;
-    let at = RequestAt(request.request_id.clone());
+    let at = RequestAt::new(&request.request_id);
+    at.name("request_id", &request.request_id)?;
+    at.name("model", &request.model)?;
+    at.name("lora_name", &request.lora_name)?;
+    at.name("cache_namespace", &request.cache_namespace)?;
     let (phase, mode, admission) = modes_from_pb(&request, &at)?;
     let prompt = PromptParts {
         content: request.prompt.and_then(|p| p.content),
@@ -407,12 +428,34 @@ pub fn select_request_from_pb(
     })
 }
 
-/// Names a SelectWorker request in its field errors.
+/// Names a SelectWorker request in its field errors (by at most its first
+/// [`REQUEST_ID_SHOWN`] bytes: an over-long id is itself an error to report).
 struct RequestAt(String);
 
+/// How much of a request id an error message repeats.
+const REQUEST_ID_SHOWN: usize = 64;
+
 impl RequestAt {
+    fn new(request_id: &str) -> Self {
+        let mut end = request_id.len().min(REQUEST_ID_SHOWN);
+        while !request_id.is_char_boundary(end) {
+            end -= 1;
+        }
+        let shown = request_id.get(..end).unwrap_or_default();
+        if end < request_id.len() {
+            Self(format!("{shown}..."))
+        } else {
+            Self(shown.to_owned())
+        }
+    }
+
     fn error(&self, field: &str, message: impl std::fmt::Display) -> InvalidInput {
         InvalidInput::new(field, format!("request {:?}: {message}", self.0))
+    }
+
+    /// [`name`], naming the request.
+    fn name(&self, field: &str, value: &str) -> Result<(), InvalidInput> {
+        name(field, value).map_err(|e| self.error(field, e.message))
     }
 }
 
@@ -465,6 +508,9 @@ fn prompt_hashes(
             "block_mm_infos",
             format_args!("more than {max_blocks} entries"),
         ));
+    }
+    for (i, info) in prompt.block_mm_infos.iter().enumerate() {
+        mm_hashes_within_limit(info).map_err(|m| at.error(&format!("block_mm_infos[{i}]"), m))?;
     }
     let mm: Vec<Vec<u64>> = prompt
         .block_mm_infos
@@ -521,9 +567,9 @@ fn hints_from_pb(
         return Err(at.error("hints", "too many allowed workers or taints"));
     }
     for taint in &hints.tolerated_taints {
-        name("hints.tolerated_taints", taint)?;
+        at.name("hints.tolerated_taints", taint)?;
     }
-    name("hints.policy_class", &hints.policy_class)?;
+    at.name("hints.policy_class", &hints.policy_class)?;
     if !hints.priority_jump.is_finite() {
         return Err(at.error("hints.priority_jump", "must be a finite number"));
     }
@@ -550,7 +596,7 @@ fn session_from_pb(
     let Some(session) = session.filter(|s| !s.session_id.is_empty()) else {
         return Ok(None);
     };
-    name("session.session_id", &session.session_id)?;
+    at.name("session.session_id", &session.session_id)?;
     let mode = match pb::AffinityMode::try_from(session.mode) {
         Ok(pb::AffinityMode::None) => return Ok(None),
         Ok(pb::AffinityMode::Hard) => AffinityMode::Hard,

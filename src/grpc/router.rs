@@ -92,7 +92,7 @@ fn deadline<T>(request: &Request<T>, server_timeout: Duration) -> tokio::time::I
         .and_then(|v| v.to_str().ok())
         .and_then(parse_grpc_timeout);
     let budget = client.map_or(server_timeout, |c| c.min(server_timeout));
-    let margin = (budget / 20).min(Duration::from_millis(20));
+    let margin = (budget / 10).min(Duration::from_millis(50));
     tokio::time::Instant::now() + budget.saturating_sub(margin)
 }
 

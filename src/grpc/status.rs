@@ -38,10 +38,13 @@ impl From<RegistryError> for Status {
     fn from(error: RegistryError) -> Self {
         let code = match &error {
             RegistryError::Invalid { .. } => Code::InvalidArgument,
-            RegistryError::BlockSizeMismatch { .. } => Code::FailedPrecondition,
-            RegistryError::UnknownWorker { .. } | RegistryError::UnknownRank { .. } => {
-                Code::NotFound
+            // API.md: "a dp rank that cannot be resolved" is a precondition
+            // failure; the worker itself is known.
+            RegistryError::BlockSizeMismatch { .. } | RegistryError::UnknownRank { .. } => {
+                Code::FailedPrecondition
             }
+            RegistryError::UnknownWorker { .. } => Code::NotFound,
+            RegistryError::LimitReached { .. } => Code::ResourceExhausted,
         };
         Status::new(code, error.to_string())
     }

@@ -155,6 +155,14 @@ impl pb::workers_server::Workers for WorkersService {
             request.get_ref().worker_id,
         )?;
         let request = request.into_inner();
+        if request.load.len() > crate::registry::MAX_DP_SIZE as usize {
+            return Err(self.fail(Status::invalid_argument(format!(
+                "worker {}: load: {} entries is over the limit of {} (one per dp rank)",
+                request.worker_id,
+                request.load.len(),
+                crate::registry::MAX_DP_SIZE
+            ))));
+        }
         let loads: Vec<_> = request
             .load
             .iter()
