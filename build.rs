@@ -28,6 +28,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Packed prompts are hashed where they lie in the received buffer:
         // as `Bytes` the field is a view of it, not a copy.
         .bytes(".kvroute.v1.Prompt.packed_token_ids")
+        // The same message with a decoder that reads varint token ids
+        // straight from the received slice (src/pb/token_ids.rs).
+        .extern_path(".kvroute.v1.TokenIds", "crate::pb::token_ids::TokenIds")
         .build_client(true)
         .build_server(true)
         .compile_fds(file_descriptors)?;
