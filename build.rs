@@ -25,6 +25,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prost::Message::encode_to_vec(&file_descriptors),
     )?;
     tonic_prost_build::configure()
+        // Packed prompts are hashed where they lie in the received buffer:
+        // as `Bytes` the field is a view of it, not a copy.
+        .bytes(".kvroute.v1.Prompt.packed_token_ids")
+        // The same message with a decoder that reads varint token ids
+        // straight from the received slice (src/pb/token_ids.rs).
+        .extern_path(".kvroute.v1.TokenIds", "crate::pb::token_ids::TokenIds")
         .build_client(true)
         .build_server(true)
         .compile_fds(file_descriptors)?;

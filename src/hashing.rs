@@ -69,29 +69,88 @@ pub fn compute_block_hashes(
     if block_size == 0 {
         return Vec::new();
     }
-    let seed = opts.seed();
     let bs = block_size as usize;
+    let mut hasher = BlockHasher::new(opts, bs, block_mm_hashes);
     let mut out = Vec::with_capacity(tokens.len() / bs);
-    let mut bytes: Vec<u8> = Vec::with_capacity(bs * 4);
-    let mut mm_sorted: Vec<u64> = Vec::new();
     for (i, block) in tokens.chunks_exact(bs).enumerate() {
-        bytes.clear();
+        hasher.scratch.clear();
         for t in block {
-            bytes.extend_from_slice(&t.to_le_bytes());
+            hasher.scratch.extend_from_slice(&t.to_le_bytes());
         }
-        if let Some(mm) = block_mm_hashes.and_then(|all| all.get(i))
-            && !mm.is_empty()
-        {
-            mm_sorted.clear();
-            mm_sorted.extend_from_slice(mm);
-            mm_sorted.sort_unstable();
-            for h in &mm_sorted {
-                bytes.extend_from_slice(&h.to_le_bytes());
-            }
-        }
-        out.push(xxh3_64_with_seed(&bytes, seed));
+        out.push(hasher.hash_scratch(i));
     }
     out
+}
+
+/// [`compute_block_hashes`] of token ids already written as little-endian
+/// `u32` bytes (`packed_token_ids` on the wire), which is the very input the
+/// hash is defined over: a block without multimodal objects is hashed where
+/// it lies, with no copy. Trailing bytes short of a whole token are ignored
+/// like a partial block; callers validate the length first.
+pub fn compute_block_hashes_le(
+    token_bytes: &[u8],
+    block_size: u32,
+    opts: &HashOptions<'_>,
+    block_mm_hashes: Option<&[Vec<u64>]>,
+) -> Vec<LocalHash> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let block_bytes = block_size as usize * 4;
+    let mut hasher = BlockHasher::new(opts, block_size as usize, block_mm_hashes);
+    let mut out = Vec::with_capacity(token_bytes.len() / block_bytes);
+    for (i, block) in token_bytes.chunks_exact(block_bytes).enumerate() {
+        if hasher.mm_of(i).is_none() {
+            out.push(xxh3_64_with_seed(block, hasher.seed));
+        } else {
+            hasher.scratch.clear();
+            hasher.scratch.extend_from_slice(block);
+            out.push(hasher.hash_scratch(i));
+        }
+    }
+    out
+}
+
+/// The state one prompt's blocks share: the seed, the multimodal lists and
+/// one scratch buffer reused for every block that needs copying.
+struct BlockHasher<'m> {
+    seed: u64,
+    mm: Option<&'m [Vec<u64>]>,
+    scratch: Vec<u8>,
+    mm_sorted: Vec<u64>,
+}
+
+impl<'m> BlockHasher<'m> {
+    fn new(opts: &HashOptions<'_>, block_size: usize, mm: Option<&'m [Vec<u64>]>) -> Self {
+        Self {
+            seed: opts.seed(),
+            mm,
+            scratch: Vec::with_capacity(block_size * 4),
+            mm_sorted: Vec::new(),
+        }
+    }
+
+    /// Block `i`'s multimodal hashes, if it has any.
+    fn mm_of(&self, i: usize) -> Option<&'m [u64]> {
+        self.mm
+            .and_then(|all| all.get(i))
+            .map(Vec::as_slice)
+            .filter(|mm| !mm.is_empty())
+    }
+
+    /// The hash of block `i` whose token bytes are in `scratch`: its sorted
+    /// multimodal hashes are appended first.
+    fn hash_scratch(&mut self, i: usize) -> LocalHash {
+        if let Some(mm) = self.mm_of(i) {
+            self.mm_sorted.clear();
+            self.mm_sorted.extend_from_slice(mm);
+            self.mm_sorted.sort_unstable();
+            for h in &self.mm_sorted {
+                self.scratch.extend_from_slice(&h.to_le_bytes());
+            }
+        }
+        xxh3_64_with_seed(&self.scratch, self.seed)
+    }
 }
 
 #[cfg(test)]
@@ -137,5 +196,26 @@ mod tests {
         assert_eq!(a, b);
         assert_ne!(a[0], plain[0]);
         assert_eq!(a[1], plain[1]);
+    }
+
+    #[test]
+    fn packed_bytes_hash_like_token_ids() {
+        let toks: Vec<u32> = (0..100).map(|t| t * 70_001).collect();
+        let packed: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let lora = HashOptions {
+            lora_name: Some("l"),
+            cache_namespace: Some("n"),
+        };
+        let mm = [vec![9, 4], vec![], vec![7]];
+        for opts in [HashOptions::plain(), lora] {
+            for mm in [None, Some(&mm[..])] {
+                for bs in [0, 1, 16, 33] {
+                    assert_eq!(
+                        compute_block_hashes_le(&packed, bs, &opts, mm),
+                        compute_block_hashes(&toks, bs, &opts, mm),
+                    );
+                }
+            }
+        }
     }
 }

@@ -28,10 +28,14 @@ pub mod tools;
 pub mod trace;
 pub mod types;
 
-/// Code generated from `proto/kvroute/v1/*.proto`.
+/// Code generated from `proto/kvroute/v1/*.proto`, and `TokenIds`, one of
+/// its messages decoded by hand (`pb/token_ids.rs`).
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
 pub mod pb {
     tonic::include_proto!("kvroute.v1");
+
+    pub mod token_ids;
+    pub use token_ids::TokenIds;
 
     /// The encoded file descriptor set of the kvroute API, for reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] =

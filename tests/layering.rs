@@ -238,6 +238,16 @@ fn every_module_imports_only_modules_drawn_below_it() {
     );
     let mut problems = Vec::new();
     for (module, imports) in &graph.top {
+        // Generated code (and a message of it written by hand) sits below
+        // every row: it may import nothing of the crate.
+        if GENERATED.contains(&module.as_str()) {
+            if !imports.is_empty() {
+                problems.push(format!(
+                    "`{module}` is used by every layer but imports {imports:?}"
+                ));
+            }
+            continue;
+        }
         let Some(&row) = row_of.get(module.as_str()) else {
             problems.push(format!("`{module}` is not in the diagram"));
             continue;

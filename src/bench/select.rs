@@ -1,8 +1,13 @@
 //! `kvroute bench select`: many concurrent gRPC clients calling SelectWorker
 //! on loopback with prompts from a Mooncake trace, against 64 workers whose
-//! index was warmed with the trace's earlier requests; then the same load of
-//! `grpc.health.v1.Health/Check` on the same server, in the same run, so the
-//! two can be compared as ratios on a noisy machine.
+//! index was warmed with the trace's earlier requests, in rounds alternating
+//! with the same load of `grpc.health.v1.Health/Check` on the same server, so
+//! the two can be compared as ratios on a noisy machine.
+//!
+//! Prompts go as block hashes (default), token ids as varints
+//! (`--send-tokens`) or packed little-endian (`--packed-tokens`). QUERY_ONLY
+//! by default; `--lifecycle` is a frontend's whole path: SelectWorker
+//! RESERVE, MarkPrefillComplete, ReleaseRequest, each call timed apart.
 
 use std::{
     sync::Arc,
@@ -50,16 +55,40 @@ pub struct SelectBenchArgs {
     /// Send prompts as token ids (the server hashes them) instead of block hashes.
     #[arg(long)]
     pub send_tokens: bool,
+    /// Send token ids as `packed_token_ids` (4 bytes each, little-endian)
+    /// instead of varints; implies --send-tokens.
+    #[arg(long)]
+    pub packed_tokens: bool,
+    /// Book and release as a frontend does: SelectWorker with RESERVE, then
+    /// MarkPrefillComplete, then ReleaseRequest, each call timed apart.
+    #[arg(long)]
+    pub lifecycle: bool,
+    /// Rounds of alternating phases (SelectWorker then Health/Check, then
+    /// the other way round, ...), --seconds shared among them, so that both
+    /// RPCs see the same background load.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Pads each Health/Check request's service name to this many bytes (the
+    /// check then answers NOT_FOUND, counted as errors): what moving a
+    /// prompt-sized message costs the transport alone, to set beside
+    /// SelectWorker.
+    #[arg(long, default_value_t = 0)]
+    pub health_padding: usize,
     /// Serve and call over mTLS with an auth policy (certificates made for
     /// the run), to measure what TLS and authorization cost.
     #[arg(long, conflicts_with = "addr")]
     pub tls: bool,
 }
 
-/// One phase's figures.
+/// One RPC's figures over every round.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PhaseReport {
     pub rpc: &'static str,
+    /// How the prompt was sent: `block_hashes`, `token_ids` or
+    /// `packed_token_ids` (empty for Health/Check).
+    pub prompt: &'static str,
+    /// `query_only` or `lifecycle`.
+    pub mode: &'static str,
     pub calls: u64,
     pub errors: u64,
     pub calls_per_s: f64,
@@ -67,8 +96,21 @@ pub struct PhaseReport {
     pub latency: Latency,
 }
 
+/// Every report of one run: SelectWorker, then MarkPrefillComplete and
+/// ReleaseRequest with `--lifecycle`, then Health/Check.
+#[derive(Clone, Debug)]
+pub struct SelectBenchReport {
+    pub router: Vec<PhaseReport>,
+    pub health: PhaseReport,
+}
+
+const SELECT: &str = "/kvroute.v1.Router/SelectWorker";
+const MARK: &str = "/kvroute.v1.Router/MarkPrefillComplete";
+const RELEASE: &str = "/kvroute.v1.Router/ReleaseRequest";
+const HEALTH: &str = "/grpc.health.v1.Health/Check";
+
 /// Runs the benchmark and prints its JSON lines.
-pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), BenchError> {
+pub async fn run(args: &SelectBenchArgs) -> Result<SelectBenchReport, BenchError> {
     let trace = Trace::load(&args.trace)?;
     if trace.records.len() <= args.warm {
         return Err(BenchError::Setup(format!(
@@ -109,17 +151,38 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
         .map(|t| compute_block_hashes(t, args.block_size, &options, None))
         .collect();
     warm(&channels[0], args, &hashes[..args.warm]).await?;
+    let prompt_kind = if args.packed_tokens {
+        "packed_token_ids"
+    } else if args.send_tokens {
+        "token_ids"
+    } else {
+        "block_hashes"
+    };
+    let mode = if args.lifecycle {
+        "lifecycle"
+    } else {
+        "query_only"
+    };
+    let rounds = args.rounds.max(1);
     eprintln!(
-        "bench select: {} workers, index warmed with {} requests, {} clients on {} connections, {}s per phase",
+        "bench select: {} workers, index warmed with {} requests, {} clients on {} connections, \
+         prompts as {prompt_kind}, {mode}, {}s per phase in {rounds} rounds",
         args.workers, args.warm, args.clients, args.connections, args.seconds
     );
-    let load: Arc<Vec<bytes::Bytes>> = Arc::new(
+    // Each request's every field but its request_id, encoded once: a call
+    // sends a fresh request_id field and then these bytes (fields may come
+    // in any order), so bookings are distinct and the clients, which share
+    // the server's cores, do no encoding of the prompt.
+    let bodies: Arc<Vec<bytes::Bytes>> = Arc::new(
         prompts[args.warm..]
             .iter()
             .zip(&hashes[args.warm..])
-            .enumerate()
-            .map(|(i, (tokens, hashes))| {
-                let content = if args.send_tokens {
+            .map(|(tokens, hashes)| {
+                let content = if args.packed_tokens {
+                    pb::prompt::Content::PackedTokenIds(
+                        tokens.iter().flat_map(|t| t.to_le_bytes()).collect(),
+                    )
+                } else if args.send_tokens {
                     pb::prompt::Content::TokenIds(pb::TokenIds {
                         ids: tokens.clone(),
                     })
@@ -129,12 +192,16 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
                     })
                 };
                 let request = pb::SelectWorkerRequest {
-                    request_id: format!("bench-{i}"),
                     model: "bench".into(),
                     prompt: Some(pb::Prompt {
                         content: Some(content),
                     }),
-                    mode: pb::SelectionMode::QueryOnly.into(),
+                    mode: if args.lifecycle {
+                        pb::SelectionMode::Reserve
+                    } else {
+                        pb::SelectionMode::QueryOnly
+                    }
+                    .into(),
                     ..Default::default()
                 };
                 bytes::Bytes::from(prost::Message::encode_to_vec(&request))
@@ -143,45 +210,76 @@ pub async fn run(args: &SelectBenchArgs) -> Result<(PhaseReport, PhaseReport), B
     );
     let health_request = bytes::Bytes::from(prost::Message::encode_to_vec(
         &tonic_health::pb::HealthCheckRequest {
-            service: String::new(),
+            service: "x".repeat(args.health_padding),
         },
     ));
-    let duration = Duration::from_secs_f64(args.seconds.max(0.1));
-    let select = phase("SelectWorker", &channels, args.clients, duration, {
-        let load = load.clone();
-        move |channel: Channel, i: usize| {
-            let request = load[i % load.len()].clone();
-            raw_unary(channel, "/kvroute.v1.Router/SelectWorker", request)
+    let lifecycle = args.lifecycle;
+    let router_call = move |channel: Channel, client: usize, i: usize| {
+        let body = bodies[i % bodies.len()].clone();
+        async move {
+            let id = request_id_field(client, i);
+            let mut steps = Vec::with_capacity(3);
+            steps.push(raw_unary(&channel, SELECT, id.clone(), body).await);
+            if lifecycle {
+                for path in [MARK, RELEASE] {
+                    steps.push(raw_unary(&channel, path, id.clone(), bytes::Bytes::new()).await);
+                }
+            }
+            steps
         }
-    })
-    .await;
-    let health = phase(
-        "Health/Check",
-        &channels,
-        args.clients,
-        duration,
-        move |channel: Channel, _| {
-            raw_unary(
-                channel,
-                "/grpc.health.v1.Health/Check",
-                health_request.clone(),
-            )
-        },
-    )
-    .await;
-    for report in [&select, &health] {
+    };
+    let health_call = move |channel: Channel, _: usize, _: usize| {
+        let request = health_request.clone();
+        async move { vec![raw_unary(&channel, HEALTH, request, bytes::Bytes::new()).await] }
+    };
+    let per_round = Duration::from_secs_f64(args.seconds.max(0.1) / f64::from(rounds));
+    let router_rpcs: &[&'static str] = if lifecycle {
+        &["SelectWorker", "MarkPrefillComplete", "ReleaseRequest"]
+    } else {
+        &["SelectWorker"]
+    };
+    let mut router = Tally::new(router_rpcs.len());
+    let mut health = Tally::new(1);
+    for round in 0..rounds {
+        // Alternate which goes first, so neither always follows the other.
+        if round % 2 == 0 {
+            router.add(phase(&channels, args.clients, per_round, router_call.clone()).await);
+            health.add(phase(&channels, args.clients, per_round, health_call.clone()).await);
+        } else {
+            health.add(phase(&channels, args.clients, per_round, health_call.clone()).await);
+            router.add(phase(&channels, args.clients, per_round, router_call.clone()).await);
+        }
+    }
+    let router = router.reports(router_rpcs, prompt_kind, mode);
+    let health = health
+        .reports(&["Health/Check"], "", mode)
+        .pop()
+        .ok_or_else(|| BenchError::Setup("no Health/Check figures".into()))?;
+    for report in router.iter().chain([&health]) {
         println!("{}", serde_json::to_string(report).unwrap_or_default());
     }
-    eprintln!(
-        "SelectWorker / Health: throughput {:.2}x, p50 {:.2}x, p99 {:.2}x",
-        select.calls_per_s / health.calls_per_s.max(1e-9),
-        select.latency.p50_us / health.latency.p50_us.max(1e-9),
-        select.latency.p99_us / health.latency.p99_us.max(1e-9),
-    );
+    for report in &router {
+        eprintln!(
+            "{} ({prompt_kind}, {mode}) / Health: throughput {:.2}x, p50 {:.2}x, p99 {:.2}x",
+            report.rpc,
+            report.calls_per_s / health.calls_per_s.max(1e-9),
+            report.latency.p50_us / health.latency.p50_us.max(1e-9),
+            report.latency.p99_us / health.latency.p99_us.max(1e-9),
+        );
+    }
     if let Some(local) = local {
         local.stop().await;
     }
-    Ok((select, health))
+    Ok(SelectBenchReport { router, health })
+}
+
+/// Field 1 (`request_id`, a string) of a router request, encoded: unique
+/// per client and call.
+fn request_id_field(client: usize, i: usize) -> bytes::Bytes {
+    let id = format!("bench-{client}-{i}");
+    let mut out = Vec::with_capacity(id.len() + 3);
+    prost::encoding::string::encode(1, &id, &mut out);
+    out.into()
 }
 
 /// Registers the workers and stores each warm-up request's blocks on one of
@@ -251,30 +349,37 @@ async fn warm(
     Ok(())
 }
 
-/// One unary call with a request encoded in advance and the reply's bytes
-/// dropped undecoded: the load generator shares the server's cores, so it
-/// spends as little as it can, the same way for both phases.
+/// One unary call of a request encoded in advance as `head` then `body`,
+/// with the reply's bytes dropped undecoded: the load generator shares the
+/// server's cores, so it spends as little as it can, the same way for every
+/// RPC. The call's time and whether it succeeded.
 async fn raw_unary(
-    channel: Channel,
+    channel: &Channel,
     path: &'static str,
-    request: bytes::Bytes,
-) -> Result<(), tonic::Status> {
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready()
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let path = http::uri::PathAndQuery::from_static(path);
-    grpc.unary::<_, (), _>(tonic::Request::new(request), path, RawCodec)
-        .await
-        .map(|_| ())
+    head: bytes::Bytes,
+    body: bytes::Bytes,
+) -> (Duration, bool) {
+    let started = Instant::now();
+    let mut grpc = tonic::client::Grpc::new(channel.clone());
+    let ok = match grpc.ready().await {
+        Ok(()) => {
+            let path = http::uri::PathAndQuery::from_static(path);
+            grpc.unary::<_, (), _>(tonic::Request::new((head, body)), path, RawCodec)
+                .await
+                .is_ok()
+        }
+        Err(_) => false,
+    };
+    (started.elapsed(), ok)
 }
 
-/// A codec of already-encoded messages (requests) and ignored replies.
+/// A codec of already-encoded messages (requests, in two parts) and ignored
+/// replies.
 #[derive(Clone, Copy, Debug, Default)]
 struct RawCodec;
 
 impl tonic::codec::Codec for RawCodec {
-    type Encode = bytes::Bytes;
+    type Encode = (bytes::Bytes, bytes::Bytes);
     type Decode = ();
     type Encoder = RawCodec;
     type Decoder = RawCodec;
@@ -287,14 +392,17 @@ impl tonic::codec::Codec for RawCodec {
 }
 
 impl tonic::codec::Encoder for RawCodec {
-    type Item = bytes::Bytes;
+    type Item = (bytes::Bytes, bytes::Bytes);
     type Error = tonic::Status;
     fn encode(
         &mut self,
-        item: bytes::Bytes,
+        (head, body): (bytes::Bytes, bytes::Bytes),
         dst: &mut tonic::codec::EncodeBuf<'_>,
     ) -> Result<(), tonic::Status> {
-        bytes::BufMut::put_slice(dst, &item);
+        // One allocation of the whole message, not doublings from 8 KiB.
+        dst.reserve(head.len() + body.len());
+        bytes::BufMut::put_slice(dst, &head);
+        bytes::BufMut::put_slice(dst, &body);
         Ok(())
     }
 }
@@ -312,16 +420,72 @@ impl tonic::codec::Decoder for RawCodec {
     }
 }
 
+/// One phase's samples: per RPC of a client's iteration, every call's time.
+struct PhaseSamples {
+    samples: Vec<Vec<Duration>>,
+    errors: Vec<u64>,
+    elapsed: Duration,
+}
+
+/// The samples of one kind of phase over every round.
+struct Tally {
+    samples: Vec<Vec<Duration>>,
+    errors: Vec<u64>,
+    elapsed: Duration,
+}
+
+impl Tally {
+    fn new(rpcs: usize) -> Self {
+        Self {
+            samples: vec![Vec::new(); rpcs],
+            errors: vec![0; rpcs],
+            elapsed: Duration::ZERO,
+        }
+    }
+
+    fn add(&mut self, phase: PhaseSamples) {
+        for (all, s) in self.samples.iter_mut().zip(phase.samples) {
+            all.extend(s);
+        }
+        for (all, e) in self.errors.iter_mut().zip(phase.errors) {
+            *all += e;
+        }
+        self.elapsed += phase.elapsed;
+    }
+
+    fn reports(
+        mut self,
+        rpcs: &[&'static str],
+        prompt: &'static str,
+        mode: &'static str,
+    ) -> Vec<PhaseReport> {
+        let elapsed = self.elapsed.as_secs_f64().max(1e-9);
+        rpcs.iter()
+            .zip(self.samples.iter_mut().zip(&self.errors))
+            .map(|(&rpc, (samples, &errors))| PhaseReport {
+                rpc,
+                prompt,
+                mode,
+                calls: samples.len() as u64,
+                errors,
+                calls_per_s: samples.len() as f64 / elapsed,
+                latency: Latency::of(samples),
+            })
+            .collect()
+    }
+}
+
+/// Runs `clients` tasks for `duration`, each calling `call` (which makes one
+/// or more RPCs and times each) in a loop.
 async fn phase<F, Fut>(
-    rpc: &'static str,
     channels: &[Channel],
     clients: usize,
     duration: Duration,
     call: F,
-) -> PhaseReport
+) -> PhaseSamples
 where
-    F: Fn(Channel, usize) -> Fut + Clone + Send + 'static,
-    Fut: std::future::Future<Output = Result<(), tonic::Status>> + Send,
+    F: Fn(Channel, usize, usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Vec<(Duration, bool)>> + Send,
 {
     let started = Instant::now();
     let deadline = started + duration;
@@ -330,35 +494,43 @@ where
         let channel = channels[client % channels.len()].clone();
         let call = call.clone();
         tasks.push(tokio::spawn(async move {
-            let mut samples = Vec::new();
-            let mut errors = 0u64;
+            let mut samples: Vec<Vec<Duration>> = Vec::new();
+            let mut errors: Vec<u64> = Vec::new();
             let mut i = client * 7919;
             while Instant::now() < deadline {
-                let t = Instant::now();
-                if call(channel.clone(), i).await.is_err() {
-                    errors += 1;
+                let steps = call(channel.clone(), client, i).await;
+                if samples.len() < steps.len() {
+                    samples.resize(steps.len(), Vec::new());
+                    errors.resize(steps.len(), 0);
                 }
-                samples.push(t.elapsed());
+                for (k, (took, ok)) in steps.into_iter().enumerate() {
+                    samples[k].push(took);
+                    errors[k] += u64::from(!ok);
+                }
                 i += 1;
             }
             (samples, errors)
         }));
     }
-    let mut samples = Vec::new();
-    let mut errors = 0;
+    let mut all = PhaseSamples {
+        samples: Vec::new(),
+        errors: Vec::new(),
+        elapsed: Duration::ZERO,
+    };
     for task in tasks {
-        if let Ok((s, e)) = task.await {
-            samples.extend(s);
-            errors += e;
+        if let Ok((samples, errors)) = task.await {
+            if all.samples.len() < samples.len() {
+                all.samples.resize(samples.len(), Vec::new());
+                all.errors.resize(samples.len(), 0);
+            }
+            for (k, s) in samples.into_iter().enumerate() {
+                all.samples[k].extend(s);
+            }
+            for (k, e) in errors.into_iter().enumerate() {
+                all.errors[k] += e;
+            }
         }
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let calls = samples.len() as u64;
-    PhaseReport {
-        rpc,
-        calls,
-        errors,
-        calls_per_s: calls as f64 / elapsed,
-        latency: Latency::of(&mut samples),
-    }
+    all.elapsed = started.elapsed();
+    all
 }

@@ -9,7 +9,7 @@ use crate::{
     engine_events::EngineSource,
     fleet::{IndexView, WorkerView},
     grpc::status::InvalidInput,
-    hashing::{HashOptions, compute_block_hashes},
+    hashing::{HashOptions, compute_block_hashes, compute_block_hashes_le},
     index::KvEvent,
     ingest::{BatchOutcome, IngestEvent, ValidatedBatch},
     pb,
@@ -535,6 +535,30 @@ fn prompt_hashes(
                 tokens.ids.len() as u64,
             )
         }
+        Some(pb::prompt::Content::PackedTokenIds(bytes)) => {
+            if bytes.len() % 4 != 0 {
+                return Err(at.error(
+                    "prompt.packed_token_ids",
+                    format_args!(
+                        "{} bytes is not a whole number of 4-byte token ids",
+                        bytes.len()
+                    ),
+                ));
+            }
+            let tokens = bytes.len() / 4;
+            let max_tokens = max_blocks.saturating_mul(block_size as usize);
+            if tokens > max_tokens {
+                return Err(at.error(
+                    "prompt.packed_token_ids",
+                    format_args!("{tokens} tokens is over the limit of {max_tokens}"),
+                ));
+            }
+            let mm = (!mm.is_empty()).then_some(mm.as_slice());
+            (
+                compute_block_hashes_le(&bytes, block_size, &prompt.options, mm),
+                tokens as u64,
+            )
+        }
         Some(pb::prompt::Content::BlockHashes(hashes)) => {
             if hashes.hashes.len() > max_blocks {
                 return Err(at.error(
@@ -549,7 +573,10 @@ fn prompt_hashes(
             (hashes.hashes, tokens)
         }
         None => {
-            return Err(at.error("prompt", "no prompt: set token_ids or block_hashes"));
+            return Err(at.error(
+                "prompt",
+                "no prompt: set token_ids, packed_token_ids or block_hashes",
+            ));
         }
     };
     if prompt_tokens == 0 {
