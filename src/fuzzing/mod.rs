@@ -19,9 +19,12 @@ pub use publish::publish_events;
 pub use select::select_worker;
 pub use zmq::zmq_payload;
 
+/// A fuzz target's entry point.
+pub type Entry = fn(&[u8]);
+
 /// The fuzz targets by name (the `fuzz/corpus/<name>/` directories), with
 /// their entry points.
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+pub const TARGETS: [(&str, Entry); 4] = [
     ("zmq_payload", zmq_payload),
     ("publish_events", publish_events),
     ("select_worker", select_worker),
