@@ -375,28 +375,37 @@ pub fn argv_with_config_file(
         path: shown.clone(),
         message: e.to_string(),
     })?;
+    argv_with_config_text(command, matches, &shown, &text, argv)
+}
+
+/// [`argv_with_config_file`] once the file is read: `text` is its TOML,
+/// `shown` the name its errors give it.
+pub fn argv_with_config_text(
+    command: &clap::Command,
+    matches: &clap::ArgMatches,
+    shown: &str,
+    text: &str,
+    argv: Vec<String>,
+) -> Result<Vec<String>, ConfigError> {
+    let file_error = |message: String| ConfigError::File {
+        path: shown.to_string(),
+        message,
+    };
     let table: toml::Table = text
         .parse()
-        .map_err(|e: toml::de::Error| ConfigError::File {
-            path: shown.clone(),
-            message: e.message().to_string(),
-        })?;
+        .map_err(|e: toml::de::Error| file_error(e.message().to_string()))?;
     let mut argv = argv;
     for (key, value) in table {
         let id = key.replace('-', "_");
         if id == "config" {
-            return Err(ConfigError::File {
-                path: shown,
-                message: "`config` cannot be set from a config file".into(),
-            });
+            return Err(file_error(
+                "`config` cannot be set from a config file".into(),
+            ));
         }
         // asked of the command, not of `matches`: `ArgMatches` checks that
         // an id exists only in debug builds
         if !command.get_arguments().any(|a| a.get_id() == id.as_str()) {
-            return Err(ConfigError::File {
-                path: shown,
-                message: format!("unknown setting `{key}`"),
-            });
+            return Err(file_error(format!("unknown setting `{key}`")));
         }
         if !matches!(
             matches.value_source(&id),
@@ -408,10 +417,9 @@ pub fn argv_with_config_file(
             // A repeatable setting (`engine`): one flag per string.
             for item in items {
                 let toml::Value::String(text) = item else {
-                    return Err(ConfigError::File {
-                        path: shown,
-                        message: format!("setting `{key}` must be an array of strings"),
-                    });
+                    return Err(file_error(format!(
+                        "setting `{key}` must be an array of strings"
+                    )));
                 };
                 argv.push(format!("--{}={text}", id.replace('_', "-")));
             }
@@ -423,10 +431,9 @@ pub fn argv_with_config_file(
             toml::Value::Float(f) => f.to_string(),
             toml::Value::Boolean(b) => b.to_string(),
             other => {
-                return Err(ConfigError::File {
-                    path: shown,
-                    message: format!("setting `{key}` must be a string or number, not {other}"),
-                });
+                return Err(file_error(format!(
+                    "setting `{key}` must be a string or number, not {other}"
+                )));
             }
         };
         argv.push(format!("--{}={text}", id.replace('_', "-")));

@@ -11,6 +11,9 @@ pub mod config;
 pub mod ctl;
 pub mod engine_events;
 pub mod fleet;
+/// Entry points of the fuzz targets (`fuzz/`) and their corpus replay test.
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod grpc;
 pub mod hashing;
 pub mod index;
