@@ -899,7 +899,7 @@ impl Frontend {
             }
             let i = (self.index * 7919 + n as usize * 31) % count;
             let content = match (self.tokens_every, self.trace.records.get(i)) {
-                (every, Some(record)) if every > 0 && n % every == 0 => {
+                (every, Some(record)) if every > 0 && n.is_multiple_of(every) => {
                     pb::prompt::Content::TokenIds(pb::TokenIds {
                         ids: record.tokens(),
                     })
