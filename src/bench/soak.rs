@@ -408,12 +408,7 @@ enum Memory {
 impl Memory {
     async fn read(&self) -> Option<u64> {
         match self {
-            Memory::OwnProcess => {
-                let status = std::fs::read_to_string("/proc/self/status").ok()?;
-                let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-                let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-                Some(kib * 1024)
-            }
+            Memory::OwnProcess => crate::metrics::resident_memory_bytes(),
             Memory::Scrape(addr) => {
                 let text = super::scrape_metrics(addr).await?;
                 let line = text
