@@ -75,6 +75,11 @@ pub enum BenchCommand {
     /// PublishEvents at one, blocks/s until applied on all, and the lag to
     /// the others at a multiple of the trace's event rate.
     Cluster(crate::bench::cluster::ClusterBenchArgs),
+    /// A long run (30 minutes by default) of KV events at a multiple of a
+    /// trace's rate, booking frontends and worker churn; per-minute memory,
+    /// SelectWorker latency, events and errors, then an index check and a
+    /// verdict (exit 1 when it fails).
+    Soak(crate::bench::soak::SoakBenchArgs),
 }
 
 /// Why the command line was refused.

@@ -82,6 +82,12 @@ fn main() -> ExitCode {
             Command::Bench(BenchCommand::Cluster(args)) => {
                 bench::cluster::run(&args).await?;
             }
+            Command::Bench(BenchCommand::Soak(args)) => {
+                let report = bench::soak::run(&args).await?;
+                if !report.verdict.pass {
+                    anyhow::bail!("bench soak: the verdict failed (see its last lines)");
+                }
+            }
             _ => {}
         }
         Ok(())

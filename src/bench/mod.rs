@@ -1,7 +1,8 @@
 //! Load benchmarks against a real server over loopback gRPC:
 //! `kvroute bench select` (SelectWorker beside health checks) and
 //! `kvroute bench ingest` (PublishEvents throughput and exactness),
-//! `kvroute bench snapshot` and `kvroute bench cluster` (replicas). Each
+//! `kvroute bench snapshot`, `kvroute bench cluster` (replicas) and
+//! `kvroute bench soak` (a long mixed run with a verdict). Each
 //! starts kvroute in-process on 127.0.0.1:0 unless given `--addr`, and prints
 //! one JSON line per measurement plus a human summary on stderr.
 
@@ -9,6 +10,7 @@ pub mod cluster;
 pub mod ingest;
 pub mod select;
 pub mod snapshot;
+pub mod soak;
 mod tls;
 
 use std::{net::SocketAddr, time::Duration};
@@ -105,19 +107,7 @@ impl LocalServer {
 
     /// The text of its `GET /metrics`, if it answers.
     pub async fn scrape(&self) -> Option<String> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(self.metrics_addr)
-            .await
-            .ok()?;
-        stream
-            .write_all(b"GET /metrics HTTP/1.0\r\nHost: kvroute\r\n\r\n")
-            .await
-            .ok()?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.ok()?;
-        response
-            .split_once("\r\n\r\n")
-            .map(|(_, body)| body.to_string())
+        scrape_metrics(&self.metrics_addr.to_string()).await
     }
 
     pub async fn stop(mut self) {
@@ -141,6 +131,21 @@ pub async fn target(
             Ok((local.addr.to_string(), Some(local)))
         }
     }
+}
+
+/// The text of `GET /metrics` at `addr` (host:port, plaintext), if it answers.
+pub async fn scrape_metrics(addr: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: kvroute\r\n\r\n")
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
 }
 
 /// Connects to `addr` (host:port or a URL) in plaintext.
