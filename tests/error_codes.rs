@@ -36,6 +36,23 @@ fn pinned(request_id: &str, hints: pb::RoutingHints) -> pb::SelectWorkerRequest 
     }
 }
 
+/// Worker 1 of model "m", busy: a small batch size (busy above 64 booked
+/// prefill tokens) and a RESERVE of 160 prompt tokens.
+async fn make_busy(server: &TestServer) {
+    let mut small = registration(1, "m");
+    small.max_num_batched_tokens = 16;
+    server.register(small).await;
+    server
+        .router()
+        .select_worker(select_hashes(
+            "first",
+            "m",
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        ))
+        .await
+        .unwrap();
+}
+
 fn mm_info(hashes: usize) -> pb::BlockMultimodalInfo {
     pb::BlockMultimodalInfo {
         mm_hashes: (0..hashes as u64).collect(),
@@ -104,12 +121,7 @@ async fn invalid_argument_malformed_empty_unknown_and_oversized() {
         assert_status(&status, Code::InvalidArgument, &["worker 1", "load"]);
     }
     // None of it changed the worker.
-    let info = server
-        .admin()
-        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
-        .await
-        .unwrap()
-        .into_inner();
+    let info = server.worker_info(1).await;
     assert_eq!(info.ranks[0].cached_blocks, 0);
 }
 
@@ -223,9 +235,7 @@ async fn resource_exhausted_limits_and_busy_rejects() {
     let mut config = ServeConfig::for_tests();
     config.limits.max_workers = 1;
     let server = TestServer::start_with(config).await;
-    let mut small = registration(1, "m");
-    small.max_num_batched_tokens = 16; // busy above 64 booked prefill tokens
-    server.register(small).await;
+    make_busy(&server).await;
     let status = server
         .workers()
         .register_worker(registration(2, "m"))
@@ -236,16 +246,6 @@ async fn resource_exhausted_limits_and_busy_rejects() {
         Code::ResourceExhausted,
         &["worker 2", "max_workers"],
     );
-
-    server
-        .router()
-        .select_worker(select_hashes(
-            "first",
-            "m",
-            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-        ))
-        .await
-        .unwrap();
     let mut reject = select_hashes("r-busy", "m", &[50]);
     reject.admission = pb::AdmissionMode::Reject.into();
     assert_status(
@@ -264,18 +264,7 @@ async fn deadline_exceeded_queued_past_the_deadline() {
         ..ServeConfig::for_tests()
     };
     let server = TestServer::start_with(config).await;
-    let mut small = registration(1, "m");
-    small.max_num_batched_tokens = 16;
-    server.register(small).await;
-    server
-        .router()
-        .select_worker(select_hashes(
-            "first",
-            "m",
-            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-        ))
-        .await
-        .unwrap();
+    make_busy(&server).await;
     let status = select(&server, select_hashes("r-late", "m", &[50])).await;
     assert_status(&status, Code::DeadlineExceeded, &["r-late"]);
 }

@@ -187,23 +187,13 @@ async fn a_worker_cannot_store_past_its_capacity() {
         reply.first_rejection
     );
 
-    let info = server
-        .admin()
-        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
-        .await
-        .unwrap()
-        .into_inner();
+    let info = server.worker_info(1).await;
     assert_eq!(
         info.ranks[0].cached_blocks, 60,
         "the rejected store left nothing"
     );
     assert_eq!(info.ranks[0].events_rejected, 1);
-    let stats = server
-        .admin()
-        .get_index_stats(pb::GetIndexStatsRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let stats = server.index_stats().await;
     assert_eq!((stats.blocks, stats.events_rejected), (60, 1));
     let (_, body) = server.http_get("/metrics").await;
     assert!(
@@ -222,12 +212,7 @@ async fn a_worker_cannot_store_past_its_capacity() {
         .await
         .unwrap();
     assert_eq!((reply.last_applied_event_id, reply.rejected), (3, 0));
-    let info = server
-        .admin()
-        .get_worker(pb::GetWorkerRequest { worker_id: 1 })
-        .await
-        .unwrap()
-        .into_inner();
+    let info = server.worker_info(1).await;
     assert_eq!(info.ranks[0].cached_blocks, 100);
 }
 

@@ -166,6 +166,24 @@ impl TestServer {
             .expect("register worker");
     }
 
+    /// GetWorker's answer for a registered worker.
+    pub async fn worker_info(&self, worker_id: u64) -> pb::WorkerInfo {
+        self.admin()
+            .get_worker(pb::GetWorkerRequest { worker_id })
+            .await
+            .expect("get worker")
+            .into_inner()
+    }
+
+    /// GetIndexStats' answer.
+    pub async fn index_stats(&self) -> pb::IndexStats {
+        self.admin()
+            .get_index_stats(pb::GetIndexStatsRequest::default())
+            .await
+            .expect("index stats")
+            .into_inner()
+    }
+
     /// Opens a PublishEvents stream; returns its sender and reply stream.
     pub async fn open_events(
         &self,
