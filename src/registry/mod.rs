@@ -203,15 +203,6 @@ impl Registry {
         }
     }
 
-    pub fn limits(&self) -> &RegistryLimits {
-        &self.limits
-    }
-
-    /// The capacity a worker's every dp rank is held to in the index.
-    pub fn rank_capacity(&self, declared_total_kv_blocks: u64) -> u64 {
-        self.limits.rank_capacity(declared_total_kv_blocks)
-    }
-
     /// Makes the next registration's generation `generation` (cluster mode:
     /// a registration's generation is its position in the shared log, the
     /// same on every replica whatever each registered before).
