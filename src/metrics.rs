@@ -89,10 +89,16 @@ pub struct EngineEventFamilies {
 /// are is `engine_event_workers_without_series`.
 struct SeriesBudget {
     cap: std::sync::atomic::AtomicUsize,
-    exported: parking_lot::Mutex<std::collections::HashSet<crate::types::WorkerId>>,
+    workers: parking_lot::Mutex<SeriesWorkers>,
     shadow: EngineEventFamilies,
     without_series: IntGauge,
-    without: parking_lot::Mutex<std::collections::HashSet<crate::types::WorkerId>>,
+}
+
+/// Which workers' series are exported, and which count in the shadow.
+#[derive(Default)]
+struct SeriesWorkers {
+    exported: std::collections::HashSet<crate::types::WorkerId>,
+    without: std::collections::HashSet<crate::types::WorkerId>,
 }
 
 /// Default of `--max-engine-metric-workers`.
@@ -113,14 +119,13 @@ impl EngineEventFamilies {
             return self;
         };
         let cap = series.cap.load(std::sync::atomic::Ordering::Relaxed);
-        let mut exported = series.exported.lock();
-        if exported.contains(&worker_id) || exported.len() < cap {
-            exported.insert(worker_id);
+        let mut workers = series.workers.lock();
+        if workers.exported.contains(&worker_id) || workers.exported.len() < cap {
+            workers.exported.insert(worker_id);
             return self;
         }
-        let mut without = series.without.lock();
-        without.insert(worker_id);
-        series.without_series.set(without.len() as i64);
+        workers.without.insert(worker_id);
+        series.without_series.set(workers.without.len() as i64);
         &series.shadow
     }
 
@@ -130,12 +135,12 @@ impl EngineEventFamilies {
         let Some(series) = &self.series else {
             return self;
         };
-        if series.exported.lock().remove(&worker_id) {
+        let mut workers = series.workers.lock();
+        if workers.exported.remove(&worker_id) {
             return self;
         }
-        let mut without = series.without.lock();
-        without.remove(&worker_id);
-        series.without_series.set(without.len() as i64);
+        workers.without.remove(&worker_id);
+        series.without_series.set(workers.without.len() as i64);
         &series.shadow
     }
 }
@@ -318,8 +323,6 @@ impl Metrics {
     }
 }
 
-/// Registers `collector` in `registry` and returns it (a handle to the same
-/// series).
 /// This process's resident memory (VmRSS), where /proc tells it (Linux).
 /// Leaks show here first, so `/metrics` exports it and `kvroute bench soak`
 /// judges by it.
@@ -330,6 +333,8 @@ pub fn resident_memory_bytes() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// Registers `collector` in `registry` and returns it (a handle to the same
+/// series).
 fn registered<C>(registry: &Registry, collector: C) -> Result<C, prometheus::Error>
 where
     C: prometheus::core::Collector + Clone + 'static,
@@ -345,7 +350,7 @@ impl EngineEventFamilies {
         let mut families = Self::families(registry)?;
         families.series = Some(Arc::new(SeriesBudget {
             cap: std::sync::atomic::AtomicUsize::new(DEFAULT_ENGINE_SERIES_WORKERS),
-            exported: Default::default(),
+            workers: Default::default(),
             shadow: Self::families(&Registry::new())?,
             without_series: registered(
                 registry,
@@ -354,7 +359,6 @@ impl EngineEventFamilies {
                     "Engine-subscribed workers past --max-engine-metric-workers: counted, not exported",
                 )?,
             )?,
-            without: Default::default(),
         }));
         Ok(families)
     }

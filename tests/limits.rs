@@ -43,10 +43,7 @@ async fn refused(server: &TestServer, request: pb::RegisterWorkerRequest, limit:
 }
 
 fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    let kb: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kb * 1024
+    kvroute::metrics::resident_memory_bytes().expect("VmRSS in /proc/self/status")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
