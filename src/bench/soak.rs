@@ -10,7 +10,9 @@
 //! * A schedule of churn cordons and uncordons workers, lets leases lapse and
 //!   deregisters workers; each one comes back with a fresh engine.
 //!
-//! Every interval (a minute) it prints the server's resident memory,
+//! Every interval (a minute) it prints the server's resident memory (the
+//! median and peak of one sample a second: a single reading mostly measures
+//! which event batches happen to be in flight),
 //! SelectWorker p50/p99, events applied and errors by kind, split into the
 //! designed ones (what the churn makes expected, e.g. NOT_FOUND for a lapsed
 //! worker) and the rest. At the end it compares the server's index with an
@@ -114,6 +116,8 @@ const BATCH_EVENTS: usize = 256;
 /// Engine steps per request at most (a request longer than this is left to
 /// finish with the next one).
 const MAX_STEPS: usize = 200_000;
+/// Time between two resident-memory samples.
+const RSS_SAMPLE_PERIOD: Duration = Duration::from_secs(1);
 /// Relative RSS growth after warm-up that still counts as flat.
 const RSS_TOLERANCE: f64 = 0.05;
 /// Relative p99 rise, last intervals against the first after warm-up.
@@ -127,9 +131,13 @@ pub struct IntervalReport {
     pub bench: &'static str,
     pub interval: usize,
     pub elapsed_s: f64,
-    /// Resident memory of the server (of this whole process when the server
-    /// runs in it: engines and clients included).
-    pub rss_bytes: Option<u64>,
+    /// Median resident memory of the server over the interval's samples
+    /// (of this whole process when the server runs in it: engines and
+    /// clients included).
+    pub rss_median_bytes: Option<u64>,
+    /// Largest sample of the interval.
+    pub rss_peak_bytes: Option<u64>,
+    pub rss_samples: usize,
     pub select_calls: u64,
     #[serde(flatten)]
     pub select: Latency,
@@ -151,10 +159,15 @@ pub struct SoakVerdict {
     pub bench: &'static str,
     pub intervals: usize,
     pub warmup_intervals: usize,
+    /// Median RSS of the first interval after warm-up.
     pub rss_baseline_bytes: Option<u64>,
+    /// Largest interval median after the baseline interval.
     pub rss_max_bytes: Option<u64>,
-    /// Largest RSS after the baseline interval over the baseline, minus 1.
+    /// `rss_max_bytes` over the baseline, minus 1: what "flat" judges.
     pub rss_max_growth: Option<f64>,
+    /// Largest single sample after warm-up (printed, not judged: it moves
+    /// with the event batches in flight at that second).
+    pub rss_peak_bytes: Option<u64>,
     pub memory_flat: Option<bool>,
     pub p99_first_us: Option<f64>,
     pub p99_last_us: Option<f64>,
@@ -210,6 +223,13 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         (None, Some(metrics)) => Memory::Scrape(metrics.clone()),
         (None, None) => Memory::Unknown,
     };
+    let rss_samples = Arc::new(Mutex::new(Vec::new()));
+    let stop_sampling = CancellationToken::new();
+    let sampler = tokio::spawn(sample_memory(
+        memory,
+        rss_samples.clone(),
+        stop_sampling.clone(),
+    ));
 
     let tally = Arc::new(Tally::default());
     let reference = Arc::new(KvIndex::new(args.block_size));
@@ -323,6 +343,8 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         let applied = stats.events_applied.saturating_sub(last_applied);
         last_applied = stats.events_applied;
         let mut samples = taken.latencies;
+        let mut rss = std::mem::take(&mut *rss_samples.lock());
+        rss.sort_unstable();
         let (designed, unexpected) = split(&taken.errors);
         for (k, v) in &designed {
             *designed_total.entry(k.clone()).or_insert(0) += v;
@@ -334,7 +356,9 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
             bench: "soak",
             interval: n,
             elapsed_s: started.elapsed().as_secs_f64(),
-            rss_bytes: memory.read().await,
+            rss_median_bytes: rss.get(rss.len() / 2).copied(),
+            rss_peak_bytes: rss.last().copied(),
+            rss_samples: rss.len(),
             select_calls: samples.len() as u64,
             select: Latency::of(&mut samples),
             events_applied: applied,
@@ -350,6 +374,8 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         intervals.push(report);
     }
 
+    stop_sampling.cancel();
+    let _ = sampler.await;
     // Quiesce: load and churn first, then the workers (one caught in a lapse
     // finishes it), then compare.
     stop.cancel();
@@ -418,6 +444,22 @@ impl Memory {
                 Some(value as u64)
             }
             Memory::Unknown => None,
+        }
+    }
+}
+
+/// Reads the server's resident memory every [`RSS_SAMPLE_PERIOD`] into
+/// `samples` (the interval loop takes them) until `stop`.
+async fn sample_memory(memory: Memory, samples: Arc<Mutex<Vec<u64>>>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(RSS_SAMPLE_PERIOD);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if let Some(bytes) = memory.read().await {
+            samples.lock().push(bytes);
         }
     }
 }
@@ -1090,9 +1132,13 @@ fn judge(
     check: IndexCheck,
 ) -> SoakVerdict {
     let after = intervals.get(warmup..).unwrap_or_default();
-    let rss_baseline_bytes = after.first().and_then(|r| r.rss_bytes);
-    let later: Vec<u64> = after.iter().skip(1).filter_map(|r| r.rss_bytes).collect();
-    let rss_max_bytes = later.iter().copied().max();
+    let rss_baseline_bytes = after.first().and_then(|r| r.rss_median_bytes);
+    let rss_max_bytes = after
+        .iter()
+        .skip(1)
+        .filter_map(|r| r.rss_median_bytes)
+        .max();
+    let rss_peak_bytes = after.iter().filter_map(|r| r.rss_peak_bytes).max();
     let rss_max_growth = match (rss_baseline_bytes, rss_max_bytes) {
         (Some(base), Some(max)) if base > 0 => Some(max as f64 / base as f64 - 1.0),
         _ => None,
@@ -1133,6 +1179,7 @@ fn judge(
         rss_baseline_bytes,
         rss_max_bytes,
         rss_max_growth,
+        rss_peak_bytes,
         memory_flat,
         p99_first_us,
         p99_last_us,
@@ -1170,10 +1217,11 @@ fn errors_line(errors: &BTreeMap<String, u64>) -> String {
 
 fn human(r: &IntervalReport) -> String {
     format!(
-        "soak {:>3} ({:.0}s): rss {}, SelectWorker p50 {:.0}us p99 {:.0}us ({} calls), {} events applied, index {} blocks, shed {}; designed errors: {}; unexpected: {}",
+        "soak {:>3} ({:.0}s): rss median {} (peak {}), SelectWorker p50 {:.0}us p99 {:.0}us ({} calls), {} events applied, index {} blocks, shed {}; designed errors: {}; unexpected: {}",
         r.interval,
         r.elapsed_s,
-        mib(r.rss_bytes),
+        mib(r.rss_median_bytes),
+        mib(r.rss_peak_bytes),
         r.select.p50_us,
         r.select.p99_us,
         r.select_calls,
@@ -1192,13 +1240,14 @@ fn human_verdict(v: &SoakVerdict) -> String {
         None => "not judged",
     };
     format!(
-        "soak verdict: {}. memory {} (baseline {}, max {}, growth {}); p99 {} ({} -> {}, drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
+        "soak verdict: {}. memory {} (median: baseline {}, max {}, growth {}; peak sample {}); p99 {} ({} -> {}, drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
         if v.pass { "PASS" } else { "FAIL" },
         judged(v.memory_flat),
         mib(v.rss_baseline_bytes),
         mib(v.rss_max_bytes),
         v.rss_max_growth
             .map_or_else(|| "?".into(), |g| format!("{:+.1}%", g * 100.0)),
+        mib(v.rss_peak_bytes),
         judged(v.p99_stable),
         v.p99_first_us
             .map_or_else(|| "?".into(), |p| format!("{p:.0}us")),
@@ -1232,7 +1281,9 @@ mod tests {
             bench: "soak",
             interval: n,
             elapsed_s: n as f64,
-            rss_bytes: Some(rss),
+            rss_median_bytes: Some(rss),
+            rss_peak_bytes: Some(rss + rss / 5),
+            rss_samples: 60,
             select_calls: 100,
             select: Latency {
                 p50_us: p99 / 2.0,
