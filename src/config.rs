@@ -21,7 +21,10 @@ pub use security::{Reflection, SecurityOptions};
 
 use crate::{
     engine_events::{EngineSource, EngineSpec},
-    router::{DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig},
+    router::{
+        DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig, ScorerChoice,
+    },
+    select::TtftSettings,
 };
 
 // the most blocks per event that the flag accepts is the index's own limit
@@ -34,6 +37,15 @@ pub enum LogFormat {
     Pretty,
     /// One JSON object per line, for log collectors.
     Json,
+}
+
+/// How SelectWorker scores candidates (`select::scoring`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScoringPolicy {
+    /// Overlap-weighted prefill blocks plus decode blocks.
+    Cost,
+    /// Predicted time to first token, learned per worker.
+    Ttft,
 }
 
 /// Every setting of the service. The doc comment of each field is its `--help`.
@@ -120,6 +132,11 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0,
           value_parser = parse_non_negative_f64)]
     pub temperature: f64,
+
+    /// Scoring policy: `cost` weighs cached prefix against booked blocks;
+    /// `ttft` predicts each candidate's time to first token.
+    #[arg(long, env = "KVROUTE_SCORER", value_enum, default_value = "cost")]
+    pub scorer: ScoringPolicy,
 
     /// A worker is busy when its booked prefill tokens exceed this many times
     /// its max_num_batched_tokens.
@@ -294,6 +311,7 @@ impl ServeConfig {
             overlap_weight: r.overlap_weight,
             overlap_credit: r.overlap_credit,
             temperature: r.temperature,
+            scorer: ScoringPolicy::Cost,
             busy_threshold: r.busy_threshold,
             kv_busy_fraction: r.kv_busy_fraction,
             queue_capacity: r.queue_capacity,
@@ -333,6 +351,10 @@ impl ServeConfig {
             },
             replicas: self.cluster.replica_settings(),
             registry_limits: self.limits.registry_limits(),
+            scorer: match self.scorer {
+                ScoringPolicy::Cost => ScorerChoice::Cost,
+                ScoringPolicy::Ttft => ScorerChoice::Ttft(TtftSettings::default()),
+            },
         }
     }
 

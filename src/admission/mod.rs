@@ -13,6 +13,7 @@
 
 pub mod bookings;
 pub mod peers;
+pub mod prefill_times;
 pub mod queue;
 
 use crate::select::{ErrorCode, SelectMode, SelectRequest, Selection, SessionTable};

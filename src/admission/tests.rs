@@ -62,6 +62,7 @@ impl World {
             booked: &self.ledger,
             sessions: &self.sessions,
             now_ms,
+            prefill_timing: &(),
         };
         select(
             req,

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use crate::registry::RegistryLimits;
+use crate::select::TtftSettings;
 
 /// Default weight of prefill cost against decode cost. Dynamo's router uses
 /// 1.0 (and `--overlap-weight 1 --overlap-credit 0` reproduces its choices);
@@ -115,6 +116,18 @@ pub struct RouterConfig {
     pub replicas: ReplicaSettings,
     /// What registrations may claim (workers, models, ranks, capacity).
     pub registry_limits: RegistryLimits,
+    /// The scoring policy of SelectWorker.
+    pub scorer: ScorerChoice,
+}
+
+/// The scoring policy SelectWorker uses (`select::scoring`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum ScorerChoice {
+    /// Overlap-weighted prefill plus decode blocks ([`crate::select::CostScorer`]).
+    #[default]
+    Cost,
+    /// Predicted time to first token ([`crate::select::TtftScorer`]).
+    Ttft(TtftSettings),
 }
 
 impl Default for RouterConfig {
@@ -134,6 +147,7 @@ impl Default for RouterConfig {
             limits: InputLimits::default(),
             replicas: ReplicaSettings::default(),
             registry_limits: RegistryLimits::default(),
+            scorer: ScorerChoice::default(),
         }
     }
 }

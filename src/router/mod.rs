@@ -48,6 +48,7 @@ use crate::{
 
 pub use config::{
     DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, ReplicaSettings, RouterConfig,
+    ScorerChoice,
 };
 pub use routing::{Admitted, PreparedRequest, RouteError, RouteOutcome};
 pub use sync::RoutingChange;

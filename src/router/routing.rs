@@ -15,19 +15,20 @@ use std::{sync::Arc, time::Duration};
 use rand::{RngCore, SeedableRng, rngs::StdRng};
 use tokio::sync::oneshot;
 
-use super::{RouterCore, now, sync::RoutingChange};
+use super::{RouterCore, ScorerChoice, now, sync::RoutingChange};
 use crate::{
     admission::{
         self, Admission, AdmissionError, AdmissionMode,
         bookings::BookingLedger,
         peers::{LoadView, PeerEstimates},
+        prefill_times::PrefillTimes,
         queue::WaitQueue,
     },
     select::{
-        self, SelectConfig, SelectContext, SelectMode, SelectRequest, Selection,
+        self, CostScorer, Scorer, SelectConfig, SelectContext, SelectMode, SelectRequest,
+        Selection, TtftScorer,
         affinity::{SavedSession, SessionTable},
         error::SelectError,
-        scoring::cost::CostScorer,
     },
     types::{BookedLoad, LocalHash, RankMap, RequestPhase, WorkerId, WorkerRank},
 };
@@ -81,6 +82,8 @@ pub(super) struct RoutingState {
     /// mode, `admission::peers`); always empty for one router.
     estimates: PeerEstimates,
     queue: WaitQueue<Waiter>,
+    /// Predicted against measured prefill times (TTFT policy).
+    pub(super) prefill_times: PrefillTimes,
     /// Seed of every call's tie-break and sampling draws.
     seed: u64,
 }
@@ -98,6 +101,7 @@ impl RoutingState {
             sessions: SessionTable::new(millis(session_ttl)),
             estimates: PeerEstimates::new(estimate_horizon_ms),
             queue: WaitQueue::new(queue_capacity),
+            prefill_times: PrefillTimes::new(),
             seed: if seed == 0 {
                 StdRng::from_os_rng().next_u64()
             } else {
@@ -229,6 +233,14 @@ impl RouterCore {
         inputs: &Inputs,
     ) -> Result<Decision, SelectError> {
         let now_ms = self.now_ms();
+        let ttft_scorer;
+        let scorer: &dyn Scorer = match self.config.scorer {
+            ScorerChoice::Cost => &CostScorer,
+            ScorerChoice::Ttft(settings) => {
+                ttft_scorer = TtftScorer { settings };
+                &ttft_scorer
+            }
+        };
         // `place`: the decision's place among the replicas' (see above),
         // whose exact ties every replica breaks alike: a shared seed, not
         // the router's or the request's, or replicas with distinct places
@@ -244,18 +256,13 @@ impl RouterCore {
                 booked,
                 sessions: &state.sessions,
                 now_ms,
+                prefill_timing: &state.prefill_times,
             };
             let mut rng = match place {
                 None => state.rng_for(&request.request_id),
                 Some(place) => StdRng::seed_from_u64(PLACE_SEED ^ u64::from(place)),
             };
-            select::select(
-                request,
-                &context,
-                &self.select_config(),
-                &CostScorer,
-                &mut rng,
-            )
+            select::select(request, &context, &self.select_config(), scorer, &mut rng)
         };
         let request = &prepared.request;
         let replicas = self.config.replicas;
@@ -466,6 +473,7 @@ impl RouterCore {
             ledger,
             sessions,
             estimates,
+            prefill_times,
             ..
         } = state;
         let booked = admission::commit(
@@ -482,6 +490,14 @@ impl RouterCore {
         if booked {
             for (target, load) in &decision.peer_requests {
                 estimates.add(*target, *load, now_ms);
+            }
+            if let Some(parts) = selection.chosen_ttft() {
+                prefill_times.predicted(
+                    &prepared.request.request_id,
+                    selection.target,
+                    parts,
+                    now_ms,
+                );
             }
         }
         self.metrics.bookings_active.set(ledger.len() as i64);
@@ -533,11 +549,12 @@ impl RouterCore {
 
     /// Drops a request's booked prefill; idempotent.
     pub fn mark_prefill_complete(&self, request_id: &str) -> bool {
-        let changed = self
-            .routing
-            .write()
-            .ledger
-            .mark_prefill_complete(request_id);
+        let now_ms = self.now_ms();
+        let changed = {
+            let mut state = self.routing.write();
+            state.prefill_times.completed(request_id, now_ms);
+            state.ledger.mark_prefill_complete(request_id)
+        };
         // In a cluster the booking may be another replica's: tell them
         // whether or not this replica knew it.
         if changed || self.feeding() {
@@ -553,6 +570,7 @@ impl RouterCore {
     pub fn release_request(&self, request_id: &str) -> bool {
         let changed = {
             let mut state = self.routing.write();
+            state.prefill_times.forget(request_id);
             let changed = state.ledger.release(request_id);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             changed
@@ -576,6 +594,7 @@ impl RouterCore {
             let mut state = self.routing.write();
             state.ledger.release_worker(worker_id);
             state.sessions.remove_worker(worker_id);
+            state.prefill_times.forget_worker(worker_id);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
         }
         self.drain_queue();
@@ -589,6 +608,9 @@ impl RouterCore {
             let mut state = self.routing.write();
             let expired = state.ledger.expire(now_ms, millis(self.config.booking_ttl));
             state.sessions.expire(now_ms);
+            state
+                .prefill_times
+                .expire(now_ms, millis(self.config.booking_ttl));
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             expired
         };

@@ -39,7 +39,10 @@ use constraints::Constraints;
 pub use eligibility::{Busy, BusyThresholds, Eligibility, Ineligible};
 pub use error::{ErrorCode, SelectError};
 pub use pins::PinTarget;
-pub use scoring::{CandidateScore, CostScorer, ScoreInput, ScoreParams, Scorer};
+pub use scoring::{
+    CandidateScore, CostScorer, ScoreInput, ScoreParams, Scorer, TtftParts, TtftScorer,
+    TtftSettings,
+};
 
 /// Read access to the load booked per (worker, rank): selection is fed by
 /// the router's booking ledger (`admission::bookings`) or, in tests and
@@ -51,6 +54,28 @@ pub trait BookedLoads {
 impl BookedLoads for std::collections::HashMap<WorkerRank, BookedLoad> {
     fn booked(&self, target: WorkerRank) -> BookedLoad {
         self.get(&target).copied().unwrap_or_default()
+    }
+}
+
+/// What the router has measured of each target's prefills (the TTFT
+/// policy reads it; `admission::prefill_times` keeps it).
+pub trait PrefillTiming {
+    /// How much slower than the prior the target's prefills run; 1 = as
+    /// the prior.
+    fn scale(&self, target: WorkerRank) -> f64;
+    /// ms until the prefill queued on the target is done, as the router
+    /// tracks it; `None` when it tracks none there.
+    fn queue_ms(&self, target: WorkerRank, now_ms: u64) -> Option<f64>;
+}
+
+/// Nothing measured: every target runs as the prior, from booked tokens.
+impl PrefillTiming for () {
+    fn scale(&self, _target: WorkerRank) -> f64 {
+        1.0
+    }
+
+    fn queue_ms(&self, _target: WorkerRank, _now_ms: u64) -> Option<f64> {
+        None
     }
 }
 
@@ -188,6 +213,9 @@ pub struct SelectContext<'a> {
     pub sessions: &'a SessionTable,
     /// Time for session lookups, in the session table's milliseconds.
     pub now_ms: u64,
+    /// Measured prefill speed and queue per target (the TTFT policy reads
+    /// it).
+    pub prefill_timing: &'a dyn PrefillTiming,
 }
 
 /// What fixed the target when it was not scored.
@@ -252,6 +280,17 @@ pub struct Selection {
     pub all_busy: bool,
     pub policy: &'static str,
     pub candidates: Vec<CandidateReport>,
+}
+
+impl Selection {
+    /// The TTFT policy's prediction for the chosen target, if it made one.
+    pub fn chosen_ttft(&self) -> Option<TtftParts> {
+        self.candidates
+            .iter()
+            .find(|c| c.chosen)
+            .and_then(|c| c.score.as_ref())
+            .and_then(|s| s.ttft)
+    }
 }
 
 struct Prepared<'a> {
@@ -559,6 +598,10 @@ fn prepare<'a>(
             booked,
             reported,
             expected_output_tokens: req.hints.expected_output_tokens,
+            step_tokens: worker.max_num_batched_tokens,
+            kv_capacity_blocks: worker.total_kv_blocks,
+            prefill_scale: ctx.prefill_timing.scale(target),
+            queued_prefill_ms: ctx.prefill_timing.queue_ms(target, ctx.now_ms),
         },
         report: CandidateReport {
             target,

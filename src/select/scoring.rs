@@ -11,8 +11,10 @@
 //! * scorers are pure apart from drawing from the given random source.
 
 pub mod cost;
+pub mod ttft;
 
 pub use cost::CostScorer;
+pub use ttft::{PrefillModel, TtftScorer, TtftSettings};
 
 use rand::RngCore;
 
@@ -40,6 +42,16 @@ pub struct ScoreInput {
     pub booked: BookedLoad,
     pub reported: RankLoad,
     pub expected_output_tokens: Option<u32>,
+    /// The worker's batched-token budget per step (0: not registered).
+    pub step_tokens: u64,
+    /// The target's KV capacity in blocks (0: not registered).
+    pub kv_capacity_blocks: u64,
+    /// How much slower than the prior model the target's prefills ran
+    /// (learned from RESERVE to MarkPrefillComplete; 1 until measured).
+    pub prefill_scale: f64,
+    /// ms until the target's queued prefill is done, as the router tracks
+    /// it (`None`: estimate it from the booked prefill tokens).
+    pub queued_prefill_ms: Option<f64>,
 }
 
 /// The effective scoring parameters of one request (config merged with the
@@ -66,6 +78,33 @@ pub struct CandidateScore {
     pub logit: Option<f64>,
     /// Probability of this candidate being chosen.
     pub probability: f64,
+    /// The predicted time to first token and its parts (TTFT policy only).
+    pub ttft: Option<TtftParts>,
+}
+
+/// A predicted time to first token, in its parts (ms, the target's learned
+/// scale applied).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TtftParts {
+    /// Prefill queued on the target ahead of this request.
+    pub queued_prefill_ms: f64,
+    /// This request's own uncached prefill.
+    pub own_prefill_ms: f64,
+    /// Decode work of the sequences the target holds, over those steps.
+    pub decode_ms: f64,
+    /// The target's learned slowness against the prior (1: as the prior).
+    pub scale: f64,
+    /// This request's uncached prompt tokens on the target.
+    pub own_prefill_tokens: u64,
+    /// The queue is the router's tracked one, not booked tokens.
+    pub queue_tracked: bool,
+}
+
+impl TtftParts {
+    /// The prediction: the parts' sum.
+    pub fn total_ms(&self) -> f64 {
+        self.queued_prefill_ms + self.own_prefill_ms + self.decode_ms
+    }
 }
 
 /// Scores of every input plus the chosen input's index.

@@ -68,6 +68,7 @@ impl Fixture {
             booked: &self.booked,
             sessions: &self.sessions,
             now_ms: self.now_ms,
+            prefill_timing: &(),
         };
         let mut rng = StdRng::seed_from_u64(seed);
         select(req, &ctx, &self.config, &CostScorer, &mut rng)
@@ -682,6 +683,7 @@ fn another_policy_plugs_in_through_the_trait() {
         booked: &f.booked,
         sessions: &f.sessions,
         now_ms: 0,
+        prefill_timing: &(),
     };
     let mut rng = StdRng::seed_from_u64(0);
     let s = select(&request(4), &ctx, &f.config, &FewestActive, &mut rng).unwrap();

@@ -42,6 +42,7 @@ impl CostScorer {
                     cost,
                     logit: None,
                     probability: 0.0,
+                    ttft: None,
                 }
             })
             .collect()

@@ -18,6 +18,10 @@ fn input(worker: u64, prefill: u64, decode: u64, cached: u64) -> ScoreInput {
         booked: Default::default(),
         reported: Default::default(),
         expected_output_tokens: None,
+        step_tokens: 0,
+        kv_capacity_blocks: 0,
+        prefill_scale: 1.0,
+        queued_prefill_ms: None,
     }
 }
 
