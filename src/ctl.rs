@@ -689,32 +689,66 @@ fn stats_text(s: &pb::IndexStats) -> String {
 }
 
 fn explain_text(reply: &pb::ExplainSelectionResponse) -> String {
-    let mut table = Table::new(&[
+    // The TTFT policy shows its prediction in parts instead of the cost
+    // policy's block costs and logit.
+    let predicted = reply.candidates.iter().any(|c| c.ttft.is_some());
+    let mut columns = vec![
         ("WORKER", true),
         ("RANK", true),
         ("ELIGIBLE", false),
         ("REASON", false),
         ("OVERLAP", true),
-        ("PREFILL COST", true),
-        ("DECODE COST", true),
-        ("LOGIT", true),
-        ("PROBABILITY", true),
-        ("BUSY", false),
-    ]);
+    ];
+    if predicted {
+        columns.extend([
+            ("TTFT MS", true),
+            ("QUEUED MS", true),
+            ("OWN MS", true),
+            ("DECODE MS", true),
+            ("SCALE", true),
+        ]);
+    } else {
+        columns.extend([
+            ("PREFILL COST", true),
+            ("DECODE COST", true),
+            ("LOGIT", true),
+        ]);
+    }
+    columns.extend([("PROBABILITY", true), ("BUSY", false)]);
+    let mut table = Table::new(&columns);
     for c in &reply.candidates {
-        table.row(vec![
+        let mut row = vec![
             c.worker_id.to_string(),
             c.dp_rank.to_string(),
             yes_no(c.eligible).into(),
             reason_name(c.reason()).into(),
             c.overlap_blocks.to_string(),
-            format!("{:.2}", c.prefill_cost),
-            format!("{:.2}", c.decode_cost),
-            format!("{:.3}", c.logit),
-            format!("{:.3}", c.probability),
-            yes_no(c.busy).into(),
-        ]);
+        ];
+        match (&c.ttft, predicted) {
+            (Some(t), _) => row.extend([
+                format!("{:.1}", t.total_ms),
+                format!("{:.1}", t.queued_prefill_ms),
+                format!("{:.1}", t.own_prefill_ms),
+                format!("{:.1}", t.decode_ms),
+                format!("{:.2}", t.scale),
+            ]),
+            (None, true) => row.extend([
+                "-".to_string(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ]),
+            (None, false) => row.extend([
+                format!("{:.2}", c.prefill_cost),
+                format!("{:.2}", c.decode_cost),
+                format!("{:.3}", c.logit),
+            ]),
+        }
+        row.extend([format!("{:.3}", c.probability), yes_no(c.busy).into()]);
+        table.row(row);
     }
+
     let mut text = if reply.candidates.is_empty() {
         "no candidates\n".to_string()
     } else {
@@ -731,6 +765,9 @@ fn explain_text(reply: &pb::ExplainSelectionResponse) -> String {
             w.potential_prefill_tokens
         )),
         None => text.push_str("winner: none\n"),
+    }
+    if !reply.policy.is_empty() {
+        text.push_str(&format!("policy: {}\n", reply.policy));
     }
     text
 }
@@ -817,6 +854,16 @@ fn explain_json(reply: &pb::ExplainSelectionResponse) -> Value {
                 "logit": c.logit,
                 "probability": c.probability,
                 "busy": c.busy,
+                "cost": c.cost,
+                "ttft": c.ttft.as_ref().map_or(Value::Null, |t| json!({
+                    "total_ms": t.total_ms,
+                    "queued_prefill_ms": t.queued_prefill_ms,
+                    "own_prefill_ms": t.own_prefill_ms,
+                    "decode_ms": t.decode_ms,
+                    "scale": t.scale,
+                    "own_prefill_tokens": t.own_prefill_tokens,
+                    "queue_tracked": t.queue_tracked,
+                })),
             })
         })
         .collect();
@@ -833,7 +880,7 @@ fn explain_json(reply: &pb::ExplainSelectionResponse) -> Value {
             "admission": admission_name(w.admission()),
         })
     });
-    json!({ "candidates": candidates, "winner": winner })
+    json!({ "policy": reply.policy, "candidates": candidates, "winner": winner })
 }
 
 #[cfg(test)]

@@ -377,3 +377,87 @@ async fn no_server_is_one_line_and_a_failure_exit() {
     let (code, _, _) = ctl(&addr, &["explain", "--model", "m"]).await;
     assert_eq!(code, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_shows_the_ttft_policys_prediction_in_parts() {
+    let config = kvroute::config::ServeConfig {
+        scorer: kvroute::config::ScoringPolicy::Ttft,
+        ..kvroute::config::ServeConfig::for_tests()
+    };
+    let server = TestServer::start_with(config).await;
+    server.register(registration(1, MODEL)).await;
+    server.register(registration(2, MODEL)).await;
+    let tokens = prompt();
+    let reply = server
+        .publish(batch(2, 0, vec![stored_tokens(0, 200, &tokens[..48])]))
+        .await
+        .unwrap();
+    assert_eq!(reply.rejected, 0);
+    let addr = server.grpc_addr.to_string();
+    let args = ["explain", "--model", MODEL, "--tokens", &tokens_arg()];
+
+    let table = ctl_ok(&addr, &args).await;
+    for column in ["TTFT MS", "QUEUED MS", "OWN MS", "DECODE MS", "SCALE"] {
+        assert!(table.contains(column), "{column} missing: {table}");
+    }
+    assert!(!table.contains("LOGIT"), "{table}");
+    assert!(table.contains("policy: ttft"), "{table}");
+    assert!(table.contains("winner: worker 2 rank 0"), "{table}");
+
+    let candidate = |json: &Value, worker: u64| {
+        json["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["worker_id"] == worker)
+            .unwrap()["ttft"]
+            .clone()
+    };
+    let json = ctl_json(&addr, &args).await;
+    assert_eq!(json["policy"], "ttft");
+    let (one, two) = (candidate(&json, 1), candidate(&json, 2));
+    // 16 uncached tokens on worker 2 against 64 on worker 1, nothing queued
+    assert_eq!(one["own_prefill_tokens"], 64);
+    assert_eq!(two["own_prefill_tokens"], 16);
+    let ms = |v: &Value, key: &str| v[key].as_f64().unwrap();
+    assert!(ms(&two, "total_ms") < ms(&one, "total_ms"), "{json}");
+    assert!(ms(&two, "total_ms") > 0.0);
+    let parts = ms(&one, "queued_prefill_ms") + ms(&one, "own_prefill_ms") + ms(&one, "decode_ms");
+    assert!((parts - ms(&one, "total_ms")).abs() < 1e-9, "{one}");
+    assert_eq!(
+        (&one["queue_tracked"], &one["scale"]),
+        (&false.into(), &1.0.into())
+    );
+
+    // A booking puts worker 2's queue under the router's tracking, and its
+    // completion teaches the worker's scale.
+    let mut router = server.router();
+    let request = pb::SelectWorkerRequest {
+        request_id: "r1".into(),
+        model: MODEL.into(),
+        prompt: Some(pb::Prompt {
+            content: Some(pb::prompt::Content::TokenIds(pb::TokenIds { ids: tokens })),
+        }),
+        mode: pb::SelectionMode::Reserve.into(),
+        ..Default::default()
+    };
+    let chosen = router.select_worker(request).await.unwrap().into_inner();
+    assert_eq!(chosen.worker_id, 2);
+    let json = ctl_json(&addr, &args).await;
+    assert_eq!(candidate(&json, 2)["queue_tracked"], true, "{json}");
+    assert_eq!(candidate(&json, 1)["queue_tracked"], false, "{json}");
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    router
+        .mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+            request_id: "r1".into(),
+        })
+        .await
+        .unwrap();
+    let json = ctl_json(&addr, &args).await;
+    // 300 ms measured against a prediction of a few tens: slower than the
+    // prior
+    let scale = ms(&candidate(&json, 2), "scale");
+    assert!(scale > 2.0, "{json}");
+    assert_eq!(ms(&candidate(&json, 1), "scale"), 1.0);
+    drop(server);
+}

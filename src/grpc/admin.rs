@@ -138,6 +138,16 @@ impl pb::admin_server::Admin for AdminService {
                     logit: score.and_then(|s| s.logit).unwrap_or(0.0),
                     probability: score.map_or(0.0, |s| s.probability),
                     busy: c.busy.is_some(),
+                    cost: score.map_or(0.0, |s| s.cost),
+                    ttft: score.and_then(|s| s.ttft).map(|t| pb::TtftPrediction {
+                        total_ms: t.total_ms(),
+                        queued_prefill_ms: t.queued_prefill_ms,
+                        own_prefill_ms: t.own_prefill_ms,
+                        decode_ms: t.decode_ms,
+                        scale: t.scale,
+                        own_prefill_tokens: t.own_prefill_tokens,
+                        queue_tracked: t.queue_tracked,
+                    }),
                 }
             })
             .collect();
@@ -145,6 +155,7 @@ impl pb::admin_server::Admin for AdminService {
         Ok(Response::new(pb::ExplainSelectionResponse {
             candidates,
             winner: Some(winner),
+            policy: selection.policy.to_owned(),
         }))
     }
 
