@@ -17,9 +17,15 @@ fn sample() -> Trace {
 }
 
 fn run(trace: &Trace, policy: &str, cfg: &SimConfig) -> Report {
-    if policy == "kvroute" {
+    if policy.starts_with("kvroute") {
+        let scorer = match policy {
+            "kvroute" => kvroute::router::ScorerChoice::Cost,
+            "kvroute-ttft" => kvroute::router::ScorerChoice::Ttft(Default::default()),
+            other => panic!("unknown kvroute policy {other}"),
+        };
         let knobs = kvroute::sim::KvRouteKnobs {
             seed: cfg.seed,
+            scorer,
             ..Default::default()
         };
         let mut router = kvroute::sim::KvRoutePolicy::new(knobs).expect("policy");
@@ -76,12 +82,22 @@ fn reuse_never_exceeds_the_infinite_cache_ideal() {
     for cfg in [SimConfig::default(), tight] {
         for policy in policies() {
             let r = run(&trace, policy, &cfg);
+            let preemptions: u64 = r.engines.iter().map(|e| e.preemptions).sum();
+            // A preempted request re-admitted may find its own blocks, from
+            // its first admission, still cached: reuse the shared-cache
+            // ideal does not count. The bound holds for runs without.
             assert!(
-                r.reuse_ratio <= r.ideal_reuse_ratio + 1e-12,
-                "{policy}: reuse {} above ideal {}",
+                preemptions > 0 || r.reuse_ratio <= r.ideal_reuse_ratio + 1e-12,
+                "{policy}: reuse {} above ideal {} (speedup {}, {} blocks, preemptions {})",
                 r.reuse_ratio,
-                r.ideal_reuse_ratio
+                r.ideal_reuse_ratio,
+                cfg.speedup,
+                cfg.engine.num_blocks,
+                preemptions
             );
+            if cfg.speedup == 1.0 {
+                assert_eq!(preemptions, 0, "{policy}: the default fleet has room");
+            }
             assert!(
                 r.reuse_ratio > 0.0,
                 "{policy}: every request shares hash id 0"
@@ -233,4 +249,33 @@ fn full_trace_ideal_matches_the_manifest() {
     assert_eq!(ideal.total_blocks, 288_500);
     assert!((ideal.token_ratio() - 0.3736).abs() < 5e-5);
     assert!((ideal.block_ratio() - 0.3664).abs() < 5e-5);
+}
+
+#[test]
+fn the_ttft_policy_predicts_every_request_and_learns_nothing_wild() {
+    let trace = sample();
+    let cfg = SimConfig::default();
+    let ttft = run(&trace, "kvroute-ttft", &cfg);
+    let cost = run(&trace, "kvroute", &cfg);
+    assert_eq!(ttft.policy, "kvroute-ttft");
+    let accuracy = ttft
+        .ttft_prediction
+        .expect("the TTFT policy reports its predictions");
+    assert_eq!(
+        accuracy.all.requests, 300,
+        "one measured prediction per request"
+    );
+    // The simulator's engines are the policy's prior: once its queue is
+    // tracked, predictions land within a fraction of the simulated TTFT.
+    assert!(
+        accuracy.all.mae_ms < 0.5 * ttft.ttft_ms.mean,
+        "MAE {} ms against mean TTFT {} ms",
+        accuracy.all.mae_ms,
+        ttft.ttft_ms.mean
+    );
+    assert!(accuracy.all.p90_abs_ms >= 0.0 && accuracy.all.bias_ms.is_finite());
+    // The cost policy predicts nothing, and the JSON says so by omission.
+    assert!(cost.ttft_prediction.is_none());
+    assert!(cost.to_json().get("ttft_prediction").is_none());
+    assert!(ttft.to_json()["ttft_prediction"]["second_half"]["mae_ms"].is_f64());
 }

@@ -20,11 +20,14 @@ use super::policy::{POLICY_NAMES, Router, policy_by_name};
 use super::replicas::ReplicatedKvRoute;
 use super::report::Report;
 use super::types::{ReplicaSetup, SimConfig};
+use crate::router::ScorerChoice;
+use crate::select::TtftSettings;
 use crate::trace::Trace;
 
 /// Every policy `--policy` accepts.
 pub const ALL_POLICIES: &[&str] = &[
     "kvroute",
+    "kvroute-ttft",
     "round-robin",
     "random",
     "least-loaded",
@@ -43,8 +46,8 @@ pub struct ReplayArgs {
     /// Arrival times are divided by this.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
-    /// Policies to compare (repeat or comma-separate): kvroute, round-robin,
-    /// random, least-loaded, prefix-only, or all.
+    /// Policies to compare (repeat or comma-separate): kvroute,
+    /// kvroute-ttft, round-robin, random, least-loaded, prefix-only, or all.
     #[arg(long = "policy", value_delimiter = ',', default_value = "all")]
     pub policies: Vec<String>,
     /// kvroute policy: weight of prefill cost against decode cost.
@@ -56,6 +59,13 @@ pub struct ReplayArgs {
     /// kvroute policy: softmax temperature (0: lowest cost).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// kvroute-ttft policy: candidates predicted within this fraction of
+    /// the fastest (plus --ttft-slack-ms) compete on cached prefix.
+    #[arg(long, default_value_t = TtftSettings::default().slack_fraction)]
+    pub ttft_slack: f64,
+    /// kvroute-ttft policy: ms added to the slack.
+    #[arg(long, default_value_t = TtftSettings::default().slack_ms)]
+    pub ttft_slack_ms: f64,
     /// kvroute policy: router replicas sharing the fleet, each its own
     /// router core seeing every KV event; request i is routed by replica
     /// i mod N. Only the kvroute policy books load, so only it accepts N > 1.
@@ -223,7 +233,7 @@ impl ReplayArgs {
         }
         names.dedup();
         if self.router_replicas > 1
-            && let Some(baseline) = names.iter().find(|n| *n != "kvroute")
+            && let Some(baseline) = names.iter().find(|n| !n.starts_with("kvroute"))
         {
             return Err(ReplayError::Invalid(format!(
                 "--router-replicas {} models routers that book load, which only the kvroute \
@@ -244,12 +254,21 @@ impl ReplayArgs {
     }
 
     fn router(&self, name: &str) -> Result<Box<dyn Router>, ReplayError> {
-        if name == "kvroute" {
+        if name == "kvroute" || name == "kvroute-ttft" {
             let knobs = KvRouteKnobs {
                 overlap_weight: self.overlap_weight,
                 overlap_credit: self.overlap_credit,
                 temperature: self.temperature,
                 seed: self.seed,
+                scorer: if name == "kvroute-ttft" {
+                    ScorerChoice::Ttft(TtftSettings {
+                        slack_fraction: self.ttft_slack,
+                        slack_ms: self.ttft_slack_ms,
+                        ..TtftSettings::default()
+                    })
+                } else {
+                    ScorerChoice::Cost
+                },
             };
             return Ok(match self.replicas() {
                 Some(setup) => Box::new(ReplicatedKvRoute::new(knobs, setup)?),

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use super::engine::{EngineLoad, EngineRequest, PassOutcome, SimEngine};
 use super::policy::Router;
-use super::report::{EngineStats, Report, RequestOutcome};
+use super::report::{EngineStats, PredictionAccuracy, Report, RequestOutcome};
 use super::types::{FleetView, SimConfig, SimRequest};
 use crate::trace::Trace;
 
@@ -297,8 +297,11 @@ impl<'a> Replay<'a> {
             self.engine_stats,
             started.elapsed().as_secs_f64(),
         );
+        let predictions = self.router.ttft_predictions();
         Report {
             replicas: self.router.replicas(),
+            ttft_prediction: (!predictions.is_empty())
+                .then(|| PredictionAccuracy::of(&predictions)),
             ..report
         }
     }

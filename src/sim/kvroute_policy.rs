@@ -20,7 +20,9 @@ use crate::{
     registry::Registration,
     router::{
         DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, ReplicaSettings, RouterConfig, RouterCore,
+        ScorerChoice,
     },
+    select::Selection,
     types::{RankLoad, WorkerRole},
 };
 
@@ -39,6 +41,7 @@ pub struct KvRouteKnobs {
     pub overlap_credit: f64,
     pub temperature: f64,
     pub seed: u64,
+    pub scorer: ScorerChoice,
 }
 
 impl Default for KvRouteKnobs {
@@ -48,6 +51,7 @@ impl Default for KvRouteKnobs {
             overlap_credit: DEFAULT_OVERLAP_CREDIT,
             temperature: 0.0,
             seed: 42,
+            scorer: ScorerChoice::Cost,
         }
     }
 }
@@ -60,6 +64,11 @@ pub struct KvRoutePolicy {
     knobs: KvRouteKnobs,
     registered: bool,
     next_event_id: Vec<u64>,
+    /// TTFT predicted per request awaiting its first token, and when it
+    /// was routed (the TTFT policy only).
+    predicted: std::collections::HashMap<u64, (f64, f64)>,
+    /// `(predicted, actual)` TTFT of requests whose first token came.
+    measured: Vec<(f64, f64)>,
     /// Routing or ingest failures (none are expected; counted, not hidden).
     pub errors: u64,
 }
@@ -82,6 +91,7 @@ impl KvRoutePolicy {
             temperature: knobs.temperature,
             seed: knobs.seed.max(1),
             replicas,
+            scorer: knobs.scorer,
             ..RouterConfig::default()
         };
         let metrics = crate::metrics::Metrics::new()?;
@@ -92,6 +102,8 @@ impl KvRoutePolicy {
             knobs,
             registered: false,
             next_event_id: Vec::new(),
+            predicted: Default::default(),
+            measured: Vec::new(),
             errors: 0,
         })
     }
@@ -173,7 +185,7 @@ impl KvRoutePolicy {
 
     /// Routes through the service's conversion and routing code; the error is
     /// either stage's message (the simulator only logs and counts it).
-    fn select(&self, request: &SimRequest, block_size: u32) -> Result<u64, String> {
+    fn select(&self, request: &SimRequest, block_size: u32) -> Result<Selection, String> {
         let request = pb::SelectWorkerRequest {
             request_id: request.id.to_string(),
             model: MODEL.into(),
@@ -191,23 +203,26 @@ impl KvRoutePolicy {
             .core
             .route_unqueued(prepared)
             .map_err(|e| e.to_string())?;
-        Ok(outcome.selection.target.worker_id)
+        Ok(outcome.selection)
     }
 }
 
 impl Router for KvRoutePolicy {
     fn name(&self) -> String {
         let k = self.knobs;
-        if k == KvRouteKnobs::default()
-            || k == (KvRouteKnobs {
-                seed: k.seed,
-                ..KvRouteKnobs::default()
-            })
-        {
-            "kvroute".into()
+        let base = match k.scorer {
+            ScorerChoice::Cost => "kvroute",
+            ScorerChoice::Ttft(_) => "kvroute-ttft",
+        };
+        if k == (KvRouteKnobs {
+            seed: k.seed,
+            scorer: k.scorer,
+            ..KvRouteKnobs::default()
+        }) {
+            base.into()
         } else {
             format!(
-                "kvroute(w={},c={},t={})",
+                "{base}(w={},c={},t={})",
                 k.overlap_weight, k.overlap_credit, k.temperature
             )
         }
@@ -218,10 +233,16 @@ impl Router for KvRoutePolicy {
         self.set_clock(now_ms);
         self.report_load(fleet);
         match self.select(request, fleet.block_size as u32) {
-            Ok(worker_id) => usize::try_from(worker_id)
-                .ok()
-                .filter(|engine| *engine < fleet.len())
-                .unwrap_or(0),
+            Ok(selection) => {
+                if let Some(parts) = selection.chosen_ttft() {
+                    self.predicted
+                        .insert(request.id, (parts.total_ms(), now_ms));
+                }
+                usize::try_from(selection.target.worker_id)
+                    .ok()
+                    .filter(|engine| *engine < fleet.len())
+                    .unwrap_or(0)
+            }
             Err(error) => {
                 tracing::warn!(%error, "kvroute policy could not route; engine 0");
                 self.errors += 1;
@@ -292,11 +313,19 @@ impl Router for KvRoutePolicy {
     }
 
     fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64) {
+        if let Some((predicted, routed_at)) = self.predicted.remove(&request_id) {
+            self.measured.push((predicted, now_ms - routed_at));
+        }
         self.set_clock(now_ms);
         self.core.mark_prefill_complete(&request_id.to_string());
     }
 
+    fn ttft_predictions(&self) -> Vec<(f64, f64)> {
+        self.measured.clone()
+    }
+
     fn on_request_complete(&mut self, request_id: u64, now_ms: f64) {
+        self.predicted.remove(&request_id);
         self.set_clock(now_ms);
         self.core.release_request(&request_id.to_string());
     }

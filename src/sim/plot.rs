@@ -179,6 +179,7 @@ mod tests {
             ideal_reuse_ratio: 0.5,
             imbalance: 1.1,
             ttft_percentiles_ms: (0..=100).map(|p| f64::from(p) * 10.0).collect(),
+            ttft_prediction: None,
             ..Report::default()
         }
     }

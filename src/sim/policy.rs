@@ -30,6 +30,12 @@ pub trait Router {
     /// The request finished (or was rejected by its engine) at `now_ms`.
     fn on_request_complete(&mut self, _request_id: u64, _now_ms: f64) {}
 
+    /// `(predicted, actual)` TTFT in ms of every request whose TTFT the
+    /// policy predicted, in the order their prefills completed.
+    fn ttft_predictions(&self) -> Vec<(f64, f64)> {
+        Vec::new()
+    }
+
     /// The router replicas this policy models; `None` for one router.
     fn replicas(&self) -> Option<ReplicaSetup> {
         None

@@ -110,6 +110,60 @@ pub struct Report {
     pub engines: Vec<EngineStats>,
     /// TTFT at every percentile 0..=100 (for the chart).
     pub ttft_percentiles_ms: Vec<f64>,
+    /// How well the policy predicted TTFT, if it predicts it.
+    pub ttft_prediction: Option<PredictionAccuracy>,
+}
+
+/// Errors of predicted against simulated TTFT over some requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PredictionErrors {
+    pub requests: usize,
+    /// Mean of |predicted - actual|.
+    pub mae_ms: f64,
+    /// 90th percentile of |predicted - actual|.
+    pub p90_abs_ms: f64,
+    /// Mean of predicted - actual (negative: predictions too optimistic).
+    pub bias_ms: f64,
+}
+
+impl PredictionErrors {
+    /// Over `(predicted, actual)` pairs.
+    pub fn of(pairs: &[(f64, f64)]) -> Self {
+        if pairs.is_empty() {
+            return Self::default();
+        }
+        let n = pairs.len() as f64;
+        let mut abs: Vec<f64> = pairs.iter().map(|(p, a)| (p - a).abs()).collect();
+        abs.sort_by(f64::total_cmp);
+        let rank = ((0.9 * (abs.len() - 1) as f64).round() as usize).min(abs.len() - 1);
+        Self {
+            requests: pairs.len(),
+            mae_ms: abs.iter().sum::<f64>() / n,
+            p90_abs_ms: abs[rank],
+            bias_ms: pairs.iter().map(|(p, a)| p - a).sum::<f64>() / n,
+        }
+    }
+}
+
+/// Predicted TTFT against the simulator's, in the order prefills completed:
+/// the first tenth (the router still learning each engine's speed) and the
+/// second half (learning settled).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PredictionAccuracy {
+    pub all: PredictionErrors,
+    pub first_tenth: PredictionErrors,
+    pub second_half: PredictionErrors,
+}
+
+impl PredictionAccuracy {
+    pub fn of(pairs: &[(f64, f64)]) -> Self {
+        let tenth = pairs.len().div_ceil(10);
+        Self {
+            all: PredictionErrors::of(pairs),
+            first_tenth: PredictionErrors::of(&pairs[..tenth]),
+            second_half: PredictionErrors::of(&pairs[pairs.len() / 2..]),
+        }
+    }
 }
 
 /// Values at percentiles 0, 1, ..., 100 (nearest rank); empty input, empty.
@@ -186,6 +240,7 @@ impl Report {
             completed,
             rejected: requests.iter().filter(|r| r.rejected).count(),
             ttft_percentiles_ms: percentiles(&ttft),
+            ttft_prediction: None,
             ttft_ms: Distribution::of(ttft),
             e2e_ms: Distribution::of(e2e),
             itl_ms: Distribution::of(itl_ms),
@@ -238,6 +293,12 @@ impl Report {
             object.insert("router_replicas".into(), setup.count.into());
             object.insert("replica_sync_delay_ms".into(), setup.sync_delay_ms.into());
         }
+        if let (Some(accuracy), Some(object)) = (self.ttft_prediction, json.as_object_mut()) {
+            object.insert(
+                "ttft_prediction".into(),
+                serde_json::to_value(accuracy).unwrap_or_default(),
+            );
+        }
         json
     }
 
@@ -289,6 +350,24 @@ impl Report {
                 r.reuse_ratio, r.ideal_reuse_ratio, r.imbalance,
                 under, r.sim_secs,
             ));
+        }
+        for r in reports {
+            if let Some(a) = r.ttft_prediction {
+                let line = |e: PredictionErrors| {
+                    format!(
+                        "MAE {:.0} ms, p90 {:.0} ms, bias {:+.0} ms",
+                        e.mae_ms, e.p90_abs_ms, e.bias_ms
+                    )
+                };
+                out.push_str(&format!(
+                    "{}: predicted TTFT error over {} requests: {}; first tenth {}; second half {}\n",
+                    r.policy,
+                    a.all.requests,
+                    line(a.all),
+                    line(a.first_tenth),
+                    line(a.second_half)
+                ));
+            }
         }
         out
     }
