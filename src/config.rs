@@ -159,6 +159,13 @@ pub struct ServeConfig {
           value_parser = parse_positive_duration)]
     pub session_ttl: Duration,
 
+    /// How long a predicted cache block (workers registered APPROXIMATE,
+    /// or AUTO before their first event) lasts untouched; 0s: until the
+    /// worker's capacity pushes it out.
+    #[arg(long, env = "KVROUTE_PREDICTION_TTL", default_value = "0s",
+          value_parser = parse_duration)]
+    pub prediction_ttl: Duration,
+
     /// Most events in one KvEventBatch.
     #[arg(long, env = "KVROUTE_MAX_EVENTS_PER_BATCH", default_value_t = 4096,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -316,6 +323,7 @@ impl ServeConfig {
             kv_busy_fraction: r.kv_busy_fraction,
             queue_capacity: r.queue_capacity,
             session_ttl: r.session_ttl,
+            prediction_ttl: r.prediction_ttl.unwrap_or_default(),
             max_events_per_batch: r.limits.max_events_per_batch,
             max_blocks_per_event: r.limits.max_blocks_per_event,
             seed: r.seed,
@@ -355,6 +363,7 @@ impl ServeConfig {
                 ScoringPolicy::Cost => ScorerChoice::Cost,
                 ScoringPolicy::Ttft => ScorerChoice::Ttft(TtftSettings::default()),
             },
+            prediction_ttl: (!self.prediction_ttl.is_zero()).then_some(self.prediction_ttl),
         }
     }
 
@@ -461,6 +470,10 @@ pub fn argv_with_config_text(
         argv.push(format!("--{}={text}", id.replace('_', "-")));
     }
     Ok(argv)
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| e.to_string())
 }
 
 fn parse_positive_duration(text: &str) -> Result<Duration, String> {

@@ -441,6 +441,22 @@ fn role_name(role: pb::WorkerRole) -> &'static str {
     }
 }
 
+fn kv_events_name(mode: pb::KvEventsMode) -> &'static str {
+    match mode {
+        pb::KvEventsMode::Unspecified | pb::KvEventsMode::Exact => "exact",
+        pb::KvEventsMode::Approximate => "approximate",
+        pb::KvEventsMode::Auto => "auto",
+    }
+}
+
+fn view_name(view: pb::CacheView) -> &'static str {
+    match view {
+        pb::CacheView::Unspecified => "-",
+        pb::CacheView::Exact => "exact",
+        pb::CacheView::Predicted => "predicted",
+    }
+}
+
 fn reason_name(reason: pb::IneligibleReason) -> &'static str {
     match reason {
         pb::IneligibleReason::None => "-",
@@ -574,18 +590,28 @@ fn workers_table(workers: &[pb::WorkerInfo]) -> String {
         ("MODEL", false),
         ("ROLE", false),
         ("RANKS", false),
+        ("VIEW", false),
         ("BLOCKS", true),
         ("BOOKED", true),
         ("LEASE LEFT", true),
         ("CORDONED", false),
     ]);
     for w in workers {
-        let blocks: u64 = w.ranks.iter().map(|r| r.cached_blocks).sum();
+        // The blocks of the view it is scored on.
+        let blocks: u64 = w
+            .ranks
+            .iter()
+            .map(|r| match w.cache_view() {
+                pb::CacheView::Predicted => r.predicted_blocks,
+                _ => r.cached_blocks,
+            })
+            .sum();
         table.row(vec![
             w.worker_id.to_string(),
             w.model.clone(),
             role_name(w.role()).into(),
             rank_range(w),
+            view_name(w.cache_view()).into(),
             blocks.to_string(),
             booked_of(w).active_requests.to_string(),
             lease_text(w.lease_remaining_ms),
@@ -623,6 +649,8 @@ fn worker_detail(w: &pb::WorkerInfo) -> String {
     );
     field("lease left", lease_text(w.lease_remaining_ms));
     field("cordoned", yes_no(w.cordoned).into());
+    field("kv events", kv_events_name(w.kv_events()).into());
+    field("scored on", w.cache_view_reason.clone());
     field(
         "subscription",
         if w.subscription.is_empty() {
@@ -641,6 +669,7 @@ fn worker_detail(w: &pb::WorkerInfo) -> String {
         ("WAITING", true),
         ("KV USED", true),
         ("CACHED", true),
+        ("PREDICTED", true),
         ("BOOKED REQS", true),
         ("PREFILL TOKENS", true),
         ("DECODE BLOCKS", true),
@@ -657,6 +686,7 @@ fn worker_detail(w: &pb::WorkerInfo) -> String {
             load.waiting_requests.to_string(),
             load.kv_blocks_used.to_string(),
             r.cached_blocks.to_string(),
+            r.predicted_blocks.to_string(),
             booked.active_requests.to_string(),
             booked.prefill_tokens.to_string(),
             booked.decode_blocks.to_string(),
@@ -698,6 +728,7 @@ fn explain_text(reply: &pb::ExplainSelectionResponse) -> String {
         ("ELIGIBLE", false),
         ("REASON", false),
         ("OVERLAP", true),
+        ("VIEW", false),
     ];
     if predicted {
         columns.extend([
@@ -723,6 +754,7 @@ fn explain_text(reply: &pb::ExplainSelectionResponse) -> String {
             yes_no(c.eligible).into(),
             reason_name(c.reason()).into(),
             c.overlap_blocks.to_string(),
+            view_name(c.cache_view()).into(),
         ];
         match (&c.ttft, predicted) {
             (Some(t), _) => row.extend([
@@ -798,6 +830,7 @@ fn worker_json(w: &pb::WorkerInfo) -> Value {
                 },
                 "booked_load": booked_json(&r.booked_load.unwrap_or_default()),
                 "cached_blocks": r.cached_blocks,
+                "predicted_blocks": r.predicted_blocks,
                 "last_event_id": r.last_event_id,
                 "events_skipped": r.events_skipped,
                 "events_rejected": r.events_rejected,
@@ -818,6 +851,9 @@ fn worker_json(w: &pb::WorkerInfo) -> Value {
         "lease_remaining_ms": w.lease_remaining_ms,
         "cordoned": w.cordoned,
         "subscription": w.subscription,
+        "kv_events": kv_events_name(w.kv_events()),
+        "cache_view": view_name(w.cache_view()),
+        "cache_view_reason": w.cache_view_reason,
         "cached_blocks": w.ranks.iter().map(|r| r.cached_blocks).sum::<u64>(),
         "booked_load": booked_json(&booked_of(w)),
         "ranks": ranks,
@@ -849,6 +885,8 @@ fn explain_json(reply: &pb::ExplainSelectionResponse) -> Value {
                 "eligible": c.eligible,
                 "reason": if c.eligible { Value::Null } else { json!(reason_name(c.reason())) },
                 "overlap_blocks": c.overlap_blocks,
+                "cache_view": view_name(c.cache_view()),
+                "cache_view_reason": c.cache_view_reason,
                 "prefill_cost": c.prefill_cost,
                 "decode_cost": c.decode_cost,
                 "logit": c.logit,

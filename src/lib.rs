@@ -20,6 +20,7 @@ pub mod index;
 pub mod ingest;
 pub mod metrics;
 pub mod oplog;
+pub mod predict;
 pub mod registry;
 pub mod router;
 pub mod security;

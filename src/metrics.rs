@@ -31,6 +31,7 @@ pub struct Metrics {
     pub events: IntCounterVec,
     pub index_blocks: IntGauge,
     pub index_bytes: IntGauge,
+    pub predicted_blocks: IntGauge,
     pub event_streams: IntGauge,
     pub input_rejected: IntCounterVec,
     pub engine: EngineEventFamilies,
@@ -262,6 +263,13 @@ impl Metrics {
             index_bytes: registered(
                 &registry,
                 IntGauge::new("index_memory_bytes", "Estimated bytes used by the index")?,
+            )?,
+            predicted_blocks: registered(
+                &registry,
+                IntGauge::new(
+                    "predicted_blocks",
+                    "Predicted (block, worker rank) entries of workers without KV events",
+                )?,
             )?,
             event_streams: registered(
                 &registry,

@@ -69,6 +69,56 @@ impl WorkerRole {
     }
 }
 
+/// Whether a worker reports its KV cache through events, which decides
+/// what its overlap is read from (`crate::predict`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvEventsMode {
+    /// It publishes events: scored on the exact index.
+    #[default]
+    Exact,
+    /// It publishes none: scored on what kvroute predicts from its own
+    /// routing.
+    Approximate,
+    /// Predicted until its first event arrives, exact from then on.
+    Auto,
+}
+
+/// Which view of a target's cache a decision read, and why.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CacheView {
+    /// The exact index, fed by the worker's events.
+    #[default]
+    Exact,
+    /// The predicted cache (`crate::predict`).
+    Predicted(PredictedBecause),
+}
+
+/// Why a target is scored on its predicted cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PredictedBecause {
+    /// It registered APPROXIMATE.
+    Approximate,
+    /// It registered AUTO and no event of it has arrived yet.
+    NoEventsYet,
+}
+
+impl CacheView {
+    pub fn is_predicted(self) -> bool {
+        matches!(self, CacheView::Predicted(_))
+    }
+
+    /// A short name and reason, for operators.
+    pub fn describe(self) -> &'static str {
+        match self {
+            CacheView::Exact => "exact",
+            CacheView::Predicted(PredictedBecause::Approximate) => {
+                "predicted: registered approximate"
+            }
+            CacheView::Predicted(PredictedBecause::NoEventsYet) => "predicted: auto, no events yet",
+        }
+    }
+}
+
 /// Load a worker reports for one dp rank in its heartbeat.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RankLoad {
@@ -92,6 +142,8 @@ pub struct WorkerSnapshot {
     /// Taints a request must tolerate to be routed here.
     pub taints: Vec<String>,
     pub cordoned: bool,
+    /// Whether its overlap comes from events or from predictions.
+    pub kv_events: KvEventsMode,
     /// Reported load per dp rank (ranks that never reported are absent).
     pub load: Vec<(DpRank, RankLoad)>,
 }

@@ -129,6 +129,7 @@ async fn workers_lists_every_worker_as_a_table_and_as_json() {
         "MODEL",
         "ROLE",
         "RANKS",
+        "VIEW",
         "BLOCKS",
         "BOOKED",
         "LEASE LEFT",
@@ -148,9 +149,9 @@ async fn workers_lists_every_worker_as_a_table_and_as_json() {
     }
     let one = row(&table, "1");
     assert_eq!(one[1..4], [MODEL, "aggregated", "0"]);
-    assert_eq!((one[4], one[5], one[7]), ("1", "0", "no"));
+    assert_eq!((one[4], one[5], one[6], one[8]), ("exact", "1", "0", "no"));
     let two = row(&table, "2");
-    assert_eq!((two[3], two[4]), ("0-1", "3"));
+    assert_eq!((two[3], two[5]), ("0-1", "3"));
     assert_eq!(row(&table, "3")[2], "prefill");
 
     let json = ctl_json(&addr, &["workers"]).await;
@@ -158,6 +159,9 @@ async fn workers_lists_every_worker_as_a_table_and_as_json() {
     assert_eq!(workers.len(), 3);
     assert_eq!(workers[1]["worker_id"], 2);
     assert_eq!(workers[1]["cached_blocks"], 3);
+    assert_eq!(workers[1]["kv_events"], "exact");
+    assert_eq!(workers[1]["cache_view"], "exact");
+    assert_eq!(workers[1]["ranks"][1]["predicted_blocks"], 0);
     assert_eq!(workers[1]["ranks"][1]["cached_blocks"], 3);
     assert_eq!(workers[1]["ranks"][1]["last_event_id"], 0);
     assert_eq!(workers[2]["role"], "prefill");
@@ -209,6 +213,7 @@ async fn explain_names_the_winner_and_scores_every_candidate() {
         "ELIGIBLE",
         "REASON",
         "OVERLAP",
+        "VIEW",
         "PREFILL COST",
         "DECODE COST",
         "LOGIT",
@@ -325,7 +330,7 @@ async fn cordon_and_uncordon_change_eligibility() {
     let (server, addr) = fleet().await;
     let out = ctl_ok(&addr, &["cordon", "2"]).await;
     assert!(out.starts_with("worker 2 cordoned\n"), "{out}");
-    assert_eq!(row(&out, "2")[7], "yes", "{out}");
+    assert_eq!(row(&out, "2")[8], "yes", "{out}");
     let tokens = tokens_arg();
     let table = ctl_ok(&addr, &["explain", "--model", MODEL, "--tokens", &tokens]).await;
     assert!(table.contains("winner: worker 1 rank 0"), "{table}");

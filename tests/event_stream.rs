@@ -55,6 +55,7 @@ impl Stream {
                 max_num_batched_tokens: 8192,
                 taints: Vec::new(),
                 lease_ttl: None,
+                kv_events: kvroute::types::KvEventsMode::Exact,
             })
             .unwrap();
         Self {

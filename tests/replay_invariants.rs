@@ -279,3 +279,50 @@ fn the_ttft_policy_predicts_every_request_and_learns_nothing_wild() {
     assert!(cost.to_json().get("ttft_prediction").is_none());
     assert!(ttft.to_json()["ttft_prediction"]["second_half"]["mae_ms"].is_f64());
 }
+
+/// The kvroute policy with its first `approximate` engines registered
+/// APPROXIMATE (their events never reach the router).
+fn run_approximate(trace: &Trace, approximate: usize, cfg: &SimConfig) -> Report {
+    let knobs = kvroute::sim::KvRouteKnobs {
+        seed: cfg.seed,
+        approximate_workers: approximate,
+        ..Default::default()
+    };
+    let mut router = kvroute::sim::KvRoutePolicy::new(knobs).expect("policy");
+    let report = replay(trace, cfg, &mut router);
+    assert_eq!(router.errors, 0, "routed and ingested cleanly");
+    report
+}
+
+#[test]
+fn approximate_workers_are_routed_by_what_kvroute_predicts_they_cache() {
+    let trace = sample();
+    let cfg = SimConfig::default();
+    let exact = run(&trace, "kvroute", &cfg);
+    let approximate = run_approximate(&trace, cfg.workers, &cfg);
+    let mixed = run_approximate(&trace, cfg.workers / 2, &cfg);
+    let rr = run(&trace, "round-robin", &cfg);
+    assert_eq!(approximate.policy, format!("kvroute~{}", cfg.workers));
+    for report in [&approximate, &mixed] {
+        assert_eq!(report.completed, 300, "{}", report.policy);
+        // Without a single event it still finds the conversations' prefixes.
+        assert!(
+            report.reuse_ratio > rr.reuse_ratio,
+            "{} {} vs round-robin {}",
+            report.policy,
+            report.reuse_ratio,
+            rr.reuse_ratio
+        );
+        // Its predictions of each request's cached tokens are close to what
+        // the engines found: off by less than a block (64 tokens) on average.
+        let errors = report
+            .cached_prediction
+            .expect("every kvroute run reports its cached-token predictions");
+        assert_eq!(errors.requests, 300);
+        assert!(errors.mae_ms < 64.0, "{}: {errors:?}", report.policy);
+    }
+    let exact_errors = exact.cached_prediction.expect("exact reports too");
+    assert!(exact_errors.mae_ms <= approximate.cached_prediction.unwrap().mae_ms + 1.0);
+    assert!(approximate.to_json()["cached_prediction"]["mae_tokens"].is_f64());
+    assert!(rr.cached_prediction.is_none());
+}

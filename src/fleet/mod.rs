@@ -33,7 +33,7 @@ use crate::{
     ingest::{BatchOutcome, IngestError, IngestHandle, ValidatedBatch, cursor::EventCursor},
     registry::{EventTarget, RegisterOutcome, Registration, RegistryError, WorkerRecord},
     router::RouterCore,
-    types::{BookedLoad, DpRank, RankLoad, WorkerId, WorkerRank, WorkerRole},
+    types::{BookedLoad, CacheView, DpRank, RankLoad, WorkerId, WorkerRank, WorkerRole},
 };
 use subscriptions::Subscriptions;
 
@@ -64,6 +64,8 @@ pub struct WorkerView {
     pub ranks: Vec<RankView>,
     /// One line on its engine subscription; empty when it has none.
     pub subscription: String,
+    /// Which view of its cache routing reads now, and why.
+    pub cache_view: CacheView,
 }
 
 /// One dp rank of a [`WorkerView`].
@@ -73,6 +75,8 @@ pub struct RankView {
     pub reported: RankLoad,
     pub booked: BookedLoad,
     pub cached_blocks: u64,
+    /// Blocks kvroute predicts it holds (0 unless scored on predictions).
+    pub predicted_blocks: u64,
     pub cursor: EventCursor,
 }
 
@@ -237,6 +241,7 @@ impl Fleet {
                 max_num_batched_tokens: 0,
                 taints: Vec::new(),
                 lease_ttl: None,
+                kv_events: crate::types::KvEventsMode::Exact,
             };
             check_source(&spec.source, &registration)?;
             let _turn = self.turn(worker_id).await;
@@ -428,12 +433,15 @@ impl Fleet {
                     reported: record.load.get(&dp_rank).copied().unwrap_or_default(),
                     booked: self.router.booked_load(target),
                     cached_blocks: self.router.cached_blocks(&r.model, target),
+                    predicted_blocks: self.router.predicted_blocks(target),
                     cursor: self.ingest.cursor(target).unwrap_or_default(),
                 }
             })
             .collect();
         let subscription = self.subscriptions.summary(r.worker_id);
+        let cache_view = self.router.cache_view(&record.snapshot());
         WorkerView {
+            cache_view,
             record,
             ranks,
             subscription,

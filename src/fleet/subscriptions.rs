@@ -463,6 +463,7 @@ mod tests {
                 max_num_batched_tokens: 8192,
                 taints: Vec::new(),
                 lease_ttl: None,
+                kv_events: crate::types::KvEventsMode::Exact,
             })
             .unwrap_or_else(|e| panic!("register: {e}"))
             .record;

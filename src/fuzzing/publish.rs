@@ -71,6 +71,7 @@ pub fn publish_events(data: &[u8]) {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             lease_ttl: None,
+            kv_events: crate::types::KvEventsMode::Exact,
         });
         assert!(registered.is_ok(), "fixed registrations are valid");
     }

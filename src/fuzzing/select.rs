@@ -61,6 +61,7 @@ fn fleet() -> Option<RouterCore> {
             max_num_batched_tokens: 8192,
             taints,
             lease_ttl: None,
+            kv_events: crate::types::KvEventsMode::Exact,
         })
         .ok()?;
     }

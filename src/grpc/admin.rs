@@ -148,6 +148,8 @@ impl pb::admin_server::Admin for AdminService {
                         own_prefill_tokens: t.own_prefill_tokens,
                         queue_tracked: t.queue_tracked,
                     }),
+                    cache_view: crate::grpc::convert::cache_view_to_pb(c.view).into(),
+                    cache_view_reason: c.view.describe().to_owned(),
                 }
             })
             .collect();

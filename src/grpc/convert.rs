@@ -19,7 +19,7 @@ use crate::{
         RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
         affinity::{AffinityMode, SessionRef},
     },
-    types::{RankLoad, RequestPhase, WorkerRank, WorkerRole},
+    types::{CacheView, KvEventsMode, RankLoad, RequestPhase, WorkerRank, WorkerRole},
 };
 
 /// Longest model, endpoint, taint, LoRA or id string accepted.
@@ -62,6 +62,33 @@ pub fn role_from_pb(value: i32) -> Result<WorkerRole, InvalidInput> {
         Ok(pb::WorkerRole::Prefill) => Ok(WorkerRole::Prefill),
         Ok(pb::WorkerRole::Decode) => Ok(WorkerRole::Decode),
         Err(_) => Err(InvalidInput::new("role", format!("unknown role {value}"))),
+    }
+}
+
+pub fn kv_events_from_pb(value: i32) -> Result<KvEventsMode, InvalidInput> {
+    match pb::KvEventsMode::try_from(value) {
+        Ok(pb::KvEventsMode::Unspecified | pb::KvEventsMode::Exact) => Ok(KvEventsMode::Exact),
+        Ok(pb::KvEventsMode::Approximate) => Ok(KvEventsMode::Approximate),
+        Ok(pb::KvEventsMode::Auto) => Ok(KvEventsMode::Auto),
+        Err(_) => Err(InvalidInput::new(
+            "kv_events",
+            format!("unknown KV events mode {value}"),
+        )),
+    }
+}
+
+pub fn kv_events_to_pb(mode: KvEventsMode) -> pb::KvEventsMode {
+    match mode {
+        KvEventsMode::Exact => pb::KvEventsMode::Exact,
+        KvEventsMode::Approximate => pb::KvEventsMode::Approximate,
+        KvEventsMode::Auto => pb::KvEventsMode::Auto,
+    }
+}
+
+pub fn cache_view_to_pb(view: CacheView) -> pb::CacheView {
+    match view {
+        CacheView::Exact => pb::CacheView::Exact,
+        CacheView::Predicted(_) => pb::CacheView::Predicted,
     }
 }
 
@@ -110,6 +137,7 @@ pub fn registration_from_pb(
         taints: request.taints,
         lease_ttl: (request.lease_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
+        kv_events: kv_events_from_pb(request.kv_events)?,
     };
     Ok((registration, source))
 }
@@ -713,6 +741,7 @@ pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
             last_event_id: rank.cursor.last_applied().unwrap_or(0),
             events_skipped: rank.cursor.skipped,
             events_rejected: rank.cursor.rejected,
+            predicted_blocks: rank.predicted_blocks,
         })
         .collect();
     pb::WorkerInfo {
@@ -731,6 +760,9 @@ pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         cordoned: record.cordoned,
         ranks,
         subscription: view.subscription.clone(),
+        kv_events: kv_events_to_pb(r.kv_events).into(),
+        cache_view: cache_view_to_pb(view.cache_view).into(),
+        cache_view_reason: view.cache_view.describe().to_owned(),
     }
 }
 

@@ -446,6 +446,9 @@ impl EventWriter {
             &batch.model,
             batch.events.len(),
         )?;
+        if !batch.events.is_empty() {
+            self.router.note_events(worker_id);
+        }
         let target = WorkerRank::new(worker_id, batch.dp_rank);
         let mut tally = Tally::default();
         let mut cursors = self.cursors.lock();
@@ -492,6 +495,9 @@ impl EventWriter {
             &batch.model,
             batch.events.len(),
         )?;
+        if !batch.events.is_empty() {
+            self.router.note_events(worker_id);
+        }
         let target = WorkerRank::new(worker_id, batch.dp_rank);
         let mut tally = Tally::default();
         for event in batch.events {

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::types::{DpRank, RankLoad, WorkerId, WorkerRole, WorkerSnapshot};
+use crate::types::{DpRank, KvEventsMode, RankLoad, WorkerId, WorkerRole, WorkerSnapshot};
 
 mod limits;
 
@@ -48,6 +48,8 @@ pub struct Registration {
     pub taints: Vec<String>,
     /// Lease asked for; `None` takes the server's default.
     pub lease_ttl: Option<Duration>,
+    /// Whether it publishes KV events (see `KvEventsMode`).
+    pub kv_events: KvEventsMode,
 }
 
 /// A registered worker as a snapshot keeps it.
@@ -86,6 +88,7 @@ impl WorkerRecord {
             max_num_batched_tokens: r.max_num_batched_tokens,
             taints: r.taints.clone(),
             cordoned: self.cordoned,
+            kv_events: r.kv_events,
             load: self
                 .load
                 .iter()

@@ -118,6 +118,9 @@ pub struct RouterConfig {
     pub registry_limits: RegistryLimits,
     /// The scoring policy of SelectWorker.
     pub scorer: ScorerChoice,
+    /// How long a predicted cache block lasts untouched (`crate::predict`);
+    /// `None`: only the worker's capacity ages predictions out.
+    pub prediction_ttl: Option<Duration>,
 }
 
 /// The scoring policy SelectWorker uses (`select::scoring`).
@@ -148,6 +151,7 @@ impl Default for RouterConfig {
             replicas: ReplicaSettings::default(),
             registry_limits: RegistryLimits::default(),
             scorer: ScorerChoice::default(),
+            prediction_ttl: None,
         }
     }
 }

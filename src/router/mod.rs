@@ -14,8 +14,13 @@
 //!   (`crate::ingest`), through the `Arc<KvIndex>` it gets from
 //!   [`RouterCore::index_of`]; routing reads it.
 //! * `routing`: bookings, sessions and the WAIT queue (`routing.rs`).
+//! * `predictions`: the predicted caches of targets scored on them
+//!   (`crate::predict`), written when a RESERVE books one, read by routing;
+//!   `events_seen`: which AUTO workers have sent events (the ingest writer).
 //!
-//! Lock order where two meet: `routing` → `members` → an index's own lock.
+//! Lock order where two meet: `routing` → `members` → an index's own lock;
+//! `predictions` is taken last, with only `events_seen`'s own shard locks
+//! under it.
 //! `routing` is taken first (a RESERVE decides and books under its write
 //! lock, reading members and indexes inside); no path takes `routing` while
 //! holding `members`, and none takes `members` while holding an index lock.
@@ -38,12 +43,16 @@ use crate::{
     admission::bookings::SavedBooking,
     index::{IndexDigest, IndexStats, KvIndex},
     metrics::Metrics,
+    predict::PredictedCaches,
     registry::{
         EventTarget, RegisterOutcome, Registration, Registry, RegistryError, SavedWorker,
         WorkerRecord,
     },
     select::affinity::SavedSession,
-    types::{BookedLoad, DpRank, RankLoad, WorkerId, WorkerRank},
+    types::{
+        BookedLoad, CacheView, DpRank, KvEventsMode, PredictedBecause, RankLoad, WorkerId,
+        WorkerRank, WorkerSnapshot,
+    },
 };
 
 pub use config::{
@@ -68,6 +77,11 @@ pub struct RouterCore {
     members: RwLock<Members>,
     /// Bookings, sessions and the WAIT queue (`routing.rs`).
     routing: RwLock<routing::RoutingState>,
+    /// Predicted caches of the targets scored on them (`crate::predict`).
+    predictions: RwLock<PredictedCaches>,
+    /// Workers whose events have arrived since they registered (AUTO
+    /// workers are scored exactly from then on).
+    events_seen: dashmap::DashSet<WorkerId>,
     /// When this core started: zero of the routing clock.
     started: Instant,
     /// The routing clock's reading when a caller drives it (the replay
@@ -104,6 +118,10 @@ impl RouterCore {
                 config.seed,
                 config.replicas.horizon_ms(),
             )),
+            predictions: RwLock::new(PredictedCaches::new(
+                config.prediction_ttl.map(routing::millis),
+            )),
+            events_seen: dashmap::DashSet::new(),
             started: now(),
             manual_clock: None,
             feed: parking_lot::Mutex::new(None),
@@ -202,8 +220,51 @@ impl RouterCore {
             }
             outcome
         };
+        let registration = &outcome.record.registration;
+        if outcome.invalidated.is_some() {
+            // Another layout: what it held, and whether it sent events, is
+            // of the previous registration.
+            self.events_seen.remove(&registration.worker_id);
+        }
+        if outcome.invalidated.is_some() || registration.kv_events == KvEventsMode::Exact {
+            self.predictions
+                .write()
+                .forget_worker(registration.worker_id);
+        }
         self.refresh_worker_gauges();
         Ok(outcome)
+    }
+
+    /// Notes that events of `worker_id` arrived: an AUTO worker is scored
+    /// on the exact index from now on, and its predictions are dropped.
+    pub fn note_events(&self, worker_id: WorkerId) {
+        if !self.events_seen.contains(&worker_id) {
+            // Under the predictions lock, so a booking racing with this
+            // sees either the mark or its prediction forgotten.
+            let mut predictions = self.predictions.write();
+            self.events_seen.insert(worker_id);
+            predictions.forget_worker(worker_id);
+        }
+    }
+
+    /// Which view of its cache `worker` is scored on now, and why.
+    pub fn cache_view(&self, worker: &WorkerSnapshot) -> CacheView {
+        match worker.kv_events {
+            KvEventsMode::Exact => CacheView::Exact,
+            KvEventsMode::Approximate => CacheView::Predicted(PredictedBecause::Approximate),
+            KvEventsMode::Auto if self.events_seen.contains(&worker.worker_id) => CacheView::Exact,
+            KvEventsMode::Auto => CacheView::Predicted(PredictedBecause::NoEventsYet),
+        }
+    }
+
+    /// Blocks `target` is predicted to hold (0 for targets scored exactly).
+    pub fn predicted_blocks(&self, target: WorkerRank) -> u64 {
+        self.predictions.read().blocks(target)
+    }
+
+    /// Blocks predicted over every target.
+    pub fn predicted_blocks_total(&self) -> u64 {
+        self.predictions.read().total_blocks()
     }
 
     /// Renews a worker's lease and records the load it reports per rank.
@@ -409,6 +470,9 @@ impl RouterCore {
         self.metrics
             .index_bytes
             .set(i64::try_from(totals.bytes_used).unwrap_or(i64::MAX));
+        self.metrics
+            .predicted_blocks
+            .set(i64::try_from(self.predicted_blocks_total()).unwrap_or(i64::MAX));
     }
 
     fn refresh_worker_gauges(&self) {

@@ -36,6 +36,7 @@ fn core(replicas: ReplicaSettings) -> RouterCore {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             lease_ttl: Some(Duration::from_secs(3600)),
+            kv_events: crate::types::KvEventsMode::Exact,
         })
         .expect("registers");
     }

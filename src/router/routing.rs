@@ -24,13 +24,14 @@ use crate::{
         prefill_times::PrefillTimes,
         queue::WaitQueue,
     },
+    predict,
     select::{
         self, CostScorer, Scorer, SelectConfig, SelectContext, SelectMode, SelectRequest,
         Selection, TtftScorer,
         affinity::{SavedSession, SessionTable},
         error::SelectError,
     },
-    types::{BookedLoad, LocalHash, RankMap, RequestPhase, WorkerId, WorkerRank},
+    types::{BookedLoad, CacheView, LocalHash, RankMap, RequestPhase, WorkerId, WorkerRank},
 };
 
 /// Why a SelectWorker call failed.
@@ -125,7 +126,7 @@ pub(super) struct Waiter {
     reply: oneshot::Sender<Result<Selection, RouteError>>,
 }
 
-fn millis(d: Duration) -> u64 {
+pub(super) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
@@ -165,6 +166,16 @@ struct Inputs {
     workers: std::sync::Arc<[crate::types::WorkerSnapshot]>,
     overlaps: RankMap<u32>,
     cached_blocks: RankMap<u64>,
+    /// Targets scored on their predicted cache, and why (the rest: exact).
+    predicted: RankMap<CacheView>,
+    /// The prompt's chain hashes, when some target is predicted.
+    chain: Vec<u64>,
+}
+
+impl Inputs {
+    fn view(&self, target: WorkerRank) -> CacheView {
+        self.predicted.get(&target).copied().unwrap_or_default()
+    }
 }
 
 impl RouterCore {
@@ -205,10 +216,36 @@ impl RouterCore {
             let counts = index.worker_blocks_many(&targets);
             cached_blocks.extend(targets.into_iter().zip(counts));
         }
+        let mut predicted = RankMap::default();
+        for worker in workers.iter() {
+            let view = self.cache_view(worker);
+            if view.is_predicted() {
+                predicted.extend(
+                    worker
+                        .ranks()
+                        .map(|r| (WorkerRank::new(worker.worker_id, r), view)),
+                );
+            }
+        }
+        let mut chain = Vec::new();
+        if !predicted.is_empty() {
+            chain = predict::chain_hashes(hashes);
+            let now_ms = self.now_ms();
+            let predictions = self.predictions.read();
+            for &target in predicted.keys() {
+                match predictions.overlap(target, &chain, now_ms) {
+                    0 => overlaps.remove(&target),
+                    blocks => overlaps.insert(target, blocks),
+                };
+                cached_blocks.insert(target, predictions.blocks(target));
+            }
+        }
         Inputs {
             workers,
             overlaps,
             cached_blocks,
+            predicted,
+            chain,
         }
     }
 
@@ -335,7 +372,11 @@ impl RouterCore {
     pub fn explain(&self, prepared: &PreparedRequest) -> Result<Selection, RouteError> {
         let inputs = self.gather(&prepared.request, &prepared.hashes);
         let state = self.routing.read();
-        Ok(self.decide(&state, prepared, &inputs)?.selection)
+        let mut selection = self.decide(&state, prepared, &inputs)?.selection;
+        for candidate in &mut selection.candidates {
+            candidate.view = inputs.view(candidate.target);
+        }
+        Ok(selection)
     }
 
     /// Routes and books a request at once, whatever its admission mode and
@@ -345,7 +386,7 @@ impl RouterCore {
         let inputs = self.gather(&prepared.request, &prepared.hashes);
         let mut state = self.routing.write();
         let decision = self.decide(&state, &prepared, &inputs)?;
-        let booked = self.commit(&mut state, &prepared, &decision)?;
+        let booked = self.commit(&mut state, &prepared, &inputs, &decision)?;
         let selection = decision.selection;
         drop(state);
         let admitted = if booked {
@@ -384,7 +425,7 @@ impl RouterCore {
                     return Ok(self.record(decision.selection, Admitted::Untracked, "advisory"));
                 }
                 Admission::Admit => {
-                    let booked = self.commit(&mut state, &prepared, &decision)?;
+                    let booked = self.commit(&mut state, &prepared, &inputs, &decision)?;
                     let selection = decision.selection;
                     let (admitted, outcome) = if booked {
                         (Admitted::Now, "admitted")
@@ -465,6 +506,7 @@ impl RouterCore {
         &self,
         state: &mut RoutingState,
         prepared: &PreparedRequest,
+        inputs: &Inputs,
         decision: &Decision,
     ) -> Result<bool, AdmissionError> {
         let now_ms = self.now_ms();
@@ -488,6 +530,12 @@ impl RouterCore {
             ledger.set_owner(&prepared.request.request_id, owner.clone());
         }
         if booked {
+            self.predict_booked(
+                &prepared.request.request_id,
+                inputs,
+                selection.target,
+                now_ms,
+            );
             for (target, load) in &decision.peer_requests {
                 estimates.add(*target, *load, now_ms);
             }
@@ -519,6 +567,32 @@ impl RouterCore {
             }
         }
         Ok(booked)
+    }
+
+    /// Holds a booked prompt for its target, when the target is scored on
+    /// its predicted cache: recorded at MarkPrefillComplete, or at Release
+    /// if that comes first (`crate::predict`).
+    fn predict_booked(&self, request_id: &str, inputs: &Inputs, target: WorkerRank, now_ms: u64) {
+        if !inputs.view(target).is_predicted() {
+            return;
+        }
+        let Some(worker) = inputs
+            .workers
+            .iter()
+            .find(|w| w.worker_id == target.worker_id)
+        else {
+            return;
+        };
+        let capacity = match worker.total_kv_blocks {
+            0 => self.config.registry_limits.default_kv_blocks_per_rank,
+            n => n,
+        };
+        let mut predictions = self.predictions.write();
+        // An AUTO worker's first event may have come since `inputs` were
+        // gathered; `note_events` marks it under this same lock.
+        if self.cache_view(worker).is_predicted() {
+            predictions.hold(request_id, target, inputs.chain.clone(), capacity, now_ms);
+        }
     }
 
     fn record(&self, selection: Selection, admitted: Admitted, outcome: &str) -> RouteOutcome {
@@ -553,6 +627,7 @@ impl RouterCore {
         let changed = {
             let mut state = self.routing.write();
             state.prefill_times.completed(request_id, now_ms);
+            self.predictions.write().settle(request_id, now_ms);
             state.ledger.mark_prefill_complete(request_id)
         };
         // In a cluster the booking may be another replica's: tell them
@@ -571,6 +646,7 @@ impl RouterCore {
         let changed = {
             let mut state = self.routing.write();
             state.prefill_times.forget(request_id);
+            self.predictions.write().settle(request_id, self.now_ms());
             let changed = state.ledger.release(request_id);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             changed
@@ -597,6 +673,8 @@ impl RouterCore {
             state.prefill_times.forget_worker(worker_id);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
         }
+        self.predictions.write().forget_worker(worker_id);
+        self.events_seen.remove(&worker_id);
         self.drain_queue();
     }
 
@@ -611,6 +689,10 @@ impl RouterCore {
             state
                 .prefill_times
                 .expire(now_ms, millis(self.config.booking_ttl));
+            let mut predictions = self.predictions.write();
+            predictions.expire(now_ms);
+            predictions.expire_pending(now_ms.saturating_sub(millis(self.config.booking_ttl)));
+            drop(predictions);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             expired
         };
@@ -645,7 +727,7 @@ impl RouterCore {
             }
             let prepared = &entry.payload.prepared;
             let result = self
-                .commit(&mut state, prepared, &decision)
+                .commit(&mut state, prepared, &inputs, &decision)
                 .map(|_| decision.selection)
                 .map_err(RouteError::from);
             let request_id = prepared.request.request_id.clone();

@@ -146,6 +146,7 @@ mod tests {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             lease_ttl: None,
+            kv_events: crate::types::KvEventsMode::Exact,
         })
         .expect("register");
         core

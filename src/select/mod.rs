@@ -31,7 +31,7 @@ use crate::types::RankMap;
 use rand::RngCore;
 
 use crate::types::{
-    BookedLoad, DpRank, RankLoad, RequestPhase, WorkerId, WorkerRank, WorkerSnapshot,
+    BookedLoad, CacheView, DpRank, RankLoad, RequestPhase, WorkerId, WorkerRank, WorkerSnapshot,
 };
 
 pub use affinity::{AffinityMode, SessionRef, SessionTable};
@@ -252,6 +252,9 @@ pub struct CandidateReport {
     /// non-busy candidate existed.
     pub score: Option<CandidateScore>,
     pub chosen: bool,
+    /// Which view of its cache `overlap_blocks` came from (set by the
+    /// router, which chose the view; exact unless it says otherwise).
+    pub view: CacheView,
 }
 
 /// The decision.
@@ -614,6 +617,7 @@ fn prepare<'a>(
             booked,
             score: None,
             chosen: false,
+            view: CacheView::Exact,
         },
     }
 }

@@ -66,6 +66,11 @@ pub struct ReplayArgs {
     /// kvroute-ttft policy: ms added to the slack.
     #[arg(long, default_value_t = TtftSettings::default().slack_ms)]
     pub ttft_slack_ms: f64,
+    /// kvroute policies: the first N engines register APPROXIMATE (no KV
+    /// events reach the router; it predicts their caches from its own
+    /// routing). N at least --workers makes every engine approximate.
+    #[arg(long, default_value_t = 0)]
+    pub approximate_workers: usize,
     /// kvroute policy: router replicas sharing the fleet, each its own
     /// router core seeing every KV event; request i is routed by replica
     /// i mod N. Only the kvroute policy books load, so only it accepts N > 1.
@@ -269,6 +274,7 @@ impl ReplayArgs {
                 } else {
                     ScorerChoice::Cost
                 },
+                approximate_workers: self.approximate_workers,
             };
             return Ok(match self.replicas() {
                 Some(setup) => Box::new(ReplicatedKvRoute::new(knobs, setup)?),

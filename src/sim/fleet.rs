@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use super::engine::{EngineLoad, EngineRequest, PassOutcome, SimEngine};
 use super::policy::Router;
-use super::report::{EngineStats, PredictionAccuracy, Report, RequestOutcome};
+use super::report::{EngineStats, PredictionAccuracy, PredictionErrors, Report, RequestOutcome};
 use super::types::{FleetView, SimConfig, SimRequest};
 use crate::trace::Trace;
 
@@ -184,7 +184,9 @@ impl<'a> Replay<'a> {
             t.last_token_ms = now;
             t.output_tokens += 1;
             if token.first {
-                self.router.on_prefill_complete(token.request_id, now);
+                let cached = t.reused_tokens as u64;
+                self.router
+                    .on_prefill_complete(token.request_id, now, cached);
             }
             if token.done {
                 t.finish_ms = Some(now);
@@ -298,8 +300,10 @@ impl<'a> Replay<'a> {
             started.elapsed().as_secs_f64(),
         );
         let predictions = self.router.ttft_predictions();
+        let cached = self.router.cached_token_predictions();
         Report {
             replicas: self.router.replicas(),
+            cached_prediction: (!cached.is_empty()).then(|| PredictionErrors::of(&cached)),
             ttft_prediction: (!predictions.is_empty())
                 .then(|| PredictionAccuracy::of(&predictions)),
             ..report

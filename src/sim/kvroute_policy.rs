@@ -23,7 +23,7 @@ use crate::{
         ScorerChoice,
     },
     select::Selection,
-    types::{RankLoad, WorkerRole},
+    types::{KvEventsMode, RankLoad, WorkerRole},
 };
 
 use super::{
@@ -42,6 +42,9 @@ pub struct KvRouteKnobs {
     pub temperature: f64,
     pub seed: u64,
     pub scorer: ScorerChoice,
+    /// The first this many engines register APPROXIMATE: their events
+    /// never reach the router, which predicts their caches instead.
+    pub approximate_workers: usize,
 }
 
 impl Default for KvRouteKnobs {
@@ -52,6 +55,7 @@ impl Default for KvRouteKnobs {
             temperature: 0.0,
             seed: 42,
             scorer: ScorerChoice::Cost,
+            approximate_workers: 0,
         }
     }
 }
@@ -69,6 +73,10 @@ pub struct KvRoutePolicy {
     predicted: std::collections::HashMap<u64, (f64, f64)>,
     /// `(predicted, actual)` TTFT of requests whose first token came.
     measured: Vec<(f64, f64)>,
+    /// Cached prompt tokens each routed request was predicted to find.
+    predicted_cached: std::collections::HashMap<u64, u64>,
+    /// `(predicted, engine)` cached tokens of requests whose prefill ended.
+    cached_measured: Vec<(f64, f64)>,
     /// Routing or ingest failures (none are expected; counted, not hidden).
     pub errors: u64,
 }
@@ -104,6 +112,8 @@ impl KvRoutePolicy {
             next_event_id: Vec::new(),
             predicted: Default::default(),
             measured: Vec::new(),
+            predicted_cached: Default::default(),
+            cached_measured: Vec::new(),
             errors: 0,
         })
     }
@@ -124,6 +134,11 @@ impl KvRoutePolicy {
                 // The longest a worker may ask for; the replay never
                 // reaps leases, so they do not lapse in virtual time.
                 lease_ttl: Some(crate::registry::MAX_LEASE_TTL),
+                kv_events: if engine < self.knobs.approximate_workers {
+                    KvEventsMode::Approximate
+                } else {
+                    KvEventsMode::Exact
+                },
             };
             match self.core.register_worker(registration) {
                 // as the service does at registration: size the index
@@ -214,12 +229,17 @@ impl Router for KvRoutePolicy {
             ScorerChoice::Cost => "kvroute",
             ScorerChoice::Ttft(_) => "kvroute-ttft",
         };
+        let base = match k.approximate_workers {
+            0 => base.to_owned(),
+            n => format!("{base}~{n}"),
+        };
         if k == (KvRouteKnobs {
             seed: k.seed,
             scorer: k.scorer,
+            approximate_workers: k.approximate_workers,
             ..KvRouteKnobs::default()
         }) {
-            base.into()
+            base
         } else {
             format!(
                 "{base}(w={},c={},t={})",
@@ -234,6 +254,8 @@ impl Router for KvRoutePolicy {
         self.report_load(fleet);
         match self.select(request, fleet.block_size as u32) {
             Ok(selection) => {
+                self.predicted_cached
+                    .insert(request.id, selection.cached_tokens);
                 if let Some(parts) = selection.chosen_ttft() {
                     self.predicted
                         .insert(request.id, (parts.total_ms(), now_ms));
@@ -252,6 +274,9 @@ impl Router for KvRoutePolicy {
     }
 
     fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent]) {
+        if engine < self.knobs.approximate_workers {
+            return; // an engine without KV events
+        }
         let Some(next_id) = self.next_event_id.get_mut(engine) else {
             self.errors += 1;
             return;
@@ -312,9 +337,13 @@ impl Router for KvRoutePolicy {
         }
     }
 
-    fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64) {
+    fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64, cached_tokens: u64) {
         if let Some((predicted, routed_at)) = self.predicted.remove(&request_id) {
             self.measured.push((predicted, now_ms - routed_at));
+        }
+        if let Some(predicted) = self.predicted_cached.remove(&request_id) {
+            self.cached_measured
+                .push((predicted as f64, cached_tokens as f64));
         }
         self.set_clock(now_ms);
         self.core.mark_prefill_complete(&request_id.to_string());
@@ -324,8 +353,13 @@ impl Router for KvRoutePolicy {
         self.measured.clone()
     }
 
+    fn cached_token_predictions(&self) -> Vec<(f64, f64)> {
+        self.cached_measured.clone()
+    }
+
     fn on_request_complete(&mut self, request_id: u64, now_ms: f64) {
         self.predicted.remove(&request_id);
+        self.predicted_cached.remove(&request_id);
         self.set_clock(now_ms);
         self.core.release_request(&request_id.to_string());
     }

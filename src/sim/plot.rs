@@ -180,6 +180,7 @@ mod tests {
             imbalance: 1.1,
             ttft_percentiles_ms: (0..=100).map(|p| f64::from(p) * 10.0).collect(),
             ttft_prediction: None,
+            cached_prediction: None,
             ..Report::default()
         }
     }

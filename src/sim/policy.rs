@@ -24,8 +24,8 @@ pub trait Router {
     fn on_kv_events(&mut self, _engine: usize, _events: &[EngineKvEvent]) {}
 
     /// The request's prefill finished (its first token was produced) at
-    /// `now_ms`.
-    fn on_prefill_complete(&mut self, _request_id: u64, _now_ms: f64) {}
+    /// `now_ms`; its engine found `cached_tokens` of its prompt cached.
+    fn on_prefill_complete(&mut self, _request_id: u64, _now_ms: f64, _cached_tokens: u64) {}
 
     /// The request finished (or was rejected by its engine) at `now_ms`.
     fn on_request_complete(&mut self, _request_id: u64, _now_ms: f64) {}
@@ -33,6 +33,12 @@ pub trait Router {
     /// `(predicted, actual)` TTFT in ms of every request whose TTFT the
     /// policy predicted, in the order their prefills completed.
     fn ttft_predictions(&self) -> Vec<(f64, f64)> {
+        Vec::new()
+    }
+
+    /// `(predicted, engine)` cached prompt tokens of every request whose
+    /// overlap the policy predicted, in the order their prefills completed.
+    fn cached_token_predictions(&self) -> Vec<(f64, f64)> {
         Vec::new()
     }
 

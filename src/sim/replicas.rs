@@ -44,7 +44,7 @@ use super::types::{FleetView, ReplicaSetup, SimRequest};
 #[derive(Debug)]
 enum Shared {
     Booked(SavedBooking),
-    PrefillComplete(u64),
+    PrefillComplete(u64, u64),
     Released(u64),
 }
 
@@ -131,7 +131,9 @@ impl ReplicatedKvRoute {
             for (_, replica) in others {
                 match &message.what {
                     Shared::Booked(booking) => replica.book_for_peer(booking.clone(), now_ms),
-                    Shared::PrefillComplete(id) => replica.on_prefill_complete(*id, now_ms),
+                    Shared::PrefillComplete(id, cached) => {
+                        replica.on_prefill_complete(*id, now_ms, *cached)
+                    }
                     Shared::Released(id) => replica.on_request_complete(*id, now_ms),
                 }
             }
@@ -172,12 +174,23 @@ impl Router for ReplicatedKvRoute {
         }
     }
 
-    fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64) {
+    fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64, cached_tokens: u64) {
         let from = self.replica_of(request_id);
         if let Some(replica) = self.replicas.get_mut(from) {
-            replica.on_prefill_complete(request_id, now_ms);
+            replica.on_prefill_complete(request_id, now_ms, cached_tokens);
         }
-        self.share(from, now_ms, Shared::PrefillComplete(request_id));
+        self.share(
+            from,
+            now_ms,
+            Shared::PrefillComplete(request_id, cached_tokens),
+        );
+    }
+
+    fn cached_token_predictions(&self) -> Vec<(f64, f64)> {
+        self.replicas
+            .iter()
+            .flat_map(Router::cached_token_predictions)
+            .collect()
     }
 
     fn on_request_complete(&mut self, request_id: u64, now_ms: f64) {
@@ -222,8 +235,9 @@ mod tests {
             self.inner.on_kv_events(engine, events);
         }
 
-        fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64) {
-            self.inner.on_prefill_complete(request_id, now_ms);
+        fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64, cached_tokens: u64) {
+            self.inner
+                .on_prefill_complete(request_id, now_ms, cached_tokens);
         }
 
         fn on_request_complete(&mut self, request_id: u64, now_ms: f64) {

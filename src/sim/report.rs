@@ -112,6 +112,9 @@ pub struct Report {
     pub ttft_percentiles_ms: Vec<f64>,
     /// How well the policy predicted TTFT, if it predicts it.
     pub ttft_prediction: Option<PredictionAccuracy>,
+    /// Predicted against engine-found cached prompt tokens (in tokens, not
+    /// ms), for policies that read a cache view.
+    pub cached_prediction: Option<PredictionErrors>,
 }
 
 /// Errors of predicted against simulated TTFT over some requests.
@@ -241,6 +244,7 @@ impl Report {
             rejected: requests.iter().filter(|r| r.rejected).count(),
             ttft_percentiles_ms: percentiles(&ttft),
             ttft_prediction: None,
+            cached_prediction: None,
             ttft_ms: Distribution::of(ttft),
             e2e_ms: Distribution::of(e2e),
             itl_ms: Distribution::of(itl_ms),
@@ -292,6 +296,18 @@ impl Report {
         if let (Some(setup), Some(object)) = (self.replicas, json.as_object_mut()) {
             object.insert("router_replicas".into(), setup.count.into());
             object.insert("replica_sync_delay_ms".into(), setup.sync_delay_ms.into());
+        }
+        if let (Some(errors), Some(object)) = (self.cached_prediction, json.as_object_mut()) {
+            // The same statistics as for TTFT, in tokens.
+            object.insert(
+                "cached_prediction".into(),
+                serde_json::json!({
+                    "requests": errors.requests,
+                    "mae_tokens": errors.mae_ms,
+                    "p90_abs_tokens": errors.p90_abs_ms,
+                    "bias_tokens": errors.bias_ms,
+                }),
+            );
         }
         if let (Some(accuracy), Some(object)) = (self.ttft_prediction, json.as_object_mut()) {
             object.insert(
@@ -366,6 +382,14 @@ impl Report {
                     line(a.all),
                     line(a.first_tenth),
                     line(a.second_half)
+                ));
+            }
+        }
+        for r in reports {
+            if let Some(e) = r.cached_prediction {
+                out.push_str(&format!(
+                    "{}: predicted cached tokens against the engines' over {} requests: MAE {:.0}, p90 {:.0}, bias {:+.0} tokens\n",
+                    r.policy, e.requests, e.mae_ms, e.p90_abs_ms, e.bias_ms
                 ));
             }
         }

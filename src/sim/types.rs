@@ -109,6 +109,7 @@ impl FleetView<'_> {
                 max_num_batched_tokens: self.max_num_batched_tokens as u64,
                 taints: Vec::new(),
                 cordoned: false,
+                kv_events: Default::default(),
                 load: vec![(
                     0,
                     RankLoad {

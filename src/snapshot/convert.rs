@@ -132,6 +132,7 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
             .and_then(|s| s.replay_endpoint.clone())
             .unwrap_or_default(),
         configured: w.configured,
+        kv_events: crate::grpc::convert::kv_events_to_pb(r.kv_events).into(),
     }
 }
 
@@ -222,6 +223,8 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
                 max_num_batched_tokens: w.max_num_batched_tokens,
                 taints: w.taints,
                 lease_ttl: None,
+                kv_events: crate::grpc::convert::kv_events_from_pb(w.kv_events)
+                    .map_err(|e| invalid(what(), e.to_string()))?,
             },
             lease_ttl: Duration::from_millis(w.lease_ttl_ms),
             lease_remaining: Duration::from_millis(w.lease_remaining_ms),
@@ -305,4 +308,52 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
             .map(|(h, s)| (h, std::sync::Arc::from(s)))
             .collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::KvEventsMode;
+
+    fn worker(kv_events: KvEventsMode) -> FleetWorker {
+        FleetWorker {
+            worker: SavedWorker {
+                registration: Registration {
+                    worker_id: 4,
+                    model: "m".into(),
+                    role: WorkerRole::Aggregated,
+                    endpoint: String::new(),
+                    block_size: 16,
+                    dp_start_rank: 0,
+                    dp_size: 1,
+                    total_kv_blocks: 100,
+                    max_num_batched_tokens: 8192,
+                    taints: Vec::new(),
+                    lease_ttl: None,
+                    kv_events,
+                },
+                lease_ttl: Duration::from_secs(10),
+                lease_remaining: Duration::from_secs(5),
+                cordoned: false,
+                load: BTreeMap::new(),
+            },
+            source: None,
+            configured: false,
+        }
+    }
+
+    #[test]
+    fn a_workers_kv_events_mode_survives_a_snapshot() {
+        for mode in [
+            KvEventsMode::Exact,
+            KvEventsMode::Approximate,
+            KvEventsMode::Auto,
+        ] {
+            let back = worker_from_pb(worker_to_pb(&worker(mode))).expect("restores");
+            assert_eq!(back.worker.registration.kv_events, mode);
+        }
+        let mut damaged = worker_to_pb(&worker(KvEventsMode::Exact));
+        damaged.kv_events = 42;
+        assert!(worker_from_pb(damaged).is_err());
+    }
 }

@@ -1,0 +1,293 @@
+//! Workers without KV events, over real gRPC: APPROXIMATE workers are
+//! scored on what kvroute predicts from its own bookings, AUTO workers
+//! until their first event, and a fleet of both kinds is scored together.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use common::{TestServer, batch, registration, select_hashes, stored};
+use kvroute::pb;
+use tonic::Code;
+
+fn with_mode(
+    mut request: pb::RegisterWorkerRequest,
+    mode: pb::KvEventsMode,
+) -> pb::RegisterWorkerRequest {
+    request.kv_events = mode.into();
+    request
+}
+
+fn pinned(mut request: pb::SelectWorkerRequest, worker_id: u64) -> pb::SelectWorkerRequest {
+    request.hints = Some(pb::RoutingHints {
+        backend_instance_id: Some(worker_id),
+        ..Default::default()
+    });
+    request
+}
+
+async fn reserve(
+    server: &TestServer,
+    request: pb::SelectWorkerRequest,
+) -> pb::SelectWorkerResponse {
+    server
+        .router()
+        .select_worker(request)
+        .await
+        .expect("select worker")
+        .into_inner()
+}
+
+async fn release(server: &TestServer, request_id: &str) {
+    let released = server
+        .router()
+        .release_request(pb::ReleaseRequestRequest {
+            request_id: request_id.into(),
+        })
+        .await
+        .expect("release")
+        .into_inner();
+    assert!(released.changed, "{request_id} was booked");
+}
+
+async fn mark_prefill_complete(server: &TestServer, request_id: &str) {
+    server
+        .router()
+        .mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+            request_id: request_id.into(),
+        })
+        .await
+        .expect("prefill complete");
+}
+
+async fn explain(
+    server: &TestServer,
+    request: pb::SelectWorkerRequest,
+) -> Vec<pb::CandidateExplanation> {
+    let mut candidates = server
+        .admin()
+        .explain_selection(request)
+        .await
+        .expect("explain")
+        .into_inner()
+        .candidates;
+    candidates.sort_by_key(|c| c.worker_id);
+    candidates
+}
+
+fn blocks(range: std::ops::Range<u64>) -> Vec<u64> {
+    range.collect()
+}
+
+#[tokio::test]
+async fn an_approximate_worker_attracts_the_follow_up_turn_of_a_conversation_it_served() {
+    let server = TestServer::start().await;
+    for worker_id in 1..=3 {
+        let mut request = with_mode(registration(worker_id, "m"), pb::KvEventsMode::Approximate);
+        request.total_kv_blocks = 12;
+        server.register(request).await;
+    }
+    let turn1 = blocks(100..108);
+    let first = reserve(&server, select_hashes("turn-1", "m", &turn1)).await;
+    assert_eq!(
+        first.overlap_blocks, 0,
+        "nothing is predicted before any routing"
+    );
+    release(&server, "turn-1").await;
+    let served = first.worker_id;
+
+    // The next turn repeats the conversation and adds to it; every worker
+    // is idle again, so only the predicted prefix tells them apart.
+    let mut turn2 = turn1.clone();
+    turn2.extend(200..204);
+    let candidates = explain(&server, select_hashes("turn-2", "m", &turn2)).await;
+    for c in &candidates {
+        assert_eq!(
+            c.cache_view(),
+            pb::CacheView::Predicted,
+            "worker {}",
+            c.worker_id
+        );
+        assert_eq!(c.cache_view_reason, "predicted: registered approximate");
+        let expected = if c.worker_id == served { 8 } else { 0 };
+        assert_eq!(c.overlap_blocks, expected, "worker {}", c.worker_id);
+    }
+    let second = reserve(&server, select_hashes("turn-2", "m", &turn2)).await;
+    assert_eq!((second.worker_id, second.overlap_blocks), (served, 8));
+    release(&server, "turn-2").await;
+
+    // The worker is held to its declared capacity: 12 blocks, the whole
+    // second turn, no more.
+    let info = server.worker_info(served).await;
+    assert_eq!(info.kv_events(), pb::KvEventsMode::Approximate);
+    assert_eq!(info.cache_view(), pb::CacheView::Predicted);
+    assert_eq!(info.ranks[0].predicted_blocks, 12);
+    assert_eq!(info.ranks[0].cached_blocks, 0, "nothing in the exact index");
+    let mut turn3 = blocks(300..310);
+    turn3.truncate(10);
+    reserve(&server, pinned(select_hashes("other", "m", &turn3), served)).await;
+    assert_eq!(
+        server.worker_info(served).await.ranks[0].predicted_blocks,
+        12,
+        "a booked prompt counts once its prefill completes, not before"
+    );
+    mark_prefill_complete(&server, "other").await;
+    let info = server.worker_info(served).await;
+    assert_eq!(info.ranks[0].predicted_blocks, 12);
+    // The least recently used blocks went: the second turn's tail, deepest
+    // first, so its first 2 blocks are still predicted.
+    let after = explain(&server, select_hashes("turn-4", "m", &turn2)).await;
+    let c = after.iter().find(|c| c.worker_id == served).unwrap();
+    assert_eq!(c.overlap_blocks, 2);
+
+    // A QUERY_ONLY call books nothing and predicts nothing.
+    let mut query = select_hashes("q", "m", &blocks(500..505));
+    query.mode = pb::SelectionMode::QueryOnly.into();
+    let asked = reserve(&server, query.clone()).await;
+    let again = explain(&server, query).await;
+    assert!(
+        again.iter().all(|c| c.overlap_blocks == 0),
+        "worker {} predicted",
+        asked.worker_id
+    );
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_mixed_fleet_routes_by_overlap_across_both_kinds() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await; // exact
+    server
+        .register(with_mode(
+            registration(2, "m"),
+            pb::KvEventsMode::Approximate,
+        ))
+        .await;
+    // Worker 1 reports a prefix of 6 blocks through its events.
+    let exact_prefix: Vec<(u64, u64)> = (0..6).map(|i| (1000 + i, 10 + i)).collect();
+    let reply = server
+        .publish(batch(1, 0, vec![stored(0, None, &exact_prefix)]))
+        .await
+        .unwrap();
+    assert_eq!(reply.rejected, 0);
+    // Worker 2 served another prompt of 9 blocks (pinned there), which
+    // kvroute only knows from that booking.
+    let predicted_prompt = blocks(50..59);
+    let booked = reserve(
+        &server,
+        pinned(select_hashes("b1", "m", &predicted_prompt), 2),
+    )
+    .await;
+    assert_eq!(booked.worker_id, 2);
+    release(&server, "b1").await;
+
+    // Each follow-up goes where its prefix is, whichever kind of view says so.
+    let exact_followup: Vec<u64> = (10..16).chain(90..92).collect();
+    let candidates = explain(&server, select_hashes("x", "m", &exact_followup)).await;
+    assert_eq!(
+        candidates
+            .iter()
+            .map(|c| (c.worker_id, c.cache_view(), c.overlap_blocks))
+            .collect::<Vec<_>>(),
+        vec![
+            (1, pb::CacheView::Exact, 6),
+            (2, pb::CacheView::Predicted, 0)
+        ]
+    );
+    let to_exact = reserve(&server, select_hashes("x", "m", &exact_followup)).await;
+    assert_eq!((to_exact.worker_id, to_exact.overlap_blocks), (1, 6));
+    release(&server, "x").await;
+
+    let predicted_followup: Vec<u64> = (50..59).chain(70..72).collect();
+    let candidates = explain(&server, select_hashes("y", "m", &predicted_followup)).await;
+    assert_eq!(
+        candidates
+            .iter()
+            .map(|c| (c.worker_id, c.cache_view(), c.overlap_blocks))
+            .collect::<Vec<_>>(),
+        vec![
+            (1, pb::CacheView::Exact, 0),
+            (2, pb::CacheView::Predicted, 9)
+        ]
+    );
+    let to_predicted = reserve(&server, select_hashes("y", "m", &predicted_followup)).await;
+    assert_eq!(
+        (to_predicted.worker_id, to_predicted.overlap_blocks),
+        (2, 9)
+    );
+    // The exact worker's booking predicted nothing for it: it is scored
+    // on its events alone.
+    assert_eq!(server.worker_info(1).await.ranks[0].predicted_blocks, 0);
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_auto_worker_is_predicted_until_its_first_event_then_exact() {
+    let server = TestServer::start().await;
+    server
+        .register(with_mode(registration(7, "m"), pb::KvEventsMode::Auto))
+        .await;
+    let info = server.worker_info(7).await;
+    assert_eq!(info.cache_view(), pb::CacheView::Predicted);
+    assert_eq!(info.cache_view_reason, "predicted: auto, no events yet");
+    reserve(&server, select_hashes("a1", "m", &blocks(1..5))).await;
+    release(&server, "a1").await;
+    assert_eq!(server.worker_info(7).await.ranks[0].predicted_blocks, 4);
+
+    // Its engine starts publishing: from now on the events decide, and the
+    // predictions are dropped.
+    let reply = server
+        .publish(batch(7, 0, vec![stored(0, None, &[(77, 1)])]))
+        .await
+        .unwrap();
+    assert_eq!(reply.rejected, 0);
+    let info = server.worker_info(7).await;
+    assert_eq!(info.cache_view(), pb::CacheView::Exact);
+    assert_eq!(info.cache_view_reason, "exact");
+    assert_eq!(info.ranks[0].predicted_blocks, 0);
+    let candidates = explain(&server, select_hashes("a2", "m", &blocks(1..5))).await;
+    assert_eq!(
+        candidates[0].overlap_blocks, 1,
+        "block 1 from the event only"
+    );
+    assert_eq!(candidates[0].cache_view(), pb::CacheView::Exact);
+    // Bookings no longer predict for it.
+    reserve(&server, select_hashes("a3", "m", &blocks(1..5))).await;
+    release(&server, "a3").await;
+    assert_eq!(server.worker_info(7).await.ranks[0].predicted_blocks, 0);
+
+    // Re-registering with another layout starts it over as unknown.
+    let mut again = with_mode(registration(7, "m"), pb::KvEventsMode::Auto);
+    again.dp_size = 2;
+    server.register(again).await;
+    assert_eq!(
+        server.worker_info(7).await.cache_view(),
+        pb::CacheView::Predicted
+    );
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unknown_kv_events_mode_is_refused_and_registers_nothing() {
+    let server = TestServer::start().await;
+    let mut request = registration(9, "m");
+    request.kv_events = 99;
+    let status = server
+        .workers()
+        .register_worker(request)
+        .await
+        .expect_err("unknown mode");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("kv_events"),
+        "{}",
+        status.message()
+    );
+    let missing = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: 9 })
+        .await
+        .expect_err("not registered");
+    assert_eq!(missing.code(), Code::NotFound);
+    server.stop().await.unwrap();
+}
