@@ -83,6 +83,27 @@ pub enum KvEventsMode {
     Auto,
 }
 
+impl KvEventsMode {
+    /// From its wire value (unset: EXACT); `None` for an unknown one.
+    pub fn from_pb(value: i32) -> Option<Self> {
+        match crate::pb::KvEventsMode::try_from(value).ok()? {
+            crate::pb::KvEventsMode::Unspecified | crate::pb::KvEventsMode::Exact => {
+                Some(KvEventsMode::Exact)
+            }
+            crate::pb::KvEventsMode::Approximate => Some(KvEventsMode::Approximate),
+            crate::pb::KvEventsMode::Auto => Some(KvEventsMode::Auto),
+        }
+    }
+
+    pub fn to_pb(self) -> crate::pb::KvEventsMode {
+        match self {
+            KvEventsMode::Exact => crate::pb::KvEventsMode::Exact,
+            KvEventsMode::Approximate => crate::pb::KvEventsMode::Approximate,
+            KvEventsMode::Auto => crate::pb::KvEventsMode::Auto,
+        }
+    }
+}
+
 /// Which view of a target's cache a decision read, and why.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum CacheView {

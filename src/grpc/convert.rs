@@ -66,23 +66,8 @@ pub fn role_from_pb(value: i32) -> Result<WorkerRole, InvalidInput> {
 }
 
 pub fn kv_events_from_pb(value: i32) -> Result<KvEventsMode, InvalidInput> {
-    match pb::KvEventsMode::try_from(value) {
-        Ok(pb::KvEventsMode::Unspecified | pb::KvEventsMode::Exact) => Ok(KvEventsMode::Exact),
-        Ok(pb::KvEventsMode::Approximate) => Ok(KvEventsMode::Approximate),
-        Ok(pb::KvEventsMode::Auto) => Ok(KvEventsMode::Auto),
-        Err(_) => Err(InvalidInput::new(
-            "kv_events",
-            format!("unknown KV events mode {value}"),
-        )),
-    }
-}
-
-pub fn kv_events_to_pb(mode: KvEventsMode) -> pb::KvEventsMode {
-    match mode {
-        KvEventsMode::Exact => pb::KvEventsMode::Exact,
-        KvEventsMode::Approximate => pb::KvEventsMode::Approximate,
-        KvEventsMode::Auto => pb::KvEventsMode::Auto,
-    }
+    KvEventsMode::from_pb(value)
+        .ok_or_else(|| InvalidInput::new("kv_events", format!("unknown KV events mode {value}")))
 }
 
 pub fn cache_view_to_pb(view: CacheView) -> pb::CacheView {
@@ -760,7 +745,7 @@ pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         cordoned: record.cordoned,
         ranks,
         subscription: view.subscription.clone(),
-        kv_events: kv_events_to_pb(r.kv_events).into(),
+        kv_events: r.kv_events.to_pb().into(),
         cache_view: cache_view_to_pb(view.cache_view).into(),
         cache_view_reason: view.cache_view.describe().to_owned(),
     }

@@ -15,7 +15,7 @@ use crate::{
     pb,
     registry::{Registration, SavedWorker},
     select::{PinTarget, affinity::SavedSession},
-    types::{RankLoad, WorkerRank, WorkerRole},
+    types::{KvEventsMode, RankLoad, WorkerRank, WorkerRole},
 };
 
 /// Why a decoded snapshot describes no state kvroute can restore.
@@ -132,7 +132,7 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
             .and_then(|s| s.replay_endpoint.clone())
             .unwrap_or_default(),
         configured: w.configured,
-        kv_events: crate::grpc::convert::kv_events_to_pb(r.kv_events).into(),
+        kv_events: r.kv_events.to_pb().into(),
     }
 }
 
@@ -223,8 +223,9 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
                 max_num_batched_tokens: w.max_num_batched_tokens,
                 taints: w.taints,
                 lease_ttl: None,
-                kv_events: crate::grpc::convert::kv_events_from_pb(w.kv_events)
-                    .map_err(|e| invalid(what(), e.to_string()))?,
+                kv_events: KvEventsMode::from_pb(w.kv_events).ok_or_else(|| {
+                    invalid(what(), format!("unknown KV events mode {}", w.kv_events))
+                })?,
             },
             lease_ttl: Duration::from_millis(w.lease_ttl_ms),
             lease_remaining: Duration::from_millis(w.lease_remaining_ms),
@@ -313,7 +314,6 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::KvEventsMode;
 
     fn worker(kv_events: KvEventsMode) -> FleetWorker {
         FleetWorker {
