@@ -283,11 +283,59 @@ async fn an_unknown_kv_events_mode_is_refused_and_registers_nothing() {
         "{}",
         status.message()
     );
+    // An APPROXIMATE worker that names an events endpoint contradicts
+    // itself.
+    let mut request = with_mode(registration(9, "m"), pb::KvEventsMode::Approximate);
+    request.events_endpoint = "tcp://127.0.0.1:5557".into();
+    request.events_dialect = "vllm".into();
+    let status = server
+        .workers()
+        .register_worker(request)
+        .await
+        .expect_err("approximate with an endpoint");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("APPROXIMATE"),
+        "{}",
+        status.message()
+    );
     let missing = server
         .admin()
         .get_worker(pb::GetWorkerRequest { worker_id: 9 })
         .await
         .expect_err("not registered");
     assert_eq!(missing.code(), Code::NotFound);
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn events_from_an_approximate_worker_are_refused_and_counted() {
+    let server = TestServer::start().await;
+    server
+        .register(with_mode(
+            registration(3, "m"),
+            pb::KvEventsMode::Approximate,
+        ))
+        .await;
+    let status = server
+        .publish(batch(3, 0, vec![stored(0, None, &[(1, 1), (2, 2)])]))
+        .await
+        .expect_err("an approximate worker publishes no events");
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(
+        status.message().contains("worker 3"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(server.index_stats().await.blocks, 0, "nothing was stored");
+    let info = server.worker_info(3).await;
+    assert_eq!(info.cache_view(), pb::CacheView::Predicted);
+    let (_, metrics) = server.http_get("/metrics").await;
+    assert!(
+        metrics.contains(
+            r#"kvroute_kv_events_total{outcome="rejected",reason="approximate_worker"} 1"#
+        ),
+        "{metrics}"
+    );
     server.stop().await.unwrap();
 }

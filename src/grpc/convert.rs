@@ -124,6 +124,14 @@ pub fn registration_from_pb(
             .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
         kv_events: kv_events_from_pb(request.kv_events)?,
     };
+    if registration.kv_events == KvEventsMode::Approximate && source.is_some() {
+        return Err(InvalidInput::new(
+            "kv_events",
+            format!(
+                "worker {worker_id} is APPROXIMATE (publishes no KV events) but names events_endpoint; register it EXACT or AUTO, or drop the endpoint"
+            ),
+        ));
+    }
     Ok((registration, source))
 }
 

@@ -40,9 +40,9 @@ impl From<RegistryError> for Status {
             RegistryError::Invalid { .. } => Code::InvalidArgument,
             // API.md: "a dp rank that cannot be resolved" is a precondition
             // failure; the worker itself is known.
-            RegistryError::BlockSizeMismatch { .. } | RegistryError::UnknownRank { .. } => {
-                Code::FailedPrecondition
-            }
+            RegistryError::BlockSizeMismatch { .. }
+            | RegistryError::UnknownRank { .. }
+            | RegistryError::PublishesNoEvents { .. } => Code::FailedPrecondition,
             RegistryError::UnknownWorker { .. } => Code::NotFound,
             RegistryError::LimitReached { .. } => Code::ResourceExhausted,
         };

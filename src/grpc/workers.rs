@@ -10,13 +10,14 @@ use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::{
-    fleet::Fleet,
+    fleet::{Fleet, FleetError},
     grpc::{
         convert::{self, BatchLimits},
         replication::Replication,
         status::reason_label,
     },
     pb,
+    registry::RegistryError,
     security::{self, EndpointAllow, Identity, endpoint_allow},
 };
 
@@ -264,23 +265,27 @@ impl WorkersService {
             max_blocks_per_event: limits.max_blocks_per_event as usize,
         };
         let count = batch.events.len() as u64;
-        let validated = self
-            .fleet
-            .event_target(batch.worker_id, batch.dp_rank)
-            .map_err(Status::from)
-            .and_then(|target| {
-                convert::batch_from_pb(batch, &target, limits).map_err(|e| {
-                    // A registered rank's malformed batch: its events count
-                    // as rejected in the Admin API too.
-                    self.fleet.count_rejected(target, count);
-                    Status::from(e)
-                })
-            });
+        let target = self.fleet.event_target(batch.worker_id, batch.dp_rank);
+        let approximate = matches!(
+            target,
+            Err(FleetError::Registry(
+                RegistryError::PublishesNoEvents { .. }
+            ))
+        );
+        let validated = target.map_err(Status::from).and_then(|target| {
+            convert::batch_from_pb(batch, &target, limits).map_err(|e| {
+                // A registered rank's malformed batch: its events count
+                // as rejected in the Admin API too.
+                self.fleet.count_rejected(target, count);
+                Status::from(e)
+            })
+        });
         let validated = match validated {
             Ok(v) => v,
             Err(status) => {
                 let reason = match status.code() {
                     tonic::Code::NotFound => "unknown_worker",
+                    _ if approximate => "approximate_worker",
                     _ => "malformed",
                 };
                 if count > 0 {

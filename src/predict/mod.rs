@@ -28,6 +28,12 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::types::{LocalHash, WorkerId, WorkerRank};
 
+/// Most prompt blocks held awaiting their prefill, over every booking: a
+/// caller's open bookings cannot make the held prompts take more than
+/// this (32 MiB of hashes). Past it a booked prompt is recorded at once,
+/// as if its prefill had completed.
+pub const MAX_PENDING_BLOCKS: usize = 1 << 22;
+
 /// The chain hashes of a prompt's blocks: entry `i` stands for the prefix
 /// of blocks `0..=i`.
 pub fn chain_hashes(hashes: &[LocalHash]) -> Vec<u64> {
@@ -125,6 +131,8 @@ pub struct PredictedCaches {
     targets: HashMap<WorkerRank, TargetCache>,
     /// Booked prompts awaiting their prefill, by request id.
     pending: HashMap<String, Pending>,
+    /// Blocks of every held prompt.
+    pending_blocks: usize,
     /// Forget blocks untouched this long; `None`: only capacity ages them.
     ttl_ms: Option<u64>,
     /// Orders touches across every target (only ever grows).
@@ -160,7 +168,8 @@ impl PredictedCaches {
         while cache.blocks.len() > capacity && cache.evict_oldest() {}
     }
 
-    /// Holds a booked prompt until [`Self::settle`] records it.
+    /// Holds a booked prompt until [`Self::settle`] records it (or, past
+    /// [`MAX_PENDING_BLOCKS`], records it at once).
     pub fn hold(
         &mut self,
         request_id: &str,
@@ -169,6 +178,12 @@ impl PredictedCaches {
         capacity: u64,
         now_ms: u64,
     ) {
+        self.unhold(request_id);
+        if self.pending_blocks + chain.len() > MAX_PENDING_BLOCKS {
+            self.record(target, &chain, capacity, now_ms);
+            return;
+        }
+        self.pending_blocks += chain.len();
         self.pending.insert(
             request_id.to_owned(),
             Pending {
@@ -180,9 +195,15 @@ impl PredictedCaches {
         );
     }
 
+    fn unhold(&mut self, request_id: &str) -> Option<Pending> {
+        let pending = self.pending.remove(request_id)?;
+        self.pending_blocks -= pending.chain.len();
+        Some(pending)
+    }
+
     /// Records a held prompt: its prefill completed (or it ended).
     pub fn settle(&mut self, request_id: &str, now_ms: u64) {
-        if let Some(p) = self.pending.remove(request_id) {
+        if let Some(p) = self.unhold(request_id) {
             self.record(p.target, &p.chain, p.capacity, now_ms);
         }
     }
@@ -190,6 +211,7 @@ impl PredictedCaches {
     /// Drops held prompts booked before `cutoff_ms` (bookings that expired).
     pub fn expire_pending(&mut self, cutoff_ms: u64) {
         self.pending.retain(|_, p| p.booked_ms >= cutoff_ms);
+        self.pending_blocks = self.pending.values().map(|p| p.chain.len()).sum();
     }
 
     /// Leading blocks of `chain` that `target` is predicted to hold.
@@ -236,6 +258,7 @@ impl PredictedCaches {
     pub fn forget_worker(&mut self, worker_id: WorkerId) {
         self.targets.retain(|t, _| t.worker_id != worker_id);
         self.pending.retain(|_, p| p.target.worker_id != worker_id);
+        self.pending_blocks = self.pending.values().map(|p| p.chain.len()).sum();
     }
 }
 

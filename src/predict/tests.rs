@@ -130,3 +130,22 @@ fn a_held_prompt_counts_only_once_settled_and_forgetting_drops_it() {
     );
     assert_eq!(caches.overlap(A, &chain(&[8]), 50), 1);
 }
+
+#[test]
+fn held_prompts_are_bounded_whatever_the_callers_bookings() {
+    let mut caches = PredictedCaches::new(None);
+    let long: Vec<u64> = (0..MAX_PENDING_BLOCKS as u64 / 2).collect();
+    let long = chain(&long);
+    caches.hold("a", A, long.clone(), u64::MAX, 0);
+    caches.hold("b", A, long.clone(), u64::MAX, 0);
+    assert_eq!(caches.pending_blocks, MAX_PENDING_BLOCKS);
+    // A third would pass the bound: recorded at once, nothing more held.
+    caches.hold("c", B, chain(&[1, 2]), 100, 0);
+    assert_eq!(caches.pending_blocks, MAX_PENDING_BLOCKS);
+    assert_eq!(caches.overlap(B, &chain(&[1, 2]), 0), 2);
+    // Holding a request id again replaces its prompt.
+    caches.hold("a", A, chain(&[5]), 100, 0);
+    assert_eq!(caches.pending_blocks, MAX_PENDING_BLOCKS / 2 + 1);
+    caches.forget_worker(A.worker_id);
+    assert_eq!(caches.pending_blocks, 0);
+}

@@ -157,6 +157,12 @@ pub enum RegistryError {
         start: DpRank,
         end: u64,
     },
+    /// Events for a worker registered APPROXIMATE, which publishes none:
+    /// refused, so it never holds both an exact index and predictions.
+    #[error(
+        "worker {worker_id} is registered with kv_events APPROXIMATE and publishes no events; register it EXACT or AUTO to publish"
+    )]
+    PublishesNoEvents { worker_id: WorkerId },
     /// A server-side limit (see [`RegistryLimits`]) refuses the
     /// registration; `limit` is the setting's name.
     #[error("worker {worker_id}: {message}; the server's limit {limit} is {max}")]
@@ -543,6 +549,9 @@ impl Registry {
                 start: r.dp_start_rank,
                 end: u64::from(r.dp_start_rank) + u64::from(r.dp_size),
             });
+        }
+        if r.kv_events == KvEventsMode::Approximate {
+            return Err(RegistryError::PublishesNoEvents { worker_id });
         }
         Ok(EventTarget {
             worker_id,
