@@ -23,6 +23,7 @@ use crate::{
     engine_events::{EngineSource, EngineSpec},
     router::{
         DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig, ScorerChoice,
+        TrustSettings,
     },
     select::TtftSettings,
 };
@@ -165,6 +166,25 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_PREDICTION_TTL", default_value = "0s",
           value_parser = parse_duration)]
     pub prediction_ttl: Duration,
+
+    /// Score an exact worker whose event stream is in trouble (below) on
+    /// its index blended with predictions until the trouble is over.
+    #[arg(long, env = "KVROUTE_EVENT_TRUST", num_args = 0..=1,
+          default_value_t = true, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    pub event_trust: bool,
+
+    /// A gap in a worker's event stream unhealed this long makes it
+    /// untrusted (with `event_trust`).
+    #[arg(long, env = "KVROUTE_EVENT_GAP_DEADLINE", default_value = "5s",
+          value_parser = parse_positive_duration)]
+    pub event_gap_deadline: Duration,
+
+    /// An engine subscription down this long makes its worker untrusted
+    /// (with `event_trust`).
+    #[arg(long, env = "KVROUTE_SUBSCRIPTION_DOWN_DEADLINE", default_value = "10s",
+          value_parser = parse_positive_duration)]
+    pub subscription_down_deadline: Duration,
 
     /// Most events in one KvEventBatch.
     #[arg(long, env = "KVROUTE_MAX_EVENTS_PER_BATCH", default_value_t = 4096,
@@ -324,6 +344,9 @@ impl ServeConfig {
             queue_capacity: r.queue_capacity,
             session_ttl: r.session_ttl,
             prediction_ttl: r.prediction_ttl.unwrap_or_default(),
+            event_trust: r.trust.enabled,
+            event_gap_deadline: r.trust.gap_deadline,
+            subscription_down_deadline: r.trust.subscription_deadline,
             max_events_per_batch: r.limits.max_events_per_batch,
             max_blocks_per_event: r.limits.max_blocks_per_event,
             seed: r.seed,
@@ -364,6 +387,11 @@ impl ServeConfig {
                 ScoringPolicy::Ttft => ScorerChoice::Ttft(TtftSettings::default()),
             },
             prediction_ttl: (!self.prediction_ttl.is_zero()).then_some(self.prediction_ttl),
+            trust: TrustSettings {
+                enabled: self.event_trust,
+                gap_deadline: self.event_gap_deadline,
+                subscription_deadline: self.subscription_down_deadline,
+            },
         }
     }
 

@@ -454,6 +454,7 @@ fn view_name(view: pb::CacheView) -> &'static str {
         pb::CacheView::Unspecified => "-",
         pb::CacheView::Exact => "exact",
         pb::CacheView::Predicted => "predicted",
+        pb::CacheView::Blended => "blended",
     }
 }
 

@@ -32,6 +32,8 @@ pub struct Metrics {
     pub index_blocks: IntGauge,
     pub index_bytes: IntGauge,
     pub predicted_blocks: IntGauge,
+    pub worker_trust_changes: IntCounterVec,
+    pub workers_untrusted: IntGauge,
     pub event_streams: IntGauge,
     pub input_rejected: IntCounterVec,
     pub engine: EngineEventFamilies,
@@ -269,6 +271,23 @@ impl Metrics {
                 IntGauge::new(
                     "predicted_blocks",
                     "Predicted (block, worker rank) entries of workers without KV events",
+                )?,
+            )?,
+            worker_trust_changes: registered(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "worker_trust_changes_total",
+                        "Exact workers whose KV events stopped (downgraded) or started again (recovered) being trusted, by reason",
+                    ),
+                    &["change", "reason"],
+                )?,
+            )?,
+            workers_untrusted: registered(
+                &registry,
+                IntGauge::new(
+                    "workers_untrusted",
+                    "Exact workers scored on their index blended with predictions",
                 )?,
             )?,
             event_streams: registered(

@@ -112,6 +112,28 @@ pub enum CacheView {
     Exact,
     /// The predicted cache (`crate::predict`).
     Predicted(PredictedBecause),
+    /// An exact worker whose event stream is not trusted now: the larger
+    /// of the exact index's overlap (right up to the trouble) and the
+    /// predicted cache's (what was routed there since).
+    Blended(Distrust),
+}
+
+/// Why an exact worker's events are not trusted now (`router::trust`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Distrust {
+    /// A gap in its event stream stayed unhealed past the deadline.
+    GapUnhealed,
+    /// Its engine subscription stayed disconnected past the deadline.
+    SubscriptionDown,
+}
+
+impl Distrust {
+    pub fn label(self) -> &'static str {
+        match self {
+            Distrust::GapUnhealed => "gap_unhealed",
+            Distrust::SubscriptionDown => "subscription_down",
+        }
+    }
 }
 
 /// Why a target is scored on its predicted cache.
@@ -124,8 +146,9 @@ pub enum PredictedBecause {
 }
 
 impl CacheView {
+    /// Whether bookings predict for it (every view but the exact one).
     pub fn is_predicted(self) -> bool {
-        matches!(self, CacheView::Predicted(_))
+        !matches!(self, CacheView::Exact)
     }
 
     /// A short name and reason, for operators.
@@ -136,6 +159,12 @@ impl CacheView {
                 "predicted: registered approximate"
             }
             CacheView::Predicted(PredictedBecause::NoEventsYet) => "predicted: auto, no events yet",
+            CacheView::Blended(Distrust::GapUnhealed) => {
+                "blended: events untrusted, a gap stayed unhealed past the deadline"
+            }
+            CacheView::Blended(Distrust::SubscriptionDown) => {
+                "blended: events untrusted, the subscription stayed down past the deadline"
+            }
         }
     }
 }

@@ -339,3 +339,145 @@ async fn events_from_an_approximate_worker_are_refused_and_counted() {
     );
     server.stop().await.unwrap();
 }
+
+/// A server that checks trust every 100 ms (housekeeping runs at a
+/// quarter of the default lease) and distrusts a gap after 300 ms.
+async fn trust_server() -> TestServer {
+    let mut config = kvroute::config::ServeConfig::for_tests();
+    config.lease_ttl = std::time::Duration::from_millis(400);
+    config.event_gap_deadline = std::time::Duration::from_millis(300);
+    TestServer::start_with(config).await
+}
+
+fn long_lease(mut request: pb::RegisterWorkerRequest) -> pb::RegisterWorkerRequest {
+    request.lease_ttl_secs = 600;
+    request
+}
+
+async fn view_of(server: &TestServer, worker_id: u64) -> (pb::CacheView, String) {
+    let info = server.worker_info(worker_id).await;
+    (info.cache_view(), info.cache_view_reason)
+}
+
+async fn wait_for_view(server: &TestServer, worker_id: u64, view: pb::CacheView) {
+    for _ in 0..100 {
+        if view_of(server, worker_id).await.0 == view {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("worker {worker_id} never reached {view:?}");
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn an_exact_worker_with_a_gap_unhealed_past_the_deadline_is_blended_and_recovers_when_it_heals()
+ {
+    let server = trust_server().await;
+    server.register(long_lease(registration(1, "m"))).await;
+    server.register(long_lease(registration(2, "m"))).await;
+    let prefix: Vec<(u64, u64)> = (0..4).map(|i| (100 + i, 10 + i)).collect();
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(0, None, &prefix)]))
+        .await
+        .unwrap();
+    replies.message().await.unwrap().unwrap();
+    // Event 1 is lost; event 2 waits behind the gap and a resend is asked.
+    tx.send(batch(1, 0, vec![stored(2, Some(103), &[(104, 14)])]))
+        .await
+        .unwrap();
+    let reply = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        (reply.resend_from_event_id, reply.held_events),
+        (Some(1), 1)
+    );
+    assert_eq!(
+        view_of(&server, 1).await.0,
+        pb::CacheView::Exact,
+        "within the deadline"
+    );
+
+    wait_for_view(&server, 1, pb::CacheView::Blended).await;
+    let (_, reason) = view_of(&server, 1).await;
+    assert!(reason.contains("gap"), "{reason}");
+    let (_, metrics) = server.http_get("/metrics").await;
+    let downgraded =
+        r#"kvroute_worker_trust_changes_total{change="downgraded",reason="gap_unhealed"}"#;
+    assert_eq!(metric(&metrics, downgraded), 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, "kvroute_workers_untrusted"), 1.0);
+
+    // The index's part of the blend: what it knew before the gap.
+    let known: Vec<u64> = (10..14).collect();
+    let candidates = explain(&server, select_hashes("k", "m", &known)).await;
+    let one = &candidates[0];
+    assert_eq!(
+        (one.worker_id, one.cache_view(), one.overlap_blocks),
+        (1, pb::CacheView::Blended, 4)
+    );
+    assert_eq!(candidates[1].cache_view(), pb::CacheView::Exact);
+    // The predictions' part: what is sent there from now on.
+    let fresh: Vec<u64> = (50..56).collect();
+    reserve(&server, pinned(select_hashes("p", "m", &fresh), 1)).await;
+    mark_prefill_complete(&server, "p").await;
+    let candidates = explain(&server, select_hashes("q", "m", &fresh)).await;
+    assert_eq!(candidates[0].overlap_blocks, 6);
+    assert_eq!(
+        candidates[1].overlap_blocks, 0,
+        "worker 2 is scored on its events"
+    );
+    assert_eq!(server.worker_info(1).await.ranks[0].predicted_blocks, 6);
+
+    // The resend heals the gap: trusted again, predictions dropped, and
+    // the held event applied.
+    tx.send(batch(1, 0, vec![stored(1, Some(103), &[(199, 99)])]))
+        .await
+        .unwrap();
+    let reply = replies.message().await.unwrap().unwrap();
+    assert_eq!((reply.resend_from_event_id, reply.held_events), (None, 0));
+    wait_for_view(&server, 1, pb::CacheView::Exact).await;
+    assert_eq!(server.worker_info(1).await.ranks[0].predicted_blocks, 0);
+    let (_, metrics) = server.http_get("/metrics").await;
+    let recovered =
+        r#"kvroute_worker_trust_changes_total{change="recovered",reason="gap_unhealed"}"#;
+    assert_eq!(metric(&metrics, recovered), 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, downgraded), 1.0, "logged and counted once");
+    let candidates = explain(&server, select_hashes("r", "m", &fresh)).await;
+    assert_eq!(
+        candidates[0].overlap_blocks, 0,
+        "its events never stored these"
+    );
+    drop(tx);
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn with_trust_off_a_gap_never_changes_the_view() {
+    let mut config = kvroute::config::ServeConfig::for_tests();
+    config.lease_ttl = std::time::Duration::from_millis(400);
+    config.event_gap_deadline = std::time::Duration::from_millis(100);
+    config.event_trust = false;
+    let server = TestServer::start_with(config).await;
+    server.register(long_lease(registration(1, "m"))).await;
+    let (tx, mut replies) = server.open_events().await;
+    tx.send(batch(1, 0, vec![stored(3, None, &[(1, 1)])]))
+        .await
+        .unwrap();
+    replies.message().await.unwrap().unwrap();
+    tx.send(batch(1, 0, vec![stored(5, None, &[(2, 2)])]))
+        .await
+        .unwrap();
+    let reply = replies.message().await.unwrap().unwrap();
+    assert!(
+        reply.resend_from_event_id.is_some() || reply.held_events > 0,
+        "{reply:?}"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    assert_eq!(view_of(&server, 1).await.0, pb::CacheView::Exact);
+    drop(tx);
+    server.stop().await.unwrap();
+}

@@ -370,7 +370,25 @@ impl Fleet {
             self.reap_lapsed().await;
         }
         self.router.expire_bookings();
+        self.note_stream_health();
+        self.router.evaluate_trust();
         self.router.refresh_index_gauges();
+    }
+
+    /// Tells the router how each engine subscription is doing (its
+    /// PublishEvents streams tell it themselves, batch by batch).
+    fn note_stream_health(&self) {
+        for (worker_id, connected, unsynced) in self.subscriptions.stream_health() {
+            self.router.note_subscription(worker_id, connected);
+            if let Some(record) = self.router.worker(worker_id) {
+                let r = &record.registration;
+                for dp_rank in (0..r.dp_size).map(|i| r.dp_start_rank + i) {
+                    let target = WorkerRank::new(worker_id, dp_rank);
+                    self.router
+                        .note_stream_gap(target, unsynced.contains(&dp_rank));
+                }
+            }
+        }
     }
 
     /// Sets the subscriptions' last-batch age gauges (before a scrape).

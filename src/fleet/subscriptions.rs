@@ -353,6 +353,20 @@ impl Subscriptions {
             .unwrap_or_default()
     }
 
+    /// Each subscribed worker's stream health: whether every rank is
+    /// connected, and its ranks whose events were lost for good (unsynced).
+    pub fn stream_health(&self) -> Vec<(WorkerId, bool, Vec<DpRank>)> {
+        self.running
+            .lock()
+            .iter()
+            .map(|(&worker_id, r)| {
+                let m = r.subscription.metrics().snapshot();
+                let connected = m.connects.saturating_sub(m.disconnects) >= u64::from(r.ranks);
+                (worker_id, connected, r.subscription.unsynced_ranks())
+            })
+            .collect()
+    }
+
     /// Sets each subscription's last-batch age gauge from the clock (the
     /// counters need nothing: they count into Prometheus directly).
     pub fn refresh_ages(&self) {

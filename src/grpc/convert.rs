@@ -74,6 +74,7 @@ pub fn cache_view_to_pb(view: CacheView) -> pb::CacheView {
     match view {
         CacheView::Exact => pb::CacheView::Exact,
         CacheView::Predicted(_) => pb::CacheView::Predicted,
+        CacheView::Blended(_) => pb::CacheView::Blended,
     }
 }
 

@@ -467,6 +467,8 @@ impl EventWriter {
             ..BatchOutcome::default()
         };
         drop(cursors);
+        let gap_open = outcome.resend_from.is_some() || outcome.resync_required || outcome.held > 0;
+        self.router.note_stream_gap(target, gap_open);
         for reason in SkipReason::ALL {
             tally.skip(reason.label(), u64::from(receipt.skipped(reason)));
         }

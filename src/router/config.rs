@@ -8,6 +8,8 @@ use std::time::Duration;
 use crate::registry::RegistryLimits;
 use crate::select::TtftSettings;
 
+pub use super::trust::TrustSettings;
+
 /// Default weight of prefill cost against decode cost. Dynamo's router uses
 /// 1.0 (and `--overlap-weight 1 --overlap-credit 0` reproduces its choices);
 /// trace replay showed a high weight best for time to first token on both
@@ -121,6 +123,8 @@ pub struct RouterConfig {
     /// How long a predicted cache block lasts untouched (`crate::predict`);
     /// `None`: only the worker's capacity ages predictions out.
     pub prediction_ttl: Option<Duration>,
+    /// When an exact worker's events stop being trusted (`trust.rs`).
+    pub trust: TrustSettings,
 }
 
 /// The scoring policy SelectWorker uses (`select::scoring`).
@@ -152,6 +156,7 @@ impl Default for RouterConfig {
             registry_limits: RegistryLimits::default(),
             scorer: ScorerChoice::default(),
             prediction_ttl: None,
+            trust: TrustSettings::default(),
         }
     }
 }

@@ -30,6 +30,7 @@ pub mod config;
 mod replica_tests;
 mod routing;
 pub mod sync;
+pub mod trust;
 
 use std::{
     collections::HashMap,
@@ -57,7 +58,7 @@ use crate::{
 
 pub use config::{
     DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, ReplicaSettings, RouterConfig,
-    ScorerChoice,
+    ScorerChoice, TrustSettings,
 };
 pub use routing::{Admitted, PreparedRequest, RouteError, RouteOutcome};
 pub use sync::RoutingChange;
@@ -79,6 +80,8 @@ pub struct RouterCore {
     routing: RwLock<routing::RoutingState>,
     /// Predicted caches of the targets scored on them (`crate::predict`).
     predictions: RwLock<PredictedCaches>,
+    /// Stream troubles and untrusted workers (`trust.rs`).
+    trust: RwLock<trust::TrustBook>,
     /// Workers whose events have arrived since they registered (AUTO
     /// workers are scored exactly from then on).
     events_seen: dashmap::DashSet<WorkerId>,
@@ -122,6 +125,7 @@ impl RouterCore {
                 config.prediction_ttl.map(routing::millis),
             )),
             events_seen: dashmap::DashSet::new(),
+            trust: RwLock::new(trust::TrustBook::default()),
             started: now(),
             manual_clock: None,
             feed: parking_lot::Mutex::new(None),
@@ -222,9 +226,10 @@ impl RouterCore {
         };
         let registration = &outcome.record.registration;
         if outcome.invalidated.is_some() {
-            // Another layout: what it held, and whether it sent events, is
-            // of the previous registration.
+            // Another layout: what it held, whether it sent events and how
+            // its stream went are of the previous registration.
             self.events_seen.remove(&registration.worker_id);
+            self.trust.write().forget_worker(registration.worker_id);
         }
         if outcome.invalidated.is_some() || registration.kv_events == KvEventsMode::Exact {
             self.predictions
@@ -249,12 +254,74 @@ impl RouterCore {
 
     /// Which view of its cache `worker` is scored on now, and why.
     pub fn cache_view(&self, worker: &WorkerSnapshot) -> CacheView {
+        let exact = || match self.trust.read().distrust(worker.worker_id) {
+            Some(why) => CacheView::Blended(why),
+            None => CacheView::Exact,
+        };
         match worker.kv_events {
-            KvEventsMode::Exact => CacheView::Exact,
+            KvEventsMode::Exact => exact(),
             KvEventsMode::Approximate => CacheView::Predicted(PredictedBecause::Approximate),
-            KvEventsMode::Auto if self.events_seen.contains(&worker.worker_id) => CacheView::Exact,
+            KvEventsMode::Auto if self.events_seen.contains(&worker.worker_id) => exact(),
             KvEventsMode::Auto => CacheView::Predicted(PredictedBecause::NoEventsYet),
         }
+    }
+
+    /// Notes whether a rank's PublishEvents stream has an unhealed gap
+    /// (the ingest writer, after each batch).
+    pub fn note_stream_gap(&self, target: WorkerRank, open: bool) {
+        if self.trust.read().gap_changes(target, open) {
+            let now_ms = self.now_ms();
+            self.trust.write().note_gap(target, open, now_ms);
+        }
+    }
+
+    /// Notes whether a worker's engine subscription is connected.
+    pub fn note_subscription(&self, worker_id: WorkerId, connected: bool) {
+        let now_ms = self.now_ms();
+        self.trust
+            .write()
+            .note_subscription(worker_id, connected, now_ms);
+    }
+
+    /// Downgrades exact workers whose stream has been in trouble past a
+    /// deadline and recovers those whose trouble is over (`trust.rs`);
+    /// each change is logged and counted once.
+    pub fn evaluate_trust(&self) {
+        let now_ms = self.now_ms();
+        let (changes, untrusted) = {
+            let mut book = self.trust.write();
+            let changes = book.evaluate(&self.config.trust, now_ms);
+            (changes, book.untrusted_count())
+        };
+        for change in changes {
+            let (worker_id, why, label) = match change {
+                trust::TrustChange::Downgraded(w, why) => {
+                    tracing::warn!(
+                        worker_id = w,
+                        reason = why.label(),
+                        "KV events untrusted: scoring the worker on its index blended with predictions"
+                    );
+                    (w, why, "downgraded")
+                }
+                trust::TrustChange::Recovered(w, why) => {
+                    tracing::info!(
+                        worker_id = w,
+                        reason = why.label(),
+                        "KV events trusted again"
+                    );
+                    (w, why, "recovered")
+                }
+            };
+            // Predictions start afresh at a downgrade and end at recovery.
+            self.predictions.write().forget_worker(worker_id);
+            self.metrics
+                .worker_trust_changes
+                .with_label_values(&[label, why.label()])
+                .inc();
+        }
+        self.metrics
+            .workers_untrusted
+            .set(i64::try_from(untrusted).unwrap_or(i64::MAX));
     }
 
     /// Blocks `target` is predicted to hold (0 for targets scored exactly).

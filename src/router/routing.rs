@@ -233,11 +233,18 @@ impl RouterCore {
             let now_ms = self.now_ms();
             let predictions = self.predictions.read();
             for &target in predicted.keys() {
-                match predictions.overlap(target, &chain, now_ms) {
+                let mut blocks = predictions.overlap(target, &chain, now_ms);
+                let mut held = predictions.blocks(target);
+                if let Some(CacheView::Blended(_)) = predicted.get(&target) {
+                    // The index up to the trouble, the predictions since.
+                    blocks = blocks.max(overlaps.get(&target).copied().unwrap_or(0));
+                    held = held.max(cached_blocks.get(&target).copied().unwrap_or(0));
+                }
+                match blocks {
                     0 => overlaps.remove(&target),
                     blocks => overlaps.insert(target, blocks),
                 };
-                cached_blocks.insert(target, predictions.blocks(target));
+                cached_blocks.insert(target, held);
             }
         }
         Inputs {
@@ -675,6 +682,7 @@ impl RouterCore {
         }
         self.predictions.write().forget_worker(worker_id);
         self.events_seen.remove(&worker_id);
+        self.trust.write().forget_worker(worker_id);
         self.drain_queue();
     }
 
