@@ -175,7 +175,7 @@ impl Router for AuditingRouter {
         pick
     }
 
-    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent]) {
+    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent], _now_ms: f64) {
         if self.stored.len() <= engine {
             self.stored.resize_with(engine + 1, HashSet::new);
         }
@@ -325,4 +325,43 @@ fn approximate_workers_are_routed_by_what_kvroute_predicts_they_cache() {
     assert!(exact_errors.mae_ms <= approximate.cached_prediction.unwrap().mae_ms + 1.0);
     assert!(approximate.to_json()["cached_prediction"]["mae_tokens"].is_f64());
     assert!(rr.cached_prediction.is_none());
+}
+
+#[test]
+fn with_events_lost_trust_per_worker_keeps_the_cache_affinity_that_blind_trust_loses() {
+    let trace = sample();
+    let cfg = SimConfig::default();
+    let lossy = |trust: bool| {
+        let knobs = kvroute::sim::KvRouteKnobs {
+            seed: cfg.seed,
+            impairment: kvroute::sim::event_link::LinkImpairment {
+                loss: 0.2,
+                lossy_engines: cfg.workers / 2,
+                delay_ms: 0.0,
+            },
+            trust,
+            ..Default::default()
+        };
+        let mut router = kvroute::sim::KvRoutePolicy::new(knobs).expect("policy");
+        let report = replay(&trace, &cfg, &mut router);
+        assert_eq!(router.errors, 0, "lossless engines ingested cleanly");
+        report
+    };
+    let (trusting, blind) = (lossy(true), lossy(false));
+    assert_eq!(trusting.completed, 300);
+    assert!(blind.policy.ends_with("-notrust"), "{}", blind.policy);
+    // Blind trust routes on indexes frozen at the first lost event: its
+    // predictions of cached tokens fall far short of what engines found.
+    let (t, b) = (
+        trusting.cached_prediction.unwrap(),
+        blind.cached_prediction.unwrap(),
+    );
+    assert!(t.mae_ms < b.mae_ms, "trusting {t:?} vs blind {b:?}");
+    assert!(b.bias_ms < 0.0, "{b:?}");
+    assert!(
+        trusting.reuse_ratio >= blind.reuse_ratio,
+        "trusting {} vs blind {}",
+        trusting.reuse_ratio,
+        blind.reuse_ratio
+    );
 }

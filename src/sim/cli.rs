@@ -14,6 +14,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::engine::EngineConfig;
+use super::event_link::LinkImpairment;
 use super::fleet::replay_with_progress;
 use super::kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 use super::policy::{POLICY_NAMES, Router, policy_by_name};
@@ -71,6 +72,21 @@ pub struct ReplayArgs {
     /// routing). N at least --workers makes every engine approximate.
     #[arg(long, default_value_t = 0)]
     pub approximate_workers: usize,
+    /// kvroute policies: fraction (0 to 1) of the --lossy-workers engines'
+    /// KV events lost on the way (their ids skipped, never resent).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub event_loss: f64,
+    /// kvroute policies: how many engines (the last ones) lose events.
+    #[arg(long, default_value_t = 0)]
+    pub lossy_workers: usize,
+    /// kvroute policies: virtual ms every engine's KV events take to reach
+    /// the router.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_non_negative)]
+    pub event_delay_ms: f64,
+    /// kvroute policies: trust per worker (`--event-trust` of serve); false
+    /// scores a worker whose stream broke on its index regardless.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub event_trust: bool,
     /// kvroute policy: router replicas sharing the fleet, each its own
     /// router core seeing every KV event; request i is routed by replica
     /// i mod N. Only the kvroute policy books load, so only it accepts N > 1.
@@ -275,6 +291,12 @@ impl ReplayArgs {
                     ScorerChoice::Cost
                 },
                 approximate_workers: self.approximate_workers,
+                impairment: LinkImpairment {
+                    loss: self.event_loss,
+                    lossy_engines: self.lossy_workers,
+                    delay_ms: self.event_delay_ms,
+                },
+                trust: self.event_trust,
             };
             return Ok(match self.replicas() {
                 Some(setup) => Box::new(ReplicatedKvRoute::new(knobs, setup)?),
@@ -342,6 +364,24 @@ fn write_chart(path: &Path, reports: &[Report]) -> Result<(), ReplayError> {
 #[cfg(not(feature = "plot"))]
 fn write_chart(_path: &Path, _reports: &[Report]) -> Result<(), ReplayError> {
     Err(ReplayError::PlotNotBuilt)
+}
+
+fn parse_fraction(text: &str) -> Result<f64, String> {
+    let v: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not a fraction from 0 to 1"))
+    }
+}
+
+fn parse_non_negative(text: &str) -> Result<f64, String> {
+    let v: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not a finite number of at least 0"))
+    }
 }
 
 #[cfg(test)]

@@ -172,7 +172,7 @@ impl<'a> Replay<'a> {
     /// Make a finished step's effects visible at `now`.
     fn finish_pass(&mut self, engine: usize, now: f64, outcome: PassOutcome) {
         if !outcome.kv_events.is_empty() {
-            self.router.on_kv_events(engine, &outcome.kv_events);
+            self.router.on_kv_events(engine, &outcome.kv_events, now);
         }
         for token in &outcome.emitted {
             let t = &mut self.tracked[token.request_id as usize];

@@ -20,7 +20,7 @@ use crate::{
     registry::Registration,
     router::{
         DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, ReplicaSettings, RouterConfig, RouterCore,
-        ScorerChoice,
+        ScorerChoice, TrustSettings,
     },
     select::Selection,
     types::{KvEventsMode, RankLoad, WorkerRole},
@@ -28,6 +28,7 @@ use crate::{
 
 use super::{
     engine::EngineKvEvent,
+    event_link::{EventLink, LinkImpairment},
     policy::Router,
     types::{FleetView, SimRequest, worker_rank},
 };
@@ -45,6 +46,10 @@ pub struct KvRouteKnobs {
     /// The first this many engines register APPROXIMATE: their events
     /// never reach the router, which predicts their caches instead.
     pub approximate_workers: usize,
+    /// Loss and delay on the other engines' events (`event_link`).
+    pub impairment: LinkImpairment,
+    /// Trust per worker (`router::trust`) on.
+    pub trust: bool,
 }
 
 impl Default for KvRouteKnobs {
@@ -56,6 +61,8 @@ impl Default for KvRouteKnobs {
             seed: 42,
             scorer: ScorerChoice::Cost,
             approximate_workers: 0,
+            impairment: LinkImpairment::default(),
+            trust: true,
         }
     }
 }
@@ -77,7 +84,12 @@ pub struct KvRoutePolicy {
     predicted_cached: std::collections::HashMap<u64, u64>,
     /// `(predicted, engine)` cached tokens of requests whose prefill ended.
     cached_measured: Vec<(f64, f64)>,
+    /// Events on their way to the router (made at registration, when the
+    /// fleet's size is known).
+    link: Option<EventLink>,
     /// Routing or ingest failures (none are expected; counted, not hidden).
+    /// Stores of a lossy engine rejected past a lost event are expected,
+    /// and not counted.
     pub errors: u64,
 }
 
@@ -100,6 +112,10 @@ impl KvRoutePolicy {
             seed: knobs.seed.max(1),
             replicas,
             scorer: knobs.scorer,
+            trust: TrustSettings {
+                enabled: knobs.trust,
+                ..TrustSettings::default()
+            },
             ..RouterConfig::default()
         };
         let metrics = crate::metrics::Metrics::new()?;
@@ -114,6 +130,7 @@ impl KvRoutePolicy {
             measured: Vec::new(),
             predicted_cached: Default::default(),
             cached_measured: Vec::new(),
+            link: None,
             errors: 0,
         })
     }
@@ -148,6 +165,11 @@ impl KvRoutePolicy {
             }
         }
         self.next_event_id = vec![0; fleet.len()];
+        self.link = Some(EventLink::new(
+            self.knobs.impairment,
+            fleet.len(),
+            self.knobs.seed,
+        ));
         self.registered = true;
     }
 
@@ -176,6 +198,41 @@ impl KvRoutePolicy {
     }
 
     /// Moves the core's routing clock to the replay's virtual time.
+    fn link_mut(&mut self) -> &mut EventLink {
+        let engines = self.next_event_id.len();
+        let (impairment, seed) = (self.knobs.impairment, self.knobs.seed);
+        self.link
+            .get_or_insert_with(|| EventLink::new(impairment, engines, seed))
+    }
+
+    /// Applies every batch the link has delivered by `now_ms`, through the
+    /// service's validation and index writer.
+    fn deliver_events(&mut self, now_ms: f64) {
+        self.set_clock(now_ms);
+        while let Some((engine, events)) = self.link_mut().arrive(now_ms) {
+            let lossy = self.link_mut().is_lossy(engine);
+            let batch = pb::KvEventBatch {
+                worker_id: worker_rank(engine).worker_id,
+                dp_rank: 0,
+                events,
+            };
+            let limits = BatchLimits {
+                max_events: usize::MAX,
+                max_blocks_per_event: usize::MAX,
+            };
+            let validated = self
+                .core
+                .event_target(batch.worker_id, 0)
+                .ok()
+                .and_then(|target| convert::batch_from_pb(batch, &target, limits).ok());
+            match validated.map(|batch| self.writer.apply_batch(batch)) {
+                Some(Ok(_)) if lossy => {}
+                Some(Ok(outcome)) => self.errors += u64::from(outcome.rejected),
+                _ => self.errors += 1,
+            }
+        }
+    }
+
     fn set_clock(&self, now_ms: f64) {
         // virtual time is finite and non-negative; `as` floors it
         self.core.set_clock_ms(now_ms.max(0.0) as u64);
@@ -222,6 +279,35 @@ impl KvRoutePolicy {
     }
 }
 
+/// One simulated engine event as PublishEvents carries it.
+fn engine_event_to_pb(event_id: u64, event: &EngineKvEvent) -> pb::KvEvent {
+    let kind = match event {
+        EngineKvEvent::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: *parent,
+            blocks: blocks
+                .iter()
+                .map(|(engine_hash, tokens)| pb::StoredBlock {
+                    engine_hash: *engine_hash,
+                    content: Some(pb::stored_block::Content::TokenIds(pb::TokenIds {
+                        ids: tokens.clone(),
+                    })),
+                    mm_info: None,
+                })
+                .collect(),
+            lora_name: String::new(),
+        }),
+        EngineKvEvent::Removed { engine_hashes } => {
+            pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+                engine_hashes: engine_hashes.clone(),
+            })
+        }
+    };
+    pb::KvEvent {
+        event_id,
+        kind: Some(kind),
+    }
+}
+
 impl Router for KvRoutePolicy {
     fn name(&self) -> String {
         let k = self.knobs;
@@ -229,14 +315,26 @@ impl Router for KvRoutePolicy {
             ScorerChoice::Cost => "kvroute",
             ScorerChoice::Ttft(_) => "kvroute-ttft",
         };
-        let base = match k.approximate_workers {
+        let mut base = match k.approximate_workers {
             0 => base.to_owned(),
             n => format!("{base}~{n}"),
         };
+        let i = k.impairment;
+        if i.loss > 0.0 && i.lossy_engines > 0 {
+            base.push_str(&format!("-loss{}%x{}", i.loss * 100.0, i.lossy_engines));
+        }
+        if i.delay_ms > 0.0 {
+            base.push_str(&format!("-delay{}ms", i.delay_ms));
+        }
+        if !k.trust {
+            base.push_str("-notrust");
+        }
         if k == (KvRouteKnobs {
             seed: k.seed,
             scorer: k.scorer,
             approximate_workers: k.approximate_workers,
+            impairment: k.impairment,
+            trust: k.trust,
             ..KvRouteKnobs::default()
         }) {
             base
@@ -251,6 +349,8 @@ impl Router for KvRoutePolicy {
     fn route(&mut self, request: &SimRequest, now_ms: f64, fleet: &FleetView) -> usize {
         self.ensure_registered(fleet);
         self.set_clock(now_ms);
+        self.deliver_events(now_ms);
+        self.core.evaluate_trust();
         self.report_load(fleet);
         match self.select(request, fleet.block_size as u32) {
             Ok(selection) => {
@@ -273,7 +373,7 @@ impl Router for KvRoutePolicy {
         }
     }
 
-    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent]) {
+    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent], now_ms: f64) {
         if engine < self.knobs.approximate_workers {
             return; // an engine without KV events
         }
@@ -284,57 +384,13 @@ impl Router for KvRoutePolicy {
         let events = events
             .iter()
             .map(|event| {
-                let kind = match event {
-                    EngineKvEvent::Stored { parent, blocks } => {
-                        pb::kv_event::Kind::Stored(pb::BlocksStored {
-                            parent_engine_hash: *parent,
-                            blocks: blocks
-                                .iter()
-                                .map(|(engine_hash, tokens)| pb::StoredBlock {
-                                    engine_hash: *engine_hash,
-                                    content: Some(pb::stored_block::Content::TokenIds(
-                                        pb::TokenIds {
-                                            ids: tokens.clone(),
-                                        },
-                                    )),
-                                    mm_info: None,
-                                })
-                                .collect(),
-                            lora_name: String::new(),
-                        })
-                    }
-                    EngineKvEvent::Removed { engine_hashes } => {
-                        pb::kv_event::Kind::Removed(pb::BlocksRemoved {
-                            engine_hashes: engine_hashes.clone(),
-                        })
-                    }
-                };
                 let event_id = *next_id;
                 *next_id += 1;
-                pb::KvEvent {
-                    event_id,
-                    kind: Some(kind),
-                }
+                engine_event_to_pb(event_id, event)
             })
             .collect();
-        let batch = pb::KvEventBatch {
-            worker_id: worker_rank(engine).worker_id,
-            dp_rank: 0,
-            events,
-        };
-        let limits = BatchLimits {
-            max_events: usize::MAX,
-            max_blocks_per_event: usize::MAX,
-        };
-        let validated = self
-            .core
-            .event_target(batch.worker_id, 0)
-            .ok()
-            .and_then(|target| convert::batch_from_pb(batch, &target, limits).ok());
-        match validated.map(|batch| self.writer.apply_batch(batch)) {
-            Some(Ok(outcome)) => self.errors += u64::from(outcome.rejected),
-            _ => self.errors += 1,
-        }
+        self.link_mut().send(engine, events, now_ms);
+        self.deliver_events(now_ms);
     }
 
     fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64, cached_tokens: u64) {
@@ -346,6 +402,7 @@ impl Router for KvRoutePolicy {
                 .push((predicted as f64, cached_tokens as f64));
         }
         self.set_clock(now_ms);
+        self.deliver_events(now_ms);
         self.core.mark_prefill_complete(&request_id.to_string());
     }
 
@@ -361,6 +418,7 @@ impl Router for KvRoutePolicy {
         self.predicted.remove(&request_id);
         self.predicted_cached.remove(&request_id);
         self.set_clock(now_ms);
+        self.deliver_events(now_ms);
         self.core.release_request(&request_id.to_string());
     }
 }

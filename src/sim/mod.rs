@@ -33,6 +33,7 @@
 pub mod cli;
 pub mod determinism;
 pub mod engine;
+pub mod event_link;
 pub mod fleet;
 pub mod kvroute_policy;
 #[cfg(feature = "plot")]

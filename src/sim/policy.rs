@@ -20,8 +20,8 @@ pub trait Router {
     fn route(&mut self, request: &SimRequest, now_ms: f64, fleet: &FleetView) -> usize;
 
     /// KV events from engine `engine`, in the order they happened. Delivered
-    /// when the engine step that caused them ends.
-    fn on_kv_events(&mut self, _engine: usize, _events: &[EngineKvEvent]) {}
+    /// when the engine step that caused them ends, at `now_ms`.
+    fn on_kv_events(&mut self, _engine: usize, _events: &[EngineKvEvent], _now_ms: f64) {}
 
     /// The request's prefill finished (its first token was produced) at
     /// `now_ms`; its engine found `cached_tokens` of its prompt cached.
@@ -170,7 +170,7 @@ impl Router for PrefixOnly {
             .unwrap_or(0)
     }
 
-    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent]) {
+    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent], _now_ms: f64) {
         if self.cached.len() <= engine {
             self.cached.resize_with(engine + 1, HashSet::default);
         }
@@ -259,6 +259,7 @@ mod tests {
                 parent: None,
                 blocks: vec![(1, vec![]), (2, vec![])],
             }],
+            0.0,
         );
         p.on_kv_events(
             2,
@@ -266,6 +267,7 @@ mod tests {
                 parent: None,
                 blocks: vec![(1, vec![])],
             }],
+            0.0,
         );
         assert_eq!(p.overlap(0, &[1, 2, 3]), 2);
         assert_eq!(p.route(&request(vec![1, 2, 3]), 0.0, &view), 0);
@@ -274,6 +276,7 @@ mod tests {
             &[EngineKvEvent::Removed {
                 engine_hashes: vec![1],
             }],
+            0.0,
         );
         // engine 0 lost its first block: its overlap is 0 now
         assert_eq!(p.overlap(0, &[1, 2, 3]), 0);

@@ -168,9 +168,9 @@ impl Router for ReplicatedKvRoute {
         engine
     }
 
-    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent]) {
+    fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent], now_ms: f64) {
         for replica in &mut self.replicas {
-            replica.on_kv_events(engine, events);
+            replica.on_kv_events(engine, events, now_ms);
         }
     }
 
@@ -231,8 +231,8 @@ mod tests {
             engine
         }
 
-        fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent]) {
-            self.inner.on_kv_events(engine, events);
+        fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent], now_ms: f64) {
+            self.inner.on_kv_events(engine, events, now_ms);
         }
 
         fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64, cached_tokens: u64) {
