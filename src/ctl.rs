@@ -653,6 +653,20 @@ fn worker_detail(w: &pb::WorkerInfo) -> String {
     field("kv events", kv_events_name(w.kv_events()).into());
     field("scored on", w.cache_view_reason.clone());
     field(
+        "cached-token reports",
+        match &w.cached_tokens_feedback {
+            None => "-".into(),
+            Some(f) => format!(
+                "{}, mean error {:+.0} tokens, mean |error| {:.0}, index error {:.1} blocks{}",
+                f.reports,
+                f.mean_error_tokens,
+                f.mean_abs_error_tokens,
+                f.index_error_blocks,
+                if f.contradicted { ", contradicted" } else { "" }
+            ),
+        },
+    );
+    field(
         "subscription",
         if w.subscription.is_empty() {
             "-".into()
@@ -855,6 +869,13 @@ fn worker_json(w: &pb::WorkerInfo) -> Value {
         "kv_events": kv_events_name(w.kv_events()),
         "cache_view": view_name(w.cache_view()),
         "cache_view_reason": w.cache_view_reason,
+        "cached_tokens_feedback": w.cached_tokens_feedback.as_ref().map_or(Value::Null, |f| json!({
+            "reports": f.reports,
+            "mean_error_tokens": f.mean_error_tokens,
+            "mean_abs_error_tokens": f.mean_abs_error_tokens,
+            "index_error_blocks": f.index_error_blocks,
+            "contradicted": f.contradicted,
+        })),
         "cached_blocks": w.ranks.iter().map(|r| r.cached_blocks).sum::<u64>(),
         "booked_load": booked_json(&booked_of(w)),
         "ranks": ranks,

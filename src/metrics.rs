@@ -33,6 +33,8 @@ pub struct Metrics {
     pub index_bytes: IntGauge,
     pub predicted_blocks: IntGauge,
     pub worker_trust_changes: IntCounterVec,
+    pub cached_tokens_reports: IntCounterVec,
+    pub cached_tokens_error: HistogramVec,
     pub workers_untrusted: IntGauge,
     pub event_streams: IntGauge,
     pub input_rejected: IntCounterVec,
@@ -281,6 +283,30 @@ impl Metrics {
                         "Exact workers whose KV events stopped (downgraded) or started again (recovered) being trusted, by reason",
                     ),
                     &["change", "reason"],
+                )?,
+            )?,
+            cached_tokens_reports: registered(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "cached_tokens_reports_total",
+                        "Engine-reported cached tokens passed back, by outcome (recorded, unknown request, implausible)",
+                    ),
+                    &["outcome"],
+                )?,
+            )?,
+            cached_tokens_error: registered(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "cached_tokens_error_tokens",
+                        "Cached tokens kvroute scored a request with minus what its engine reported, by the view scored",
+                    )
+                    .buckets(vec![
+                        -4096.0, -1024.0, -256.0, -64.0, -16.0, -0.5, 0.5, 16.0, 64.0, 256.0,
+                        1024.0, 4096.0,
+                    ]),
+                    &["view"],
                 )?,
             )?,
             workers_untrusted: registered(

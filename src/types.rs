@@ -125,6 +125,9 @@ pub enum Distrust {
     GapUnhealed,
     /// Its engine subscription stayed disconnected past the deadline.
     SubscriptionDown,
+    /// The cached tokens its engine reports contradict its index
+    /// (`router::feedback`).
+    Contradicted,
 }
 
 impl Distrust {
@@ -132,6 +135,7 @@ impl Distrust {
         match self {
             Distrust::GapUnhealed => "gap_unhealed",
             Distrust::SubscriptionDown => "subscription_down",
+            Distrust::Contradicted => "cached_tokens_contradict",
         }
     }
 }
@@ -147,7 +151,7 @@ pub enum PredictedBecause {
 
 impl CacheView {
     /// Whether bookings predict for it (every view but the exact one).
-    pub fn is_predicted(self) -> bool {
+    pub fn reads_predictions(self) -> bool {
         !matches!(self, CacheView::Exact)
     }
 
@@ -164,6 +168,9 @@ impl CacheView {
             }
             CacheView::Blended(Distrust::SubscriptionDown) => {
                 "blended: events untrusted, the subscription stayed down past the deadline"
+            }
+            CacheView::Blended(Distrust::Contradicted) => {
+                "blended: events untrusted, the engine's reported cached tokens contradict them"
             }
         }
     }

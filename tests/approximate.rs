@@ -42,6 +42,7 @@ async fn release(server: &TestServer, request_id: &str) {
     let released = server
         .router()
         .release_request(pb::ReleaseRequestRequest {
+            cached_tokens: None,
             request_id: request_id.into(),
         })
         .await
@@ -54,6 +55,7 @@ async fn mark_prefill_complete(server: &TestServer, request_id: &str) {
     server
         .router()
         .mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+            cached_tokens: None,
             request_id: request_id.into(),
         })
         .await
@@ -479,5 +481,82 @@ async fn with_trust_off_a_gap_never_changes_the_view() {
     tokio::time::sleep(std::time::Duration::from_millis(600)).await;
     assert_eq!(view_of(&server, 1).await.0, pb::CacheView::Exact);
     drop(tx);
+    server.stop().await.unwrap();
+}
+
+async fn complete_with(server: &TestServer, request_id: &str, cached_tokens: u64) {
+    server
+        .router()
+        .mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+            request_id: request_id.into(),
+            cached_tokens: Some(cached_tokens),
+        })
+        .await
+        .expect("prefill complete");
+}
+
+#[tokio::test]
+async fn a_worker_whose_engine_reports_contradict_its_events_is_flagged_and_recovers() {
+    let server = trust_server().await;
+    server.register(long_lease(registration(1, "m"))).await;
+    server.register(long_lease(registration(2, "m"))).await;
+    // Worker 1's events say it holds 8 blocks (128 tokens) of this prefix.
+    let prefix: Vec<(u64, u64)> = (0..8).map(|i| (100 + i, 10 + i)).collect();
+    server
+        .publish(batch(1, 0, vec![stored(0, None, &prefix)]))
+        .await
+        .unwrap();
+    let prompt: Vec<u64> = (10..20).collect();
+
+    // Its engine says it found nothing cached, request after request.
+    for i in 0..kvroute::router::feedback::MIN_REPORTS {
+        let id = format!("c{i}");
+        let routed = reserve(&server, pinned(select_hashes(&id, "m", &prompt), 1)).await;
+        assert_eq!(routed.cached_tokens, 128);
+        complete_with(&server, &id, 0).await;
+        release(&server, &id).await;
+    }
+    let feedback = server.worker_info(1).await.cached_tokens_feedback.unwrap();
+    assert_eq!(
+        feedback.reports,
+        kvroute::router::feedback::MIN_REPORTS as u64
+    );
+    assert_eq!(feedback.mean_error_tokens, 128.0);
+    assert_eq!(feedback.index_error_blocks, 8.0);
+    assert!(feedback.contradicted);
+    wait_for_view(&server, 1, pb::CacheView::Blended).await;
+    let (_, reason) = view_of(&server, 1).await;
+    assert!(reason.contains("contradict"), "{reason}");
+    assert_eq!(view_of(&server, 2).await.0, pb::CacheView::Exact);
+
+    // Reports that do not fit are counted and change nothing.
+    reserve(&server, pinned(select_hashes("big", "m", &prompt), 1)).await;
+    complete_with(&server, "big", 1_000_000).await;
+    complete_with(&server, "never-booked", 5).await;
+    let (_, metrics) = server.http_get("/metrics").await;
+    for (outcome, n) in [("recorded", 16.0), ("implausible", 1.0), ("unknown", 1.0)] {
+        let series = format!("kvroute_cached_tokens_reports_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(metric(&metrics, &series), n, "{outcome}: {metrics}");
+    }
+    assert!(metrics.contains("kvroute_cached_tokens_error_tokens_bucket{view=\"exact\""));
+    let contradicted = r#"kvroute_worker_trust_changes_total{change="downgraded",reason="cached_tokens_contradict"}"#;
+    assert_eq!(metric(&metrics, contradicted), 1.0);
+
+    // The engine agrees with the index again: trusted again.
+    for i in 0..kvroute::router::feedback::WINDOW {
+        let id = format!("ok{i}");
+        reserve(&server, pinned(select_hashes(&id, "m", &prompt), 1)).await;
+        complete_with(&server, &id, 128).await;
+        release(&server, &id).await;
+    }
+    assert!(
+        !server
+            .worker_info(1)
+            .await
+            .cached_tokens_feedback
+            .unwrap()
+            .contradicted
+    );
+    wait_for_view(&server, 1, pb::CacheView::Exact).await;
     server.stop().await.unwrap();
 }

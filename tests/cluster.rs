@@ -277,6 +277,7 @@ async fn nats_away_for_ten_seconds_loses_no_accepted_event() {
     assert!((1..=3).contains(&chosen));
     router0
         .release_request(pb::ReleaseRequestRequest {
+            cached_tokens: None,
             request_id: "before-1".into(),
         })
         .await
@@ -372,6 +373,7 @@ async fn herd(routers: &[&Replica], waves: usize, synced: bool) -> [usize; 4] {
             let at = if synced { k + 1 } else { k };
             RouterClient::new(routers[at % routers.len()].channel.clone())
                 .release_request(pb::ReleaseRequestRequest {
+                    cached_tokens: None,
                     request_id: format!("req-{wave}-{k}"),
                 })
                 .await

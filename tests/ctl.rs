@@ -190,8 +190,13 @@ async fn worker_and_stats_show_ranks_and_index_totals() {
         "3",
         "rank 1 caches 3 blocks: {detail}"
     );
+    assert!(
+        detail.contains("cached-token reports") && detail.contains("scored on"),
+        "{detail}"
+    );
     let json = ctl_json(&addr, &["worker", "2"]).await;
     assert_eq!(json["dp_size"], 2);
+    assert!(json["cached_tokens_feedback"].is_null(), "no reports yet");
 
     let stats = ctl_ok(&addr, &["stats"]).await;
     assert!(stats.contains("blocks"), "{stats}");
@@ -454,6 +459,7 @@ async fn explain_shows_the_ttft_policys_prediction_in_parts() {
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     router
         .mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+            cached_tokens: None,
             request_id: "r1".into(),
         })
         .await

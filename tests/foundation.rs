@@ -117,6 +117,7 @@ async fn oversized_message_is_refused_with_a_clear_status() {
     };
     let server = TestServer::start_with(config).await;
     let request = kvroute::pb::MarkPrefillCompleteRequest {
+        cached_tokens: None,
         request_id: "x".repeat(10_000),
     };
     let error = server

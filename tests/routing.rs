@@ -114,6 +114,7 @@ async fn reserve_shifts_to_the_other_worker_once_booked_load_outweighs_overlap()
     for i in 0..6 {
         let released = router
             .release_request(pb::ReleaseRequestRequest {
+                cached_tokens: None,
                 request_id: format!("r{i}"),
             })
             .await
@@ -122,6 +123,7 @@ async fn reserve_shifts_to_the_other_worker_once_booked_load_outweighs_overlap()
         assert!(released.changed);
         let again = router
             .release_request(pb::ReleaseRequestRequest {
+                cached_tokens: None,
                 request_id: format!("r{i}"),
             })
             .await
@@ -421,6 +423,7 @@ async fn busy_workers_reject_advise_queue_and_time_out() {
     // Releasing the booking admits the waiter.
     router
         .release_request(pb::ReleaseRequestRequest {
+            cached_tokens: None,
             request_id: "first".into(),
         })
         .await
@@ -442,6 +445,7 @@ async fn a_caller_that_goes_away_leaves_no_booking_or_queue_entry() {
     server
         .router()
         .release_request(pb::ReleaseRequestRequest {
+            cached_tokens: None,
             request_id: "first".into(),
         })
         .await

@@ -259,6 +259,7 @@ async fn try_method(client: &Client, method: &str) -> Code {
         "MarkPrefillComplete" => code(
             router
                 .mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+                    cached_tokens: None,
                     request_id: "probe".into(),
                 })
                 .await,
@@ -266,6 +267,7 @@ async fn try_method(client: &Client, method: &str) -> Code {
         "ReleaseRequest" => code(
             router
                 .release_request(pb::ReleaseRequestRequest {
+                    cached_tokens: None,
                     request_id: "probe".into(),
                 })
                 .await,
@@ -524,6 +526,7 @@ async fn hostile_clients_are_refused_and_change_nothing() {
     );
     let mut f = RouterClient::new(other_frontend.clone());
     let release = pb::ReleaseRequestRequest {
+        cached_tokens: None,
         request_id: "victim-request".into(),
     };
     assert_eq!(
@@ -533,6 +536,7 @@ async fn hostile_clients_are_refused_and_change_nothing() {
     assert_eq!(
         code(
             f.mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+                cached_tokens: None,
                 request_id: "victim-request".into()
             })
             .await
@@ -575,6 +579,7 @@ async fn hostile_clients_are_refused_and_change_nothing() {
     let writer = server.identity("spiffe://test/writer").await;
     let released = RouterClient::new(writer)
         .release_request(pb::ReleaseRequestRequest {
+            cached_tokens: None,
             request_id: "second".into(),
         })
         .await

@@ -979,6 +979,7 @@ impl Frontend {
     async fn mark(&mut self, request_id: &str) {
         let request = pb::MarkPrefillCompleteRequest {
             request_id: request_id.to_string(),
+            cached_tokens: None,
         };
         if let Err(status) = self.router.mark_prefill_complete(request).await {
             self.tally.status("MarkPrefillComplete", &status, false);
@@ -986,7 +987,10 @@ impl Frontend {
     }
 
     async fn release(&mut self, request_id: String) {
-        let request = pb::ReleaseRequestRequest { request_id };
+        let request = pb::ReleaseRequestRequest {
+            request_id,
+            cached_tokens: None,
+        };
         if let Err(status) = self.router.release_request(request).await {
             self.tally.status("ReleaseRequest", &status, false);
         }

@@ -66,6 +66,8 @@ pub struct WorkerView {
     pub subscription: String,
     /// Which view of its cache routing reads now, and why.
     pub cache_view: CacheView,
+    /// Its engine's cached-token reports against the predictions.
+    pub feedback: Option<crate::router::feedback::WorkerFeedback>,
 }
 
 /// One dp rank of a [`WorkerView`].
@@ -460,6 +462,7 @@ impl Fleet {
         let cache_view = self.router.cache_view(&record.snapshot());
         WorkerView {
             cache_view,
+            feedback: self.router.cached_tokens_feedback(r.worker_id),
             record,
             ranks,
             subscription,

@@ -757,6 +757,13 @@ pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         kv_events: r.kv_events.to_pb().into(),
         cache_view: cache_view_to_pb(view.cache_view).into(),
         cache_view_reason: view.cache_view.describe().to_owned(),
+        cached_tokens_feedback: view.feedback.as_ref().map(|f| pb::CachedTokensFeedback {
+            reports: f.reports,
+            mean_error_tokens: f.mean_error(),
+            mean_abs_error_tokens: f.mean_abs_error(),
+            index_error_blocks: f.window_error_blocks(),
+            contradicted: f.contradicted,
+        }),
     }
 }
 

@@ -153,7 +153,10 @@ impl pb::router_server::Router for RouterService {
         request: Request<pb::MarkPrefillCompleteRequest>,
     ) -> Result<Response<pb::MarkPrefillCompleteResponse>, Status> {
         let caller = security::caller(request.extensions()).cloned();
-        let id = request.into_inner().request_id;
+        let pb::MarkPrefillCompleteRequest {
+            request_id: id,
+            cached_tokens,
+        } = request.into_inner();
         convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
         self.check_owner(
             caller.as_deref(),
@@ -161,6 +164,9 @@ impl pb::router_server::Router for RouterService {
             "/kvroute.v1.Router/MarkPrefillComplete",
             false,
         )?;
+        if let Some(cached_tokens) = cached_tokens {
+            self.core.report_cached_tokens(&id, cached_tokens);
+        }
         let changed = self.core.mark_prefill_complete(&id);
         Ok(Response::new(pb::MarkPrefillCompleteResponse { changed }))
     }
@@ -170,7 +176,10 @@ impl pb::router_server::Router for RouterService {
         request: Request<pb::ReleaseRequestRequest>,
     ) -> Result<Response<pb::ReleaseRequestResponse>, Status> {
         let caller = security::caller(request.extensions()).cloned();
-        let id = request.into_inner().request_id;
+        let pb::ReleaseRequestRequest {
+            request_id: id,
+            cached_tokens,
+        } = request.into_inner();
         convert::name("request_id", &id).map_err(|e| self.fail(e.into()))?;
         self.check_owner(
             caller.as_deref(),
@@ -178,6 +187,9 @@ impl pb::router_server::Router for RouterService {
             "/kvroute.v1.Router/ReleaseRequest",
             true,
         )?;
+        if let Some(cached_tokens) = cached_tokens {
+            self.core.report_cached_tokens(&id, cached_tokens);
+        }
         let changed = self.core.release_request(&id);
         Ok(Response::new(pb::ReleaseRequestResponse { changed }))
     }

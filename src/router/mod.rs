@@ -17,15 +17,19 @@
 //! * `predictions`: the predicted caches of targets scored on them
 //!   (`crate::predict`), written when a RESERVE books one, read by routing;
 //!   `events_seen`: which AUTO workers have sent events (the ingest writer).
+//! * `trust`: stream troubles and untrusted workers (`trust.rs`), written
+//!   by the ingest writer, housekeeping and engine reports; `feedback`:
+//!   what bookings expect engines to report cached (`feedback.rs`).
 //!
 //! Lock order where two meet: `routing` → `members` → an index's own lock;
-//! `predictions` is taken last, with only `events_seen`'s own shard locks
-//! under it.
+//! `predictions`, `trust` and `feedback` are taken last (`predictions` may
+//! hold `trust` for a read), never two of them otherwise.
 //! `routing` is taken first (a RESERVE decides and books under its write
 //! lock, reading members and indexes inside); no path takes `routing` while
 //! holding `members`, and none takes `members` while holding an index lock.
 
 pub mod config;
+pub mod feedback;
 #[cfg(test)]
 mod replica_tests;
 mod routing;
@@ -82,6 +86,9 @@ pub struct RouterCore {
     predictions: RwLock<PredictedCaches>,
     /// Stream troubles and untrusted workers (`trust.rs`).
     trust: RwLock<trust::TrustBook>,
+    /// What each booking expects its engine to report cached, and each
+    /// worker's reports (`feedback.rs`).
+    feedback: parking_lot::Mutex<feedback::FeedbackBook>,
     /// Workers whose events have arrived since they registered (AUTO
     /// workers are scored exactly from then on).
     events_seen: dashmap::DashSet<WorkerId>,
@@ -126,6 +133,7 @@ impl RouterCore {
             )),
             events_seen: dashmap::DashSet::new(),
             trust: RwLock::new(trust::TrustBook::default()),
+            feedback: parking_lot::Mutex::new(feedback::FeedbackBook::default()),
             started: now(),
             manual_clock: None,
             feed: parking_lot::Mutex::new(None),
@@ -230,6 +238,7 @@ impl RouterCore {
             // its stream went are of the previous registration.
             self.events_seen.remove(&registration.worker_id);
             self.trust.write().forget_worker(registration.worker_id);
+            self.feedback.lock().forget_worker(registration.worker_id);
         }
         if outcome.invalidated.is_some() || registration.kv_events == KvEventsMode::Exact {
             self.predictions
@@ -281,6 +290,45 @@ impl RouterCore {
         self.trust
             .write()
             .note_subscription(worker_id, connected, now_ms);
+    }
+
+    /// Takes the cached tokens an engine reported for a request (with
+    /// MarkPrefillComplete or ReleaseRequest) and compares them with what
+    /// was predicted (`feedback.rs`); a persistent contradiction of an
+    /// exact worker's index makes it untrusted at the next evaluation.
+    pub fn report_cached_tokens(&self, request_id: &str, cached_tokens: u64) {
+        let outcome = self.feedback.lock().report(request_id, cached_tokens);
+        let label = match outcome {
+            feedback::ReportOutcome::Unknown => "unknown",
+            feedback::ReportOutcome::Implausible => "implausible",
+            feedback::ReportOutcome::Recorded {
+                worker_id,
+                error,
+                view,
+                contradicted,
+            } => {
+                self.metrics
+                    .cached_tokens_error
+                    .with_label_values(&[view_label(view)])
+                    .observe(error);
+                // Not for a worker that left meanwhile.
+                if self.members.read().registry.get(worker_id).is_some() {
+                    self.trust
+                        .write()
+                        .note_contradiction(worker_id, contradicted);
+                }
+                "recorded"
+            }
+        };
+        self.metrics
+            .cached_tokens_reports
+            .with_label_values(&[label])
+            .inc();
+    }
+
+    /// A worker's cached-token reports so far, if any.
+    pub fn cached_tokens_feedback(&self, worker_id: WorkerId) -> Option<feedback::WorkerFeedback> {
+        self.feedback.lock().worker(worker_id).cloned()
     }
 
     /// Downgrades exact workers whose stream has been in trouble past a
@@ -552,5 +600,14 @@ impl RouterCore {
         };
         gauge("active", active);
         gauge("cordoned", cordoned);
+    }
+}
+
+/// The label of a view in the cached-token error histogram.
+fn view_label(view: CacheView) -> &'static str {
+    match view {
+        CacheView::Exact => "exact",
+        CacheView::Predicted(_) => "predicted",
+        CacheView::Blended(_) => "blended",
     }
 }

@@ -170,11 +170,23 @@ struct Inputs {
     predicted: RankMap<CacheView>,
     /// The prompt's chain hashes, when some target is predicted.
     chain: Vec<u64>,
+    /// The exact index's own overlap of blended targets (their `overlaps`
+    /// entry is the blend).
+    index_overlaps: RankMap<u32>,
 }
 
 impl Inputs {
     fn view(&self, target: WorkerRank) -> CacheView {
         self.predicted.get(&target).copied().unwrap_or_default()
+    }
+
+    /// The exact index's overlap of a target, if it sends events.
+    fn index_overlap(&self, target: WorkerRank) -> Option<u32> {
+        match self.view(target) {
+            CacheView::Exact => Some(self.overlaps.get(&target).copied().unwrap_or(0)),
+            CacheView::Blended(_) => Some(self.index_overlaps.get(&target).copied().unwrap_or(0)),
+            CacheView::Predicted(_) => None,
+        }
     }
 }
 
@@ -219,7 +231,7 @@ impl RouterCore {
         let mut predicted = RankMap::default();
         for worker in workers.iter() {
             let view = self.cache_view(worker);
-            if view.is_predicted() {
+            if view.reads_predictions() {
                 predicted.extend(
                     worker
                         .ranks()
@@ -228,6 +240,7 @@ impl RouterCore {
             }
         }
         let mut chain = Vec::new();
+        let mut index_overlaps = RankMap::default();
         if !predicted.is_empty() {
             chain = predict::chain_hashes(hashes);
             let now_ms = self.now_ms();
@@ -237,7 +250,9 @@ impl RouterCore {
                 let mut held = predictions.blocks(target);
                 if let Some(CacheView::Blended(_)) = predicted.get(&target) {
                     // The index up to the trouble, the predictions since.
-                    blocks = blocks.max(overlaps.get(&target).copied().unwrap_or(0));
+                    let index = overlaps.get(&target).copied().unwrap_or(0);
+                    index_overlaps.insert(target, index);
+                    blocks = blocks.max(index);
                     held = held.max(cached_blocks.get(&target).copied().unwrap_or(0));
                 }
                 match blocks {
@@ -253,6 +268,7 @@ impl RouterCore {
             cached_blocks,
             predicted,
             chain,
+            index_overlaps,
         }
     }
 
@@ -543,6 +559,7 @@ impl RouterCore {
                 selection.target,
                 now_ms,
             );
+            self.expect_report(&prepared.request, inputs, selection, now_ms);
             for (target, load) in &decision.peer_requests {
                 estimates.add(*target, *load, now_ms);
             }
@@ -580,7 +597,7 @@ impl RouterCore {
     /// its predicted cache: recorded at MarkPrefillComplete, or at Release
     /// if that comes first (`crate::predict`).
     fn predict_booked(&self, request_id: &str, inputs: &Inputs, target: WorkerRank, now_ms: u64) {
-        if !inputs.view(target).is_predicted() {
+        if !inputs.view(target).reads_predictions() {
             return;
         }
         let Some(worker) = inputs
@@ -597,9 +614,36 @@ impl RouterCore {
         let mut predictions = self.predictions.write();
         // An AUTO worker's first event may have come since `inputs` were
         // gathered; `note_events` marks it under this same lock.
-        if self.cache_view(worker).is_predicted() {
+        if self.cache_view(worker).reads_predictions() {
             predictions.hold(request_id, target, inputs.chain.clone(), capacity, now_ms);
         }
+    }
+
+    /// Leaves what the booked request's engine should report cached
+    /// (`feedback.rs`).
+    fn expect_report(
+        &self,
+        request: &SelectRequest,
+        inputs: &Inputs,
+        selection: &Selection,
+        now_ms: u64,
+    ) {
+        let tokens = |blocks: u32| {
+            (u64::from(blocks) * u64::from(request.block_size)).min(request.prompt_tokens)
+        };
+        let target = selection.target;
+        self.feedback.lock().expect(
+            &request.request_id,
+            super::feedback::Expectation {
+                target,
+                prompt_tokens: request.prompt_tokens,
+                block_size: request.block_size,
+                scored_tokens: selection.cached_tokens,
+                index_tokens: inputs.index_overlap(target).map(tokens),
+                view: inputs.view(target),
+                booked_ms: now_ms,
+            },
+        );
     }
 
     fn record(&self, selection: Selection, admitted: Admitted, outcome: &str) -> RouteOutcome {
@@ -654,6 +698,7 @@ impl RouterCore {
             let mut state = self.routing.write();
             state.prefill_times.forget(request_id);
             self.predictions.write().settle(request_id, self.now_ms());
+            self.feedback.lock().forget(request_id);
             let changed = state.ledger.release(request_id);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             changed
@@ -683,6 +728,7 @@ impl RouterCore {
         self.predictions.write().forget_worker(worker_id);
         self.events_seen.remove(&worker_id);
         self.trust.write().forget_worker(worker_id);
+        self.feedback.lock().forget_worker(worker_id);
         self.drain_queue();
     }
 
@@ -699,8 +745,10 @@ impl RouterCore {
                 .expire(now_ms, millis(self.config.booking_ttl));
             let mut predictions = self.predictions.write();
             predictions.expire(now_ms);
-            predictions.expire_pending(now_ms.saturating_sub(millis(self.config.booking_ttl)));
+            let cutoff = now_ms.saturating_sub(millis(self.config.booking_ttl));
+            predictions.expire_pending(cutoff);
             drop(predictions);
+            self.feedback.lock().expire(cutoff);
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             expired
         };

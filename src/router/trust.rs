@@ -14,7 +14,9 @@
 //!
 //! Signals, each with a deadline (`TrustSettings`): a rank's PublishEvents
 //! stream with a gap not healed (events held, a resend or a resync asked
-//! for and not answered), and an engine subscription not connected. A
+//! for and not answered), and an engine subscription not connected; and,
+//! at once, cached tokens reported by the engine that persistently
+//! contradict the index (`feedback.rs`). A
 //! downgrade and a recovery are each logged once and counted
 //! (`kvroute_worker_trust_changes_total`).
 
@@ -58,6 +60,8 @@ pub struct TrustBook {
     gaps: HashMap<WorkerRank, u64>,
     /// Since when each worker's subscription has been down.
     down: HashMap<WorkerId, u64>,
+    /// Workers whose engine's reports contradict their index now.
+    contradicted: std::collections::HashSet<WorkerId>,
     /// Workers untrusted now, and why.
     untrusted: HashMap<WorkerId, Distrust>,
 }
@@ -84,6 +88,15 @@ impl TrustBook {
             self.down.remove(&worker_id);
         } else {
             self.down.entry(worker_id).or_insert(now_ms);
+        }
+    }
+
+    /// Whether the engine's reports contradict a worker's index now.
+    pub fn note_contradiction(&mut self, worker_id: WorkerId, contradicted: bool) {
+        if contradicted {
+            self.contradicted.insert(worker_id);
+        } else {
+            self.contradicted.remove(&worker_id);
         }
     }
 
@@ -114,6 +127,9 @@ impl TrustBook {
         if gap {
             return Some(Distrust::GapUnhealed);
         }
+        if self.contradicted.contains(&worker_id) {
+            return Some(Distrust::Contradicted);
+        }
         self.down
             .get(&worker_id)
             .filter(|&&since| past(since, settings.subscription_deadline))
@@ -135,6 +151,7 @@ impl TrustBook {
             .keys()
             .map(|t| t.worker_id)
             .chain(self.down.keys().copied())
+            .chain(self.contradicted.iter().copied())
             .chain(self.untrusted.keys().copied())
             .collect();
         troubled.sort_unstable();
@@ -160,13 +177,16 @@ impl TrustBook {
     /// Whether any trouble of the worker is open, past its deadline or not:
     /// an untrusted worker recovers only once none is.
     fn in_trouble(&self, worker_id: WorkerId) -> bool {
-        self.gaps.keys().any(|t| t.worker_id == worker_id) || self.down.contains_key(&worker_id)
+        self.gaps.keys().any(|t| t.worker_id == worker_id)
+            || self.down.contains_key(&worker_id)
+            || self.contradicted.contains(&worker_id)
     }
 
     /// Forgets a worker that left (or re-registered with another layout).
     pub fn forget_worker(&mut self, worker_id: WorkerId) {
         self.gaps.retain(|t, _| t.worker_id != worker_id);
         self.down.remove(&worker_id);
+        self.contradicted.remove(&worker_id);
         self.untrusted.remove(&worker_id);
     }
 }

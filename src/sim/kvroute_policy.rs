@@ -403,7 +403,10 @@ impl Router for KvRoutePolicy {
         }
         self.set_clock(now_ms);
         self.deliver_events(now_ms);
-        self.core.mark_prefill_complete(&request_id.to_string());
+        // As a frontend passes back the engine's usage.cached_tokens.
+        let request_id = request_id.to_string();
+        self.core.report_cached_tokens(&request_id, cached_tokens);
+        self.core.mark_prefill_complete(&request_id);
     }
 
     fn ttft_predictions(&self) -> Vec<(f64, f64)> {
