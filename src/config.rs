@@ -186,6 +186,13 @@ pub struct ServeConfig {
           value_parser = parse_positive_duration)]
     pub subscription_down_deadline: Duration,
 
+    /// A worker owing events this long for a prefill it completed (one
+    /// that computed new blocks, with no event from it since its booking)
+    /// is untrusted (with `event_trust`).
+    #[arg(long, env = "KVROUTE_EVENTS_BEHIND_DEADLINE", default_value = "10s",
+          value_parser = parse_positive_duration)]
+    pub events_behind_deadline: Duration,
+
     /// Most events in one KvEventBatch.
     #[arg(long, env = "KVROUTE_MAX_EVENTS_PER_BATCH", default_value_t = 4096,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -347,6 +354,7 @@ impl ServeConfig {
             event_trust: r.trust.enabled,
             event_gap_deadline: r.trust.gap_deadline,
             subscription_down_deadline: r.trust.subscription_deadline,
+            events_behind_deadline: r.trust.events_behind_deadline,
             max_events_per_batch: r.limits.max_events_per_batch,
             max_blocks_per_event: r.limits.max_blocks_per_event,
             seed: r.seed,
@@ -391,6 +399,7 @@ impl ServeConfig {
                 enabled: self.event_trust,
                 gap_deadline: self.event_gap_deadline,
                 subscription_deadline: self.subscription_down_deadline,
+                events_behind_deadline: self.events_behind_deadline,
             },
         }
     }

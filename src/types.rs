@@ -128,6 +128,9 @@ pub enum Distrust {
     /// The cached tokens its engine reports contradict its index
     /// (`router::feedback`).
     Contradicted,
+    /// A prefill that computed new blocks completed there and no event
+    /// has come from it since, past the deadline.
+    EventsBehind,
 }
 
 impl Distrust {
@@ -136,6 +139,7 @@ impl Distrust {
             Distrust::GapUnhealed => "gap_unhealed",
             Distrust::SubscriptionDown => "subscription_down",
             Distrust::Contradicted => "cached_tokens_contradict",
+            Distrust::EventsBehind => "events_behind",
         }
     }
 }
@@ -171,6 +175,9 @@ impl CacheView {
             }
             CacheView::Blended(Distrust::Contradicted) => {
                 "blended: events untrusted, the engine's reported cached tokens contradict them"
+            }
+            CacheView::Blended(Distrust::EventsBehind) => {
+                "blended: events untrusted, none came for a prefill it completed, past the deadline"
             }
         }
     }

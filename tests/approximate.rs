@@ -348,6 +348,7 @@ async fn trust_server() -> TestServer {
     let mut config = kvroute::config::ServeConfig::for_tests();
     config.lease_ttl = std::time::Duration::from_millis(400);
     config.event_gap_deadline = std::time::Duration::from_millis(300);
+    config.events_behind_deadline = std::time::Duration::from_millis(300);
     TestServer::start_with(config).await
 }
 
@@ -506,7 +507,8 @@ async fn a_worker_whose_engine_reports_contradict_its_events_is_flagged_and_reco
         .publish(batch(1, 0, vec![stored(0, None, &prefix)]))
         .await
         .unwrap();
-    let prompt: Vec<u64> = (10..20).collect();
+    // Wholly cached by the index, so no new blocks (and no events) are owed.
+    let prompt: Vec<u64> = (10..18).collect();
 
     // Its engine says it found nothing cached, request after request.
     for i in 0..kvroute::router::feedback::MIN_REPORTS {
@@ -557,6 +559,64 @@ async fn a_worker_whose_engine_reports_contradict_its_events_is_flagged_and_reco
             .unwrap()
             .contradicted
     );
+    wait_for_view(&server, 1, pb::CacheView::Exact).await;
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_worker_whose_events_never_follow_its_prefills_falls_behind_and_recovers_when_they_come()
+{
+    let server = trust_server().await;
+    server.register(long_lease(registration(1, "m"))).await;
+    server
+        .publish(batch(1, 0, vec![stored(0, None, &[(1, 1)])]))
+        .await
+        .unwrap();
+    // A prefill whose events come before it completes: nothing owed.
+    reserve(&server, pinned(select_hashes("a", "m", &blocks(40..44)), 1)).await;
+    server
+        .publish(batch(1, 0, vec![stored(1, None, &[(40, 40)])]))
+        .await
+        .unwrap();
+    mark_prefill_complete(&server, "a").await;
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    assert_eq!(view_of(&server, 1).await.0, pb::CacheView::Exact);
+
+    // An approximate worker owes no events: its prefills never make it
+    // "behind", nor wipe its predictions.
+    server
+        .register(long_lease(with_mode(
+            registration(2, "m"),
+            pb::KvEventsMode::Approximate,
+        )))
+        .await;
+    reserve(&server, pinned(select_hashes("c", "m", &blocks(80..84)), 2)).await;
+    mark_prefill_complete(&server, "c").await;
+
+    // A prefill of 4 new blocks completes and no event ever follows.
+    reserve(&server, pinned(select_hashes("b", "m", &blocks(60..64)), 1)).await;
+    mark_prefill_complete(&server, "b").await;
+    assert_eq!(
+        view_of(&server, 1).await.0,
+        pb::CacheView::Exact,
+        "within the deadline"
+    );
+    wait_for_view(&server, 1, pb::CacheView::Blended).await;
+    let (_, reason) = view_of(&server, 1).await;
+    assert!(reason.contains("none came"), "{reason}");
+    let (_, metrics) = server.http_get("/metrics").await;
+    let behind =
+        r#"kvroute_worker_trust_changes_total{change="downgraded",reason="events_behind"}"#;
+    assert_eq!(metric(&metrics, behind), 1.0, "{metrics}");
+    let approximate = server.worker_info(2).await;
+    assert_eq!(approximate.cache_view(), pb::CacheView::Predicted);
+    assert_eq!(approximate.ranks[0].predicted_blocks, 4);
+
+    // Its events arrive at last.
+    server
+        .publish(batch(1, 0, vec![stored(2, None, &[(60, 60)])]))
+        .await
+        .unwrap();
     wait_for_view(&server, 1, pb::CacheView::Exact).await;
     server.stop().await.unwrap();
 }

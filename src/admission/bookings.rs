@@ -83,6 +83,8 @@ pub struct SavedBooking {
 pub struct BookingInfo {
     pub target: WorkerRank,
     pub prefill_outstanding: bool,
+    /// Uncached prompt blocks booked for prefill (0 once it completed).
+    pub prefill_blocks: u64,
     pub blocks: usize,
     pub booked_at_ms: u64,
 }
@@ -318,6 +320,7 @@ impl BookingLedger {
         self.bookings.get(request_id).map(|b| BookingInfo {
             target: b.target,
             prefill_outstanding: b.prefill.is_some(),
+            prefill_blocks: b.prefill.map_or(0, |(_, blocks)| blocks),
             blocks: b.keys.len(),
             booked_at_ms: b.booked_at_ms,
         })

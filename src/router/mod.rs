@@ -284,6 +284,30 @@ impl RouterCore {
         }
     }
 
+    /// Whether `worker_id` is scored on events (EXACT, or AUTO once they
+    /// came): only such a worker can owe events or be untrusted.
+    pub fn sends_events(&self, worker_id: WorkerId) -> bool {
+        let mode = self
+            .members
+            .read()
+            .registry
+            .get(worker_id)
+            .map(|w| w.registration.kv_events);
+        match mode {
+            Some(KvEventsMode::Exact) => true,
+            Some(KvEventsMode::Auto) => self.events_seen.contains(&worker_id),
+            Some(KvEventsMode::Approximate) | None => false,
+        }
+    }
+
+    /// Notes that events of `worker_id` arrived (the ingest writer).
+    pub fn note_events_arrived(&self, worker_id: WorkerId) {
+        let now_ms = self.now_ms();
+        if self.trust.read().events_change(worker_id, now_ms) {
+            self.trust.write().note_events(worker_id, now_ms);
+        }
+    }
+
     /// Notes whether a worker's engine subscription is connected.
     pub fn note_subscription(&self, worker_id: WorkerId, connected: bool) {
         let now_ms = self.now_ms();

@@ -679,6 +679,17 @@ impl RouterCore {
             let mut state = self.routing.write();
             state.prefill_times.completed(request_id, now_ms);
             self.predictions.write().settle(request_id, now_ms);
+            if let Some(booking) = state.ledger.booking(request_id)
+                && booking.prefill_outstanding
+                && booking.prefill_blocks > 0
+                && self.sends_events(booking.target.worker_id)
+            {
+                self.trust.write().note_prefill_completed(
+                    booking.target.worker_id,
+                    booking.booked_at_ms,
+                    now_ms,
+                );
+            }
             state.ledger.mark_prefill_complete(request_id)
         };
         // In a cluster the booking may be another replica's: tell them

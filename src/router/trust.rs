@@ -14,9 +14,13 @@
 //!
 //! Signals, each with a deadline (`TrustSettings`): a rank's PublishEvents
 //! stream with a gap not healed (events held, a resend or a resync asked
-//! for and not answered), and an engine subscription not connected; and,
-//! at once, cached tokens reported by the engine that persistently
-//! contradict the index (`feedback.rs`). A
+//! for and not answered), an engine subscription not connected, and
+//! events behind: a prefill that computed new blocks there completed
+//! (MarkPrefillComplete) and no event has come from the worker since,
+//! though none had come since the request was booked either (so its
+//! blocks cannot have been in an earlier batch); and, at once, cached
+//! tokens reported by the engine that persistently contradict the index
+//! (`feedback.rs`). A
 //! downgrade and a recovery are each logged once and counted
 //! (`kvroute_worker_trust_changes_total`).
 
@@ -33,6 +37,8 @@ pub struct TrustSettings {
     pub gap_deadline: Duration,
     /// A subscription down this long makes the worker untrusted.
     pub subscription_deadline: Duration,
+    /// Events this far behind a completed prefill make it untrusted.
+    pub events_behind_deadline: Duration,
 }
 
 impl Default for TrustSettings {
@@ -41,6 +47,7 @@ impl Default for TrustSettings {
             enabled: true,
             gap_deadline: Duration::from_secs(5),
             subscription_deadline: Duration::from_secs(10),
+            events_behind_deadline: Duration::from_secs(10),
         }
     }
 }
@@ -62,6 +69,10 @@ pub struct TrustBook {
     down: HashMap<WorkerId, u64>,
     /// Workers whose engine's reports contradict their index now.
     contradicted: std::collections::HashSet<WorkerId>,
+    /// When each worker's latest events arrived.
+    last_events: HashMap<WorkerId, u64>,
+    /// Since when each worker has owed events for a completed prefill.
+    awaiting: HashMap<WorkerId, u64>,
     /// Workers untrusted now, and why.
     untrusted: HashMap<WorkerId, Distrust>,
 }
@@ -88,6 +99,32 @@ impl TrustBook {
             self.down.remove(&worker_id);
         } else {
             self.down.entry(worker_id).or_insert(now_ms);
+        }
+    }
+
+    /// Whether recording events of `worker_id` at `now_ms` would change
+    /// anything (so the caller takes the write lock only then, at most
+    /// once a millisecond per worker).
+    pub fn events_change(&self, worker_id: WorkerId, now_ms: u64) -> bool {
+        self.awaiting.contains_key(&worker_id) || self.last_events.get(&worker_id) != Some(&now_ms)
+    }
+
+    /// Events of `worker_id` arrived.
+    pub fn note_events(&mut self, worker_id: WorkerId, now_ms: u64) {
+        self.last_events.insert(worker_id, now_ms);
+        self.awaiting.remove(&worker_id);
+    }
+
+    /// A prefill booked at `booked_ms` that computed new blocks completed
+    /// on `worker_id`: unless events came since the booking, the worker
+    /// owes some.
+    pub fn note_prefill_completed(&mut self, worker_id: WorkerId, booked_ms: u64, now_ms: u64) {
+        let since_booking = self
+            .last_events
+            .get(&worker_id)
+            .is_some_and(|&at| at >= booked_ms);
+        if !since_booking {
+            self.awaiting.entry(worker_id).or_insert(now_ms);
         }
     }
 
@@ -130,6 +167,13 @@ impl TrustBook {
         if self.contradicted.contains(&worker_id) {
             return Some(Distrust::Contradicted);
         }
+        if self
+            .awaiting
+            .get(&worker_id)
+            .is_some_and(|&since| past(since, settings.events_behind_deadline))
+        {
+            return Some(Distrust::EventsBehind);
+        }
         self.down
             .get(&worker_id)
             .filter(|&&since| past(since, settings.subscription_deadline))
@@ -152,6 +196,7 @@ impl TrustBook {
             .map(|t| t.worker_id)
             .chain(self.down.keys().copied())
             .chain(self.contradicted.iter().copied())
+            .chain(self.awaiting.keys().copied())
             .chain(self.untrusted.keys().copied())
             .collect();
         troubled.sort_unstable();
@@ -180,6 +225,7 @@ impl TrustBook {
         self.gaps.keys().any(|t| t.worker_id == worker_id)
             || self.down.contains_key(&worker_id)
             || self.contradicted.contains(&worker_id)
+            || self.awaiting.contains_key(&worker_id)
     }
 
     /// Forgets a worker that left (or re-registered with another layout).
@@ -187,6 +233,8 @@ impl TrustBook {
         self.gaps.retain(|t, _| t.worker_id != worker_id);
         self.down.remove(&worker_id);
         self.contradicted.remove(&worker_id);
+        self.last_events.remove(&worker_id);
+        self.awaiting.remove(&worker_id);
         self.untrusted.remove(&worker_id);
     }
 }
@@ -200,7 +248,32 @@ mod tests {
             enabled: true,
             gap_deadline: Duration::from_millis(100),
             subscription_deadline: Duration::from_millis(300),
+            events_behind_deadline: Duration::from_millis(200),
         }
+    }
+
+    #[test]
+    fn a_worker_owing_events_for_a_completed_prefill_past_the_deadline_is_behind() {
+        let mut book = TrustBook::default();
+        book.note_events(5, 0);
+        // Booked at 10, completed at 50: no event since the booking.
+        book.note_prefill_completed(5, 10, 50);
+        assert!(book.evaluate(&settings(), 249).is_empty());
+        assert_eq!(
+            book.evaluate(&settings(), 250),
+            vec![TrustChange::Downgraded(5, Distrust::EventsBehind)]
+        );
+        assert!(book.events_change(5, 251));
+        book.note_events(5, 300);
+        assert_eq!(
+            book.evaluate(&settings(), 301),
+            vec![TrustChange::Recovered(5, Distrust::EventsBehind)]
+        );
+        // Events that came after the booking may hold its blocks: nothing
+        // is owed for it.
+        book.note_prefill_completed(5, 290, 400);
+        assert!(book.evaluate(&settings(), 10_000).is_empty());
+        assert!(!book.events_change(5, 300), "written once a millisecond");
     }
 
     #[test]
