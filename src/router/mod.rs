@@ -384,8 +384,11 @@ impl RouterCore {
                     (w, why, "recovered")
                 }
             };
-            // Predictions start afresh at a downgrade and end at recovery.
-            self.predictions.write().forget_worker(worker_id);
+            // Predictions start afresh at a downgrade and end at recovery
+            // (those of a worker scored on predictions anyway stay).
+            if self.sends_events(worker_id) {
+                self.predictions.write().forget_worker(worker_id);
+            }
             self.metrics
                 .worker_trust_changes
                 .with_label_values(&[label, why.label()])
