@@ -300,13 +300,13 @@ impl Metrics {
                 HistogramVec::new(
                     HistogramOpts::new(
                         "cached_tokens_error_tokens",
-                        "Cached tokens kvroute scored a request with minus what its engine reported, by the view scored",
+                        "Cached tokens kvroute scored a request with minus what its engine reported, by worker (the first 64 to report; the rest as other) and the view scored",
                     )
                     .buckets(vec![
                         -4096.0, -1024.0, -256.0, -64.0, -16.0, -0.5, 0.5, 16.0, 64.0, 256.0,
                         1024.0, 4096.0,
                     ]),
-                    &["view"],
+                    &["worker", "view"],
                 )?,
             )?,
             workers_untrusted: registered(

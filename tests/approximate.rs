@@ -540,7 +540,15 @@ async fn a_worker_whose_engine_reports_contradict_its_events_is_flagged_and_reco
         let series = format!("kvroute_cached_tokens_reports_total{{outcome=\"{outcome}\"}}");
         assert_eq!(metric(&metrics, &series), n, "{outcome}: {metrics}");
     }
-    assert!(metrics.contains("kvroute_cached_tokens_error_tokens_bucket{view=\"exact\""));
+    assert!(
+        metrics.lines().any(
+            |l| l.starts_with("kvroute_cached_tokens_error_tokens_count")
+                && l.contains(r#"view="exact""#)
+                && l.contains(r#"worker="1""#)
+                && l.ends_with(" 16")
+        ),
+        "{metrics}"
+    );
     let contradicted = r#"kvroute_worker_trust_changes_total{change="downgraded",reason="cached_tokens_contradict"}"#;
     assert_eq!(metric(&metrics, contradicted), 1.0);
 

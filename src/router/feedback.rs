@@ -19,6 +19,10 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::types::{CacheView, WorkerId, WorkerRank};
 
+/// Workers whose errors get histogram series of their own; the rest
+/// share `worker="other"`, so the series stay bounded.
+pub const SERIES_WORKERS: usize = 64;
+
 /// Reports of one worker the contradiction window keeps.
 pub const WINDOW: usize = 32;
 /// Reports needed in the window before it may contradict.
@@ -106,6 +110,8 @@ pub enum ReportOutcome {
 pub struct FeedbackBook {
     expected: HashMap<String, Expectation>,
     workers: HashMap<WorkerId, WorkerFeedback>,
+    /// Workers with histogram series of their own.
+    series: std::collections::HashSet<WorkerId>,
 }
 
 impl FeedbackBook {
@@ -150,6 +156,17 @@ impl FeedbackBook {
         }
     }
 
+    /// The histogram's `worker` label for `worker_id`: its id while fewer
+    /// than [`SERIES_WORKERS`] have one, else `other`.
+    pub fn series_label(&mut self, worker_id: WorkerId) -> String {
+        if self.series.contains(&worker_id) || self.series.len() < SERIES_WORKERS {
+            self.series.insert(worker_id);
+            worker_id.to_string()
+        } else {
+            "other".into()
+        }
+    }
+
     /// Drops a request's expectation (released without a report).
     pub fn forget(&mut self, request_id: &str) {
         self.expected.remove(request_id);
@@ -164,10 +181,12 @@ impl FeedbackBook {
         self.workers.get(&worker_id)
     }
 
-    /// Forgets a worker that left (or re-registered with another layout).
-    pub fn forget_worker(&mut self, worker_id: WorkerId) {
+    /// Forgets a worker that left (or re-registered with another layout);
+    /// true when it had histogram series, which the caller removes.
+    pub fn forget_worker(&mut self, worker_id: WorkerId) -> bool {
         self.workers.remove(&worker_id);
         self.expected.retain(|_, e| e.target.worker_id != worker_id);
+        self.series.remove(&worker_id)
     }
 }
 
@@ -234,6 +253,19 @@ mod tests {
             book.report(&id, 160);
         }
         assert!(!book.worker(1).unwrap().contradicted);
+    }
+
+    #[test]
+    fn histogram_series_are_bounded_and_freed_when_a_worker_leaves() {
+        let mut book = FeedbackBook::default();
+        for w in 0..SERIES_WORKERS as u64 {
+            assert_eq!(book.series_label(w), w.to_string());
+        }
+        assert_eq!(book.series_label(1000), "other");
+        assert_eq!(book.series_label(3), "3", "a worker keeps its series");
+        assert!(book.forget_worker(3));
+        assert!(!book.forget_worker(1000), "other had none of its own");
+        assert_eq!(book.series_label(1000), "1000");
     }
 
     #[test]

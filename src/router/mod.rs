@@ -238,7 +238,7 @@ impl RouterCore {
             // its stream went are of the previous registration.
             self.events_seen.remove(&registration.worker_id);
             self.trust.write().forget_worker(registration.worker_id);
-            self.feedback.lock().forget_worker(registration.worker_id);
+            self.forget_feedback(registration.worker_id);
         }
         if outcome.invalidated.is_some() || registration.kv_events == KvEventsMode::Exact {
             self.predictions
@@ -321,7 +321,15 @@ impl RouterCore {
     /// was predicted (`feedback.rs`); a persistent contradiction of an
     /// exact worker's index makes it untrusted at the next evaluation.
     pub fn report_cached_tokens(&self, request_id: &str, cached_tokens: u64) {
-        let outcome = self.feedback.lock().report(request_id, cached_tokens);
+        let (outcome, series) = {
+            let mut book = self.feedback.lock();
+            let outcome = book.report(request_id, cached_tokens);
+            let series = match outcome {
+                feedback::ReportOutcome::Recorded { worker_id, .. } => book.series_label(worker_id),
+                _ => String::new(),
+            };
+            (outcome, series)
+        };
         let label = match outcome {
             feedback::ReportOutcome::Unknown => "unknown",
             feedback::ReportOutcome::Implausible => "implausible",
@@ -333,7 +341,7 @@ impl RouterCore {
             } => {
                 self.metrics
                     .cached_tokens_error
-                    .with_label_values(&[view_label(view)])
+                    .with_label_values(&[series.as_str(), view_label(view)])
                     .observe(error);
                 // Not for a worker that left meanwhile.
                 if self.members.read().registry.get(worker_id).is_some() {
@@ -348,6 +356,19 @@ impl RouterCore {
             .cached_tokens_reports
             .with_label_values(&[label])
             .inc();
+    }
+
+    /// Forgets a worker's reports and its histogram series.
+    fn forget_feedback(&self, worker_id: WorkerId) {
+        if self.feedback.lock().forget_worker(worker_id) {
+            let worker = worker_id.to_string();
+            for view in ["exact", "predicted", "blended"] {
+                let _ = self
+                    .metrics
+                    .cached_tokens_error
+                    .remove_label_values(&[worker.as_str(), view]);
+            }
+        }
     }
 
     /// A worker's cached-token reports so far, if any.

@@ -739,7 +739,7 @@ impl RouterCore {
         self.predictions.write().forget_worker(worker_id);
         self.events_seen.remove(&worker_id);
         self.trust.write().forget_worker(worker_id);
-        self.feedback.lock().forget_worker(worker_id);
+        self.forget_feedback(worker_id);
         self.drain_queue();
     }
 
