@@ -77,6 +77,14 @@ async fn explain(
     candidates
 }
 
+/// Each candidate's worker, view and overlap.
+fn views(candidates: &[pb::CandidateExplanation]) -> Vec<(u64, pb::CacheView, u32)> {
+    candidates
+        .iter()
+        .map(|c| (c.worker_id, c.cache_view(), c.overlap_blocks))
+        .collect()
+}
+
 fn blocks(range: std::ops::Range<u64>) -> Vec<u64> {
     range.collect()
 }
@@ -187,10 +195,7 @@ async fn a_mixed_fleet_routes_by_overlap_across_both_kinds() {
     let exact_followup: Vec<u64> = (10..16).chain(90..92).collect();
     let candidates = explain(&server, select_hashes("x", "m", &exact_followup)).await;
     assert_eq!(
-        candidates
-            .iter()
-            .map(|c| (c.worker_id, c.cache_view(), c.overlap_blocks))
-            .collect::<Vec<_>>(),
+        views(&candidates),
         vec![
             (1, pb::CacheView::Exact, 6),
             (2, pb::CacheView::Predicted, 0)
@@ -203,10 +208,7 @@ async fn a_mixed_fleet_routes_by_overlap_across_both_kinds() {
     let predicted_followup: Vec<u64> = (50..59).chain(70..72).collect();
     let candidates = explain(&server, select_hashes("y", "m", &predicted_followup)).await;
     assert_eq!(
-        candidates
-            .iter()
-            .map(|c| (c.worker_id, c.cache_view(), c.overlap_blocks))
-            .collect::<Vec<_>>(),
+        views(&candidates),
         vec![
             (1, pb::CacheView::Exact, 0),
             (2, pb::CacheView::Predicted, 9)
