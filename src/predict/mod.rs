@@ -14,8 +14,10 @@
 //! completion beat recording at booking on TTFT p99 on both traces.
 //!
 //! Model: a target's prediction is a set of prefixes, kept as the chained
-//! hash of each prefix (block `i`'s chain hash covers blocks `0..=i`), so
-//! a block is only ever matched at its own position. Each target keeps at
+//! key of each prefix (the router passes the bookings' prefix keys, key
+//! `i` covering blocks `0..=i`), so a block is only ever matched at its
+//! own position, and a booking another replica (or a snapshot) hands over
+//! carries what its prompt needs. Each target keeps at
 //! most its declared capacity of blocks and forgets the least recently
 //! used first, as the engines' own caches do. A request touches its blocks
 //! deepest first, so a prefix's first block is always at least as recent
@@ -26,28 +28,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::types::{LocalHash, WorkerId, WorkerRank};
+use crate::types::{WorkerId, WorkerRank};
 
 /// Most prompt blocks held awaiting their prefill, over every booking: a
 /// caller's open bookings cannot make the held prompts take more than
 /// this (32 MiB of hashes). Past it a booked prompt is recorded at once,
 /// as if its prefill had completed.
 pub const MAX_PENDING_BLOCKS: usize = 1 << 22;
-
-/// The chain hashes of a prompt's blocks: entry `i` stands for the prefix
-/// of blocks `0..=i`.
-pub fn chain_hashes(hashes: &[LocalHash]) -> Vec<u64> {
-    let mut chain = Vec::with_capacity(hashes.len());
-    let mut previous = 0u64;
-    for &hash in hashes {
-        let mut bytes = [0u8; 16];
-        bytes[..8].copy_from_slice(&previous.to_le_bytes());
-        bytes[8..].copy_from_slice(&hash.to_le_bytes());
-        previous = xxhash_rust::xxh3::xxh3_64(&bytes);
-        chain.push(previous);
-    }
-    chain
-}
 
 /// One held prefix block: when it was last touched (order and clock).
 #[derive(Clone, Copy, Debug)]

@@ -585,12 +585,42 @@ impl RouterCore {
         for session in sessions {
             state.sessions.restore(session, now_ms);
         }
-        let refused = bookings
-            .into_iter()
-            .filter(|b| state.ledger.restore(b.clone(), now_ms).is_err())
-            .count();
+        let mut refused = 0;
+        for booking in bookings {
+            if state.ledger.restore(booking.clone(), now_ms).is_ok() {
+                self.predict_restored(&booking, now_ms);
+            } else {
+                refused += 1;
+            }
+        }
         self.metrics.bookings_active.set(state.ledger.len() as i64);
         refused
+    }
+
+    /// Holds the prompt of a booking this core did not make (another
+    /// replica's, or a snapshot's) for its target, when that target is
+    /// scored on predictions: its keys are the prompt's prefix keys.
+    pub(super) fn predict_restored(&self, booking: &SavedBooking, now_ms: u64) {
+        if booking.prefill.is_none() {
+            return;
+        }
+        let Some(worker) = self.worker(booking.target.worker_id).map(|w| w.snapshot()) else {
+            return;
+        };
+        let capacity = self
+            .config
+            .registry_limits
+            .rank_capacity(worker.total_kv_blocks);
+        let mut predictions = self.predictions.write();
+        if self.cache_view(&worker).reads_predictions() {
+            predictions.hold(
+                &booking.request_id,
+                booking.target,
+                booking.keys.clone(),
+                capacity,
+                now_ms,
+            );
+        }
     }
 
     /// Load booked on one (worker, rank) and not yet released.

@@ -24,7 +24,6 @@ use crate::{
         prefill_times::PrefillTimes,
         queue::WaitQueue,
     },
-    predict,
     select::{
         self, CostScorer, Scorer, SelectConfig, SelectContext, SelectMode, SelectRequest,
         Selection, TtftScorer,
@@ -168,7 +167,7 @@ struct Inputs {
     cached_blocks: RankMap<u64>,
     /// Targets scored on their predicted cache, and why (the rest: exact).
     predicted: RankMap<CacheView>,
-    /// The prompt's chain hashes, when some target is predicted.
+    /// The prompt's prefix keys, when some target is predicted.
     chain: Vec<u64>,
     /// The exact index's own overlap of blended targets (their `overlaps`
     /// entry is the blend).
@@ -242,7 +241,7 @@ impl RouterCore {
         let mut chain = Vec::new();
         let mut index_overlaps = RankMap::default();
         if !predicted.is_empty() {
-            chain = predict::chain_hashes(hashes);
+            chain = admission::bookings::prefix_keys(hashes);
             let now_ms = self.now_ms();
             let predictions = self.predictions.read();
             for &target in predicted.keys() {
@@ -607,10 +606,10 @@ impl RouterCore {
         else {
             return;
         };
-        let capacity = match worker.total_kv_blocks {
-            0 => self.config.registry_limits.default_kv_blocks_per_rank,
-            n => n,
-        };
+        let capacity = self
+            .config
+            .registry_limits
+            .rank_capacity(worker.total_kv_blocks);
         let mut predictions = self.predictions.write();
         // An AUTO worker's first event may have come since `inputs` were
         // gathered; `note_events` marks it under this same lock.

@@ -92,14 +92,20 @@ impl RouterCore {
             let changed = match change {
                 RoutingChange::Booked(booking) => {
                     let released = self.released.lock().take(&booking.request_id);
-                    !released
+                    let booked = !released
                         && known(booking.target.worker_id)
-                        && state.ledger.restore(booking, now_ms).is_ok()
+                        && state.ledger.restore(booking.clone(), now_ms).is_ok();
+                    if booked {
+                        self.predict_restored(&booking, now_ms);
+                    }
+                    booked
                 }
                 RoutingChange::PrefillComplete(request_id) => {
+                    self.predictions.write().settle(&request_id, now_ms);
                     state.ledger.mark_prefill_complete(&request_id)
                 }
                 RoutingChange::Released(request_id) => {
+                    self.predictions.write().settle(&request_id, now_ms);
                     let changed = state.ledger.release(&request_id);
                     if !changed {
                         self.remember_release(&request_id);
@@ -161,6 +167,24 @@ mod tests {
             age_ms: 0,
             owner: None,
         }
+    }
+
+    #[test]
+    fn a_peers_booking_on_an_approximate_worker_is_predicted_once_its_prefill_completes() {
+        let core = core();
+        let mut approximate = core.worker(1).expect("worker 1").registration;
+        approximate.worker_id = 2;
+        approximate.kv_events = crate::types::KvEventsMode::Approximate;
+        core.register_worker(approximate).expect("register");
+        let target = WorkerRank::new(2, 0);
+        core.apply_remote(RoutingChange::Booked(booking("p", 2)));
+        assert_eq!(core.predicted_blocks(target), 0, "not computed yet");
+        core.apply_remote(RoutingChange::PrefillComplete("p".into()));
+        assert_eq!(core.predicted_blocks(target), 2, "its two prefix keys");
+        // On the exact worker a peer's booking predicts nothing.
+        core.apply_remote(RoutingChange::Booked(booking("e", 1)));
+        core.apply_remote(RoutingChange::Released("e".into()));
+        assert_eq!(core.predicted_blocks(WorkerRank::new(1, 0)), 0);
     }
 
     #[test]
