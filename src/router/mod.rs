@@ -604,22 +604,37 @@ impl RouterCore {
         if booking.prefill.is_none() {
             return;
         }
-        let Some(worker) = self.worker(booking.target.worker_id).map(|w| w.snapshot()) else {
-            return;
-        };
+        if let Some(worker) = self.worker(booking.target.worker_id) {
+            self.hold_prediction(
+                &booking.request_id,
+                booking.target,
+                &worker.snapshot(),
+                booking.keys.clone(),
+                now_ms,
+            );
+        }
+    }
+
+    /// Holds a booked prompt (its prefix keys) for `target` of `worker`
+    /// until its prefill completes, if the worker is scored on
+    /// predictions now (`crate::predict`), at the worker's capacity.
+    fn hold_prediction(
+        &self,
+        request_id: &str,
+        target: WorkerRank,
+        worker: &WorkerSnapshot,
+        keys: Vec<u64>,
+        now_ms: u64,
+    ) {
         let capacity = self
             .config
             .registry_limits
             .rank_capacity(worker.total_kv_blocks);
         let mut predictions = self.predictions.write();
-        if self.cache_view(&worker).reads_predictions() {
-            predictions.hold(
-                &booking.request_id,
-                booking.target,
-                booking.keys.clone(),
-                capacity,
-                now_ms,
-            );
+        // An AUTO worker's first event may have come since the caller
+        // looked; `note_events` marks it under this same lock.
+        if self.cache_view(worker).reads_predictions() {
+            predictions.hold(request_id, target, keys, capacity, now_ms);
         }
     }
 

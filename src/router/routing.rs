@@ -599,22 +599,12 @@ impl RouterCore {
         if !inputs.view(target).reads_predictions() {
             return;
         }
-        let Some(worker) = inputs
+        if let Some(worker) = inputs
             .workers
             .iter()
             .find(|w| w.worker_id == target.worker_id)
-        else {
-            return;
-        };
-        let capacity = self
-            .config
-            .registry_limits
-            .rank_capacity(worker.total_kv_blocks);
-        let mut predictions = self.predictions.write();
-        // An AUTO worker's first event may have come since `inputs` were
-        // gathered; `note_events` marks it under this same lock.
-        if self.cache_view(worker).reads_predictions() {
-            predictions.hold(request_id, target, inputs.chain.clone(), capacity, now_ms);
+        {
+            self.hold_prediction(request_id, target, worker, inputs.chain.clone(), now_ms);
         }
     }
 
