@@ -159,6 +159,18 @@ impl CacheView {
         !matches!(self, CacheView::Exact)
     }
 
+    /// Every view's [`Self::label`].
+    pub const LABELS: [&'static str; 3] = ["exact", "predicted", "blended"];
+
+    /// The view's name without its reason (a metric label).
+    pub fn label(self) -> &'static str {
+        match self {
+            CacheView::Exact => Self::LABELS[0],
+            CacheView::Predicted(_) => Self::LABELS[1],
+            CacheView::Blended(_) => Self::LABELS[2],
+        }
+    }
+
     /// A short name and reason, for operators.
     pub fn describe(self) -> &'static str {
         match self {

@@ -448,7 +448,6 @@ impl EventWriter {
         )?;
         if !batch.events.is_empty() {
             self.router.note_events(worker_id);
-            self.router.note_events_arrived(worker_id);
         }
         let target = WorkerRank::new(worker_id, batch.dp_rank);
         let mut tally = Tally::default();
@@ -500,7 +499,6 @@ impl EventWriter {
         )?;
         if !batch.events.is_empty() {
             self.router.note_events(worker_id);
-            self.router.note_events_arrived(worker_id);
         }
         let target = WorkerRank::new(worker_id, batch.dp_rank);
         let mut tally = Tally::default();

@@ -249,8 +249,9 @@ impl RouterCore {
         Ok(outcome)
     }
 
-    /// Notes that events of `worker_id` arrived: an AUTO worker is scored
-    /// on the exact index from now on, and its predictions are dropped.
+    /// Notes that events of `worker_id` arrived (the ingest writer): an
+    /// AUTO worker is scored on the exact index from now on, its
+    /// predictions dropped, and trust learns the worker is not behind.
     pub fn note_events(&self, worker_id: WorkerId) {
         if !self.events_seen.contains(&worker_id) {
             // Under the predictions lock, so a booking racing with this
@@ -259,19 +260,40 @@ impl RouterCore {
             self.events_seen.insert(worker_id);
             predictions.forget_worker(worker_id);
         }
+        let now_ms = self.now_ms();
+        if self.trust.read().events_change(worker_id, now_ms) {
+            self.trust.write().note_events(worker_id, now_ms);
+        }
+    }
+
+    /// Why a worker registered with `mode` is scored on predictions
+    /// whatever its stream's health; `None`: it is scored on its events.
+    fn predicted_because(
+        &self,
+        mode: KvEventsMode,
+        worker_id: WorkerId,
+    ) -> Option<PredictedBecause> {
+        match mode {
+            KvEventsMode::Exact => None,
+            KvEventsMode::Approximate => Some(PredictedBecause::Approximate),
+            KvEventsMode::Auto if self.events_seen.contains(&worker_id) => None,
+            KvEventsMode::Auto => Some(PredictedBecause::NoEventsYet),
+        }
     }
 
     /// Which view of its cache `worker` is scored on now, and why.
     pub fn cache_view(&self, worker: &WorkerSnapshot) -> CacheView {
-        let exact = || match self.trust.read().distrust(worker.worker_id) {
-            Some(why) => CacheView::Blended(why),
-            None => CacheView::Exact,
-        };
-        match worker.kv_events {
-            KvEventsMode::Exact => exact(),
-            KvEventsMode::Approximate => CacheView::Predicted(PredictedBecause::Approximate),
-            KvEventsMode::Auto if self.events_seen.contains(&worker.worker_id) => exact(),
-            KvEventsMode::Auto => CacheView::Predicted(PredictedBecause::NoEventsYet),
+        self.view_with(worker, &self.trust.read())
+    }
+
+    /// [`Self::cache_view`] with the trust book already read (routing
+    /// reads it once for every candidate).
+    fn view_with(&self, worker: &WorkerSnapshot, trust: &trust::TrustBook) -> CacheView {
+        match self.predicted_because(worker.kv_events, worker.worker_id) {
+            Some(why) => CacheView::Predicted(why),
+            None => trust
+                .distrust(worker.worker_id)
+                .map_or(CacheView::Exact, CacheView::Blended),
         }
     }
 
@@ -293,19 +315,7 @@ impl RouterCore {
             .registry
             .get(worker_id)
             .map(|w| w.registration.kv_events);
-        match mode {
-            Some(KvEventsMode::Exact) => true,
-            Some(KvEventsMode::Auto) => self.events_seen.contains(&worker_id),
-            Some(KvEventsMode::Approximate) | None => false,
-        }
-    }
-
-    /// Notes that events of `worker_id` arrived (the ingest writer).
-    pub fn note_events_arrived(&self, worker_id: WorkerId) {
-        let now_ms = self.now_ms();
-        if self.trust.read().events_change(worker_id, now_ms) {
-            self.trust.write().note_events(worker_id, now_ms);
-        }
+        mode.is_some_and(|mode| self.predicted_because(mode, worker_id).is_none())
     }
 
     /// Notes whether a worker's engine subscription is connected.
@@ -341,7 +351,7 @@ impl RouterCore {
             } => {
                 self.metrics
                     .cached_tokens_error
-                    .with_label_values(&[series.as_str(), view_label(view)])
+                    .with_label_values(&[series.as_str(), view.label()])
                     .observe(error);
                 // Not for a worker that left meanwhile.
                 if self.members.read().registry.get(worker_id).is_some() {
@@ -362,7 +372,7 @@ impl RouterCore {
     fn forget_feedback(&self, worker_id: WorkerId) {
         if self.feedback.lock().forget_worker(worker_id) {
             let worker = worker_id.to_string();
-            for view in ["exact", "predicted", "blended"] {
+            for view in CacheView::LABELS {
                 let _ = self
                     .metrics
                     .cached_tokens_error
@@ -693,14 +703,5 @@ impl RouterCore {
         };
         gauge("active", active);
         gauge("cordoned", cordoned);
-    }
-}
-
-/// The label of a view in the cached-token error histogram.
-fn view_label(view: CacheView) -> &'static str {
-    match view {
-        CacheView::Exact => "exact",
-        CacheView::Predicted(_) => "predicted",
-        CacheView::Blended(_) => "blended",
     }
 }

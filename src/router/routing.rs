@@ -228,8 +228,9 @@ impl RouterCore {
             cached_blocks.extend(targets.into_iter().zip(counts));
         }
         let mut predicted = RankMap::default();
+        let trust = self.trust.read();
         for worker in workers.iter() {
-            let view = self.cache_view(worker);
+            let view = self.view_with(worker, &trust);
             if view.reads_predictions() {
                 predicted.extend(
                     worker
@@ -238,6 +239,7 @@ impl RouterCore {
                 );
             }
         }
+        drop(trust);
         let mut chain = Vec::new();
         let mut index_overlaps = RankMap::default();
         if !predicted.is_empty() {
