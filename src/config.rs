@@ -521,7 +521,7 @@ fn parse_positive_duration(text: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-fn parse_non_negative_f64(text: &str) -> Result<f64, String> {
+pub(crate) fn parse_non_negative_f64(text: &str) -> Result<f64, String> {
     let v: f64 = text
         .parse()
         .map_err(|_| format!("`{text}` is not a number"))?;

@@ -81,7 +81,7 @@ pub struct ReplayArgs {
     pub lossy_workers: usize,
     /// kvroute policies: virtual ms every engine's KV events take to reach
     /// the router.
-    #[arg(long, default_value_t = 0.0, value_parser = parse_non_negative)]
+    #[arg(long, default_value_t = 0.0, value_parser = crate::config::parse_non_negative_f64)]
     pub event_delay_ms: f64,
     /// kvroute policies: trust per worker (`--event-trust` of serve); false
     /// scores a worker whose stream broke on its index regardless.
@@ -367,20 +367,11 @@ fn write_chart(_path: &Path, _reports: &[Report]) -> Result<(), ReplayError> {
 }
 
 fn parse_fraction(text: &str) -> Result<f64, String> {
-    let v: f64 = text.parse().map_err(|e| format!("{e}"))?;
-    if (0.0..=1.0).contains(&v) {
+    let v = crate::config::parse_non_negative_f64(text)?;
+    if v <= 1.0 {
         Ok(v)
     } else {
         Err(format!("{v} is not a fraction from 0 to 1"))
-    }
-}
-
-fn parse_non_negative(text: &str) -> Result<f64, String> {
-    let v: f64 = text.parse().map_err(|e| format!("{e}"))?;
-    if v.is_finite() && v >= 0.0 {
-        Ok(v)
-    } else {
-        Err(format!("{v} is not a finite number of at least 0"))
     }
 }
 

@@ -84,8 +84,8 @@ pub struct KvRoutePolicy {
     predicted_cached: std::collections::HashMap<u64, u64>,
     /// `(predicted, engine)` cached tokens of requests whose prefill ended.
     cached_measured: Vec<(f64, f64)>,
-    /// Events on their way to the router (made at registration, when the
-    /// fleet's size is known).
+    /// Events on their way to the router (made at first use, after
+    /// registration has told the fleet's size).
     link: Option<EventLink>,
     /// Routing or ingest failures (none are expected; counted, not hidden).
     /// Stores of a lossy engine rejected past a lost event are expected,
@@ -165,11 +165,6 @@ impl KvRoutePolicy {
             }
         }
         self.next_event_id = vec![0; fleet.len()];
-        self.link = Some(EventLink::new(
-            self.knobs.impairment,
-            fleet.len(),
-            self.knobs.seed,
-        ));
         self.registered = true;
     }
 
@@ -205,8 +200,9 @@ impl KvRoutePolicy {
             .get_or_insert_with(|| EventLink::new(impairment, engines, seed))
     }
 
-    /// Applies every batch the link has delivered by `now_ms`, through the
-    /// service's validation and index writer.
+    /// Moves the routing clock to `now_ms` and applies every batch the
+    /// link has delivered by then, through the service's validation and
+    /// index writer.
     fn deliver_events(&mut self, now_ms: f64) {
         self.set_clock(now_ms);
         while let Some((engine, events)) = self.link_mut().arrive(now_ms) {
@@ -348,7 +344,6 @@ impl Router for KvRoutePolicy {
 
     fn route(&mut self, request: &SimRequest, now_ms: f64, fleet: &FleetView) -> usize {
         self.ensure_registered(fleet);
-        self.set_clock(now_ms);
         self.deliver_events(now_ms);
         self.core.evaluate_trust();
         self.report_load(fleet);
@@ -401,7 +396,6 @@ impl Router for KvRoutePolicy {
             self.cached_measured
                 .push((predicted as f64, cached_tokens as f64));
         }
-        self.set_clock(now_ms);
         self.deliver_events(now_ms);
         // As a frontend passes back the engine's usage.cached_tokens.
         let request_id = request_id.to_string();
@@ -420,7 +414,6 @@ impl Router for KvRoutePolicy {
     fn on_request_complete(&mut self, request_id: u64, now_ms: f64) {
         self.predicted.remove(&request_id);
         self.predicted_cached.remove(&request_id);
-        self.set_clock(now_ms);
         self.deliver_events(now_ms);
         self.core.release_request(&request_id.to_string());
     }
