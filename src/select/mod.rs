@@ -11,7 +11,10 @@
 //! * eligibility never depends on load: busy candidates are skipped only
 //!   while some eligible candidate is not busy, and when every eligible
 //!   candidate is busy the best busy one is returned with `all_busy` set so
-//!   the caller can queue, reject or answer advisorily;
+//!   the caller can queue, reject or answer advisorily. A candidate busy
+//!   with prefill backlog is still scored when its backlog plus the
+//!   request's own uncached prefill is no more than the least of the idle
+//!   candidates' (it holds the prompt; they would compute it all again);
 //! * candidates are scored in `(worker_id, dp_rank)` order, so a seeded
 //!   random source gives the same choice for the same inputs;
 //! * every candidate of the model appears in [`Selection::candidates`], with
@@ -480,7 +483,32 @@ fn to_score(
         .filter(|&i| prepared[i].report.busy.is_none())
         .collect();
     let all_busy = idle.is_empty();
-    Ok((if all_busy { eligible } else { idle }, all_busy))
+    if all_busy {
+        return Ok((eligible, true));
+    }
+    // A backlog is no reason to skip the candidate where the request's
+    // prefill, queue included, is still no longer than on any idle one:
+    // typically it holds the prompt's prefix, and the idle ones would
+    // compute the whole prompt again.
+    let least_idle_prefill = idle
+        .iter()
+        .map(|&i| prepared[i].report.potential_prefill_tokens)
+        .min()
+        .unwrap_or(u64::MAX);
+    let scored = eligible
+        .into_iter()
+        .filter(|&i| {
+            let report = &prepared[i].report;
+            match report.busy {
+                None => true,
+                Some(Busy::PrefillBacklog { .. }) => {
+                    report.potential_prefill_tokens <= least_idle_prefill
+                }
+                Some(Busy::KvUsage { .. }) => false,
+            }
+        })
+        .collect();
+    Ok((scored, false))
 }
 
 /// Scores the candidates at `scored`, records each score in its report

@@ -314,6 +314,46 @@ fn affinity_validation_ignores_transient_overload() {
     assert!(s.all_busy, "the caller decides whether to wait");
 }
 
+#[test]
+fn a_backlogged_candidate_holding_the_prompt_is_still_scored() {
+    let mut f = Fixture::with(vec![worker(7, 1), worker(8, 1)]);
+    // Worker 7 is busy with 1,000 booked prefill tokens (over 4 x 100) but
+    // holds 600 of the prompt's 640 blocks (2,560 tokens); worker 8 holds
+    // none.
+    let backlog = BookedLoad {
+        prefill_tokens: 1_000,
+        ..Default::default()
+    };
+    f.booked.insert(wr(7, 0), backlog);
+    f.overlaps.insert(wr(7, 0), 600);
+    let req = request(640);
+    let s = f.run(&req).unwrap();
+    let c7 = s.candidates.iter().find(|c| c.target == wr(7, 0)).unwrap();
+    assert!(c7.busy.is_some() && c7.score.is_some());
+    assert_eq!(s.target, wr(7, 0), "1,000 + 160 tokens beat 2,560");
+    assert!(!s.all_busy);
+    // Holding less, its queue and remainder (1,000 + 1,760) are longer
+    // than the whole prompt on the idle worker: skipped as before.
+    f.overlaps.insert(wr(7, 0), 200);
+    let s = f.run(&req).unwrap();
+    let c7 = s.candidates.iter().find(|c| c.target == wr(7, 0)).unwrap();
+    assert!(c7.busy.is_some() && c7.score.is_none());
+    assert_eq!(s.target, wr(8, 0));
+    // Busy by KV usage it is skipped whatever it holds: the prompt's
+    // decode needs room it does not have.
+    f.overlaps.insert(wr(7, 0), 640);
+    f.booked.remove(&wr(7, 0));
+    f.workers[0].load = vec![(
+        0,
+        RankLoad {
+            kv_blocks_used: 990,
+            ..Default::default()
+        },
+    )];
+    let s = f.run(&req).unwrap();
+    assert_eq!(s.target, wr(8, 0));
+}
+
 // ---- scoring scenarios -----------------------------------------------------
 
 /// A tiny index: each worker holds block sequences; overlap is the longest
