@@ -25,6 +25,7 @@ use clap::Args;
 
 use super::{
     BenchError, LocalServer, connect,
+    histogram::Histogram,
     ingest::{Round, Workload, mismatches},
 };
 use crate::{
@@ -251,58 +252,6 @@ async fn position(replica: &LocalServer) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-/// Cumulative bucket counts of one histogram, summed over its series.
-fn buckets(text: &str, name: &str) -> BTreeMap<u64, f64> {
-    let prefix = format!("{name}_bucket{{");
-    let mut out = BTreeMap::new();
-    for line in text.lines().filter(|l| l.starts_with(&prefix)) {
-        let le = line
-            .split("le=\"")
-            .nth(1)
-            .and_then(|rest| rest.split('"').next())
-            .unwrap_or("+Inf");
-        let le = if le == "+Inf" {
-            u64::MAX
-        } else {
-            (le.parse::<f64>().unwrap_or(0.0) * 1e6) as u64
-        };
-        let count: f64 = line
-            .rsplit(' ')
-            .next()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0);
-        *out.entry(le).or_insert(0.0) += count;
-    }
-    out
-}
-
-/// The `q` quantile in milliseconds of the observations between two
-/// scrapes, interpolated within its bucket.
-fn quantile_ms(before: &BTreeMap<u64, f64>, after: &BTreeMap<u64, f64>, q: f64) -> f64 {
-    let diff: Vec<(u64, f64)> = after
-        .iter()
-        .map(|(le, c)| (*le, c - before.get(le).copied().unwrap_or(0.0)))
-        .collect();
-    let total = diff.last().map_or(0.0, |d| d.1);
-    if total <= 0.0 {
-        return 0.0;
-    }
-    let rank = q * total;
-    let (mut lower_le, mut lower_count) = (0u64, 0.0);
-    for (le, count) in diff {
-        if count >= rank {
-            if le == u64::MAX {
-                return lower_le as f64 / 1e3;
-            }
-            let width = (le - lower_le) as f64;
-            let within = (rank - lower_count) / (count - lower_count).max(1e-9);
-            return (lower_le as f64 + width * within) / 1e3;
-        }
-        (lower_le, lower_count) = (le, count);
-    }
-    lower_le as f64 / 1e3
-}
-
 async fn lag(
     replicas: &[LocalServer],
     w: &Workload,
@@ -372,16 +321,13 @@ async fn lag(
     drop(tx);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let name = "kvroute_cluster_log_lag_seconds";
-    let (mut b, mut a) = (BTreeMap::new(), BTreeMap::new());
+    let (mut b, mut a) = (Histogram::default(), Histogram::default());
     for (i, r) in replicas.iter().enumerate().skip(1) {
         let after = r.scrape().await.unwrap_or_default();
-        for (le, c) in buckets(&before[i], name) {
-            *b.entry(le).or_insert(0.0) += c;
-        }
-        for (le, c) in buckets(&after, name) {
-            *a.entry(le).or_insert(0.0) += c;
-        }
+        b.add(&Histogram::parse(&before[i], name, None));
+        a.add(&Histogram::parse(&after, name, None));
     }
+    let lag = a.since(&b);
     let ack = super::Latency::of(&mut acks);
     let report = ClusterLagReport {
         bench: "cluster_lag",
@@ -389,27 +335,11 @@ async fn lag(
         blocks_per_s_target: rate,
         blocks_per_s_sent: sent_blocks as f64 / secs.max(1e-9),
         records,
-        lag_p50_ms: quantile_ms(&b, &a, 0.5),
-        lag_p99_ms: quantile_ms(&b, &a, 0.99),
+        lag_p50_ms: lag.quantile_s(0.5) * 1e3,
+        lag_p99_ms: lag.quantile_s(0.99) * 1e3,
         ack_p50_ms: ack.p50_us / 1e3,
         ack_p99_ms: ack.p99_us / 1e3,
     };
     println!("{}", serde_json::to_string(&report).unwrap_or_default());
     Ok(report)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quantiles_interpolate_within_buckets() {
-        let text =
-            "x_bucket{le=\"0.001\"} 50\nx_bucket{le=\"0.002\"} 100\nx_bucket{le=\"+Inf\"} 100\n";
-        let after = buckets(text, "x");
-        let before = BTreeMap::new();
-        assert!((quantile_ms(&before, &after, 0.5) - 1.0).abs() < 1e-9);
-        assert!((quantile_ms(&before, &after, 0.75) - 1.5).abs() < 1e-9);
-        assert_eq!(quantile_ms(&after, &after, 0.5), 0.0);
-    }
 }

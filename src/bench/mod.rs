@@ -7,6 +7,7 @@
 //! one JSON line per measurement plus a human summary on stderr.
 
 pub mod cluster;
+pub mod histogram;
 pub mod ingest;
 pub mod select;
 pub mod snapshot;

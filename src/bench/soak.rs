@@ -35,6 +35,7 @@ use tokio::{sync::mpsc, task::JoinHandle, time::MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+use super::histogram::{Histogram, SELECT_WORKER, ServerLatency};
 use super::{BenchError, Latency, connect, target};
 use crate::{
     config::ServeConfig,
@@ -141,6 +142,9 @@ pub struct IntervalReport {
     pub select_calls: u64,
     #[serde(flatten)]
     pub select: Latency,
+    /// SelectWorker as the server timed it over the interval (from its
+    /// `rpc_duration_seconds` histogram; `None` where it cannot be read).
+    pub server_select: Option<ServerLatency>,
     /// Events the server applied in the interval (GetIndexStats).
     pub events_applied: u64,
     /// Events whose batches the server acknowledged in the interval.
@@ -169,10 +173,16 @@ pub struct SoakVerdict {
     /// with the event batches in flight at that second).
     pub rss_peak_bytes: Option<u64>,
     pub memory_flat: Option<bool>,
+    /// Whose SelectWorker p99 the drift judges: the server's own timing
+    /// when every interval after warm-up has it, else the clients'.
+    pub p99_source: &'static str,
     pub p99_first_us: Option<f64>,
     pub p99_last_us: Option<f64>,
     pub p99_drift: Option<f64>,
     pub p99_stable: Option<bool>,
+    /// The clients' p99 drift, printed beside the server's (it also
+    /// carries the machine's scheduling noise).
+    pub client_p99_drift: Option<f64>,
     pub designed_errors: BTreeMap<String, u64>,
     pub unexpected_errors: BTreeMap<String, u64>,
     pub server_blocks: u64,
@@ -223,6 +233,10 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         (None, Some(metrics)) => Memory::Scrape(metrics.clone()),
         (None, None) => Memory::Unknown,
     };
+    let metrics_addr = local
+        .as_ref()
+        .map(|l| l.metrics_addr.to_string())
+        .or_else(|| args.metrics_addr.clone());
     let rss_samples = Arc::new(Mutex::new(Vec::new()));
     let stop_sampling = CancellationToken::new();
     let sampler = tokio::spawn(sample_memory(
@@ -332,6 +346,7 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         .map_or(0, |s| s.events_applied);
     let mut designed_total = BTreeMap::new();
     let mut unexpected_total = BTreeMap::new();
+    let mut last_histogram = select_histogram(metrics_addr.as_deref()).await;
     let count = (total.as_secs_f64() / interval.as_secs_f64())
         .ceil()
         .max(1.0) as usize;
@@ -340,6 +355,12 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         tokio::time::sleep_until(end).await;
         let taken = tally.take();
         let stats = index_stats(&mut admin, &tally).await.unwrap_or_default();
+        let histogram = select_histogram(metrics_addr.as_deref()).await;
+        let server_select = match (&histogram, &last_histogram) {
+            (Some(now), Some(before)) => now.since(before).summary(),
+            _ => None,
+        };
+        last_histogram = histogram;
         let applied = stats.events_applied.saturating_sub(last_applied);
         last_applied = stats.events_applied;
         let mut samples = taken.latencies;
@@ -361,6 +382,7 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
             rss_samples: rss.len(),
             select_calls: samples.len() as u64,
             select: Latency::of(&mut samples),
+            server_select,
             events_applied: applied,
             events_accepted: taken.events_accepted,
             index_blocks: stats.blocks,
@@ -446,6 +468,12 @@ impl Memory {
             Memory::Unknown => None,
         }
     }
+}
+
+/// The server's SelectWorker histogram, if its metrics can be read.
+async fn select_histogram(metrics_addr: Option<&str>) -> Option<Histogram> {
+    let text = super::scrape_metrics(metrics_addr?).await?;
+    Some(Histogram::rpc(&text, SELECT_WORKER))
 }
 
 /// Reads the server's resident memory every [`RSS_SAMPLE_PERIOD`] into
@@ -1123,11 +1151,37 @@ async fn compare(
     })
 }
 
+/// The mean p99 (as `p99_of` reads it) of the first and of the last
+/// [`P99_WINDOW`] intervals of `after`, and the relative rise between them.
+fn p99_window_drift(
+    after: &[IntervalReport],
+    p99_of: impl Fn(&IntervalReport) -> Option<f64>,
+) -> (Option<f64>, Option<f64>, Option<f64>) {
+    if after.len() < 2 {
+        return (None, None, None);
+    }
+    let mean = |window: &[IntervalReport]| {
+        let values: Vec<f64> = window.iter().filter_map(&p99_of).collect();
+        (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
+    };
+    let window = P99_WINDOW.min(after.len() / 2).max(1);
+    let first = mean(&after[..window]);
+    let last = mean(&after[after.len() - window..]);
+    let drift = match (first, last) {
+        (Some(first), Some(last)) if first > 0.0 => Some(last / first - 1.0),
+        _ => None,
+    };
+    (first, last, drift)
+}
+
 /// The verdict. Warm-up is the first `warmup` intervals (the index fills);
 /// the memory baseline is the first interval after it, and every later one
 /// must stay within 5 % above it; p99 drift compares the mean p99 of the
-/// last three intervals with the first three after warm-up. A check without
-/// enough intervals is not judged (None) and does not fail the run.
+/// last three intervals with the first three after warm-up, as the server
+/// timed SelectWorker when that is known for every interval after warm-up
+/// (`crate::bench::histogram` says why), else as the clients saw it.
+/// A check without enough intervals is not judged (None) and does not fail
+/// the run.
 fn judge(
     intervals: &[IntervalReport],
     warmup: usize,
@@ -1148,26 +1202,14 @@ fn judge(
         _ => None,
     };
     let memory_flat = rss_max_growth.map(|g| g <= RSS_TOLERANCE);
-    let mean_p99 = |window: &[IntervalReport]| {
-        let values: Vec<f64> = window
-            .iter()
-            .filter(|r| r.select_calls > 0)
-            .map(|r| r.select.p99_us)
-            .collect();
-        (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
-    };
-    let (p99_first_us, p99_last_us) = if after.len() >= 2 {
-        let window = P99_WINDOW.min(after.len() / 2).max(1);
-        (
-            mean_p99(&after[..window]),
-            mean_p99(&after[after.len() - window..]),
-        )
+    let server_p99 = |r: &IntervalReport| r.server_select.map(|s| s.p99_us);
+    let client_p99 = |r: &IntervalReport| (r.select_calls > 0).then_some(r.select.p99_us);
+    let client_drift = p99_window_drift(after, client_p99);
+    let server_timed = !after.is_empty() && after.iter().all(|r| server_p99(r).is_some());
+    let (p99_source, (p99_first_us, p99_last_us, p99_drift)) = if server_timed {
+        ("server", p99_window_drift(after, server_p99))
     } else {
-        (None, None)
-    };
-    let p99_drift = match (p99_first_us, p99_last_us) {
-        (Some(first), Some(last)) if first > 0.0 => Some(last / first - 1.0),
-        _ => None,
+        ("client", client_drift)
     };
     // Only a rise fails: a p99 that fell is no regression (it is printed).
     let p99_stable = p99_drift.map(|d| d <= P99_TOLERANCE);
@@ -1185,10 +1227,12 @@ fn judge(
         rss_max_growth,
         rss_peak_bytes,
         memory_flat,
+        p99_source,
         p99_first_us,
         p99_last_us,
         p99_drift,
         p99_stable,
+        client_p99_drift: client_drift.2,
         designed_errors,
         unexpected_errors,
         server_blocks: check.server_blocks,
@@ -1221,7 +1265,7 @@ fn errors_line(errors: &BTreeMap<String, u64>) -> String {
 
 fn human(r: &IntervalReport) -> String {
     format!(
-        "soak {:>3} ({:.0}s): rss median {} (peak {}), SelectWorker p50 {:.0}us p99 {:.0}us ({} calls), {} events applied, index {} blocks, shed {}; designed errors: {}; unexpected: {}",
+        "soak {:>3} ({:.0}s): rss median {} (peak {}), SelectWorker p50 {:.0}us p99 {:.0}us ({} calls; server: {}), {} events applied, index {} blocks, shed {}; designed errors: {}; unexpected: {}",
         r.interval,
         r.elapsed_s,
         mib(r.rss_median_bytes),
@@ -1229,6 +1273,10 @@ fn human(r: &IntervalReport) -> String {
         r.select.p50_us,
         r.select.p99_us,
         r.select_calls,
+        r.server_select.map_or_else(
+            || "?".into(),
+            |s| format!("mean {:.0}us p99 {:.0}us", s.mean_us, s.p99_us)
+        ),
         r.events_applied,
         r.index_blocks,
         r.requests_shed,
@@ -1244,7 +1292,7 @@ fn human_verdict(v: &SoakVerdict) -> String {
         None => "not judged",
     };
     format!(
-        "soak verdict: {}. memory {} (median: baseline {}, max {}, growth {}; peak sample {}); p99 {} ({} -> {}, drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
+        "soak verdict: {}. memory {} (median: baseline {}, max {}, growth {}; peak sample {}); p99 {} ({}: {} -> {}, drift {}; clients' drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
         if v.pass { "PASS" } else { "FAIL" },
         judged(v.memory_flat),
         mib(v.rss_baseline_bytes),
@@ -1253,11 +1301,14 @@ fn human_verdict(v: &SoakVerdict) -> String {
             .map_or_else(|| "?".into(), |g| format!("{:+.1}%", g * 100.0)),
         mib(v.rss_peak_bytes),
         judged(v.p99_stable),
+        v.p99_source,
         v.p99_first_us
             .map_or_else(|| "?".into(), |p| format!("{p:.0}us")),
         v.p99_last_us
             .map_or_else(|| "?".into(), |p| format!("{p:.0}us")),
         v.p99_drift
+            .map_or_else(|| "?".into(), |d| format!("{:+.1}%", d * 100.0)),
+        v.client_p99_drift
             .map_or_else(|| "?".into(), |d| format!("{:+.1}%", d * 100.0)),
         if v.unexpected_errors.is_empty() {
             "none"
@@ -1294,6 +1345,7 @@ mod tests {
                 p99_us: p99,
                 max_us: p99,
             },
+            server_select: None,
             events_applied: 0,
             events_accepted: 0,
             index_blocks: 0,
@@ -1353,6 +1405,41 @@ mod tests {
         let designed = BTreeMap::from([("Heartbeat NOT_FOUND".to_string(), 3)]);
         let v = judge(&steady, 0, designed, BTreeMap::new(), exact());
         assert!(v.pass);
+    }
+
+    #[test]
+    fn the_servers_timing_is_judged_when_every_interval_has_it() {
+        // The clients' p99 doubles (the machine got busy); the server's
+        // own stays put: stable, judged on the server's figure.
+        let mut noisy: Vec<_> = [1000.0, 1000.0, 1000.0, 2000.0, 2000.0, 2000.0]
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| interval(i + 1, 100, p))
+            .collect();
+        for r in &mut noisy {
+            r.server_select = Some(ServerLatency {
+                calls: 100,
+                mean_us: 100.0,
+                p99_us: 300.0,
+            });
+        }
+        let v = judge(&noisy, 0, BTreeMap::new(), BTreeMap::new(), exact());
+        assert_eq!((v.p99_source, v.p99_stable), ("server", Some(true)));
+        assert!((v.client_p99_drift.unwrap() - 1.0).abs() < 1e-9);
+        // The server slowing down fails it.
+        for r in &mut noisy[3..] {
+            r.server_select = Some(ServerLatency {
+                calls: 100,
+                mean_us: 150.0,
+                p99_us: 400.0,
+            });
+        }
+        let v = judge(&noisy, 0, BTreeMap::new(), BTreeMap::new(), exact());
+        assert_eq!(v.p99_stable, Some(false));
+        // One interval without the server's figure: the clients' is judged.
+        noisy[4].server_select = None;
+        let v = judge(&noisy, 0, BTreeMap::new(), BTreeMap::new(), exact());
+        assert_eq!((v.p99_source, v.p99_stable), ("client", Some(false)));
     }
 
     #[test]
