@@ -3,12 +3,13 @@
 //! server's own SelectWorker timing this way (`rpc_duration_seconds`), the
 //! cluster bench its replicas' log lag.
 //!
-//! Why the soak judges the server's timing: a soak's clients share the machine with the server, so the latency
-//! they observe also carries the machine's scheduling noise. On the 2-core
-//! VM, over a 10-minute soak the server's mean SelectWorker handling time
-//! stayed at 110-141 us per 30 s while the clients' p50 wandered between
-//! 490 and 670 us with both processes using a fifth of the machine. The
-//! server's histogram, differenced between scrapes, measures kvroute alone.
+//! Why the soak judges the server's timing: its clients share the machine
+//! with the server, so the latency they observe also carries the machine's
+//! scheduling noise. On the 2-core VM, over a 10-minute soak the server's
+//! mean SelectWorker handling time stayed at 110-141 us per 30 s while the
+//! clients' p50 wandered between 490 and 670 us, with both processes using
+//! a fifth of the machine. The server's histogram, differenced between
+//! scrapes, measures kvroute alone.
 
 /// The RPC path of SelectWorker, as the histogram labels it.
 pub const SELECT_WORKER: &str = "/kvroute.v1.Router/SelectWorker";
