@@ -374,6 +374,24 @@ async fn wait_for_view(server: &TestServer, worker_id: u64, view: pb::CacheView)
     panic!("worker {worker_id} never reached {view:?}");
 }
 
+/// The series counting trust `change`s ("downgraded", "recovered") for
+/// `reason`.
+fn trust_changes(change: &str, reason: &str) -> String {
+    format!(r#"kvroute_worker_trust_changes_total{{change="{change}",reason="{reason}"}}"#)
+}
+
+/// Waits for `worker_id` to be blended, then checks that its view says
+/// why (`why` in the reason) and that the downgrade was counted once
+/// under `reason`.
+async fn expect_blended(server: &TestServer, worker_id: u64, why: &str, reason: &str) {
+    wait_for_view(server, worker_id, pb::CacheView::Blended).await;
+    let (_, said) = view_of(server, worker_id).await;
+    assert!(said.contains(why), "{said}");
+    let (_, metrics) = server.http_get("/metrics").await;
+    let downgraded = trust_changes("downgraded", reason);
+    assert_eq!(metric(&metrics, &downgraded), 1.0, "{metrics}");
+}
+
 fn metric(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
@@ -407,13 +425,8 @@ async fn an_exact_worker_with_a_gap_unhealed_past_the_deadline_is_blended_and_re
         "within the deadline"
     );
 
-    wait_for_view(&server, 1, pb::CacheView::Blended).await;
-    let (_, reason) = view_of(&server, 1).await;
-    assert!(reason.contains("gap"), "{reason}");
+    expect_blended(&server, 1, "gap", "gap_unhealed").await;
     let (_, metrics) = server.http_get("/metrics").await;
-    let downgraded =
-        r#"kvroute_worker_trust_changes_total{change="downgraded",reason="gap_unhealed"}"#;
-    assert_eq!(metric(&metrics, downgraded), 1.0, "{metrics}");
     assert_eq!(metric(&metrics, "kvroute_workers_untrusted"), 1.0);
 
     // The index's part of the blend: what it knew before the gap.
@@ -447,10 +460,14 @@ async fn an_exact_worker_with_a_gap_unhealed_past_the_deadline_is_blended_and_re
     wait_for_view(&server, 1, pb::CacheView::Exact).await;
     assert_eq!(server.worker_info(1).await.ranks[0].predicted_blocks, 0);
     let (_, metrics) = server.http_get("/metrics").await;
-    let recovered =
-        r#"kvroute_worker_trust_changes_total{change="recovered",reason="gap_unhealed"}"#;
-    assert_eq!(metric(&metrics, recovered), 1.0, "{metrics}");
-    assert_eq!(metric(&metrics, downgraded), 1.0, "logged and counted once");
+    let recovered = trust_changes("recovered", "gap_unhealed");
+    assert_eq!(metric(&metrics, &recovered), 1.0, "{metrics}");
+    let downgraded = trust_changes("downgraded", "gap_unhealed");
+    assert_eq!(
+        metric(&metrics, &downgraded),
+        1.0,
+        "logged and counted once"
+    );
     let candidates = explain(&server, select_hashes("r", "m", &fresh)).await;
     assert_eq!(
         candidates[0].overlap_blocks, 0,
@@ -528,9 +545,7 @@ async fn a_worker_whose_engine_reports_contradict_its_events_is_flagged_and_reco
     assert_eq!(feedback.mean_error_tokens, 128.0);
     assert_eq!(feedback.index_error_blocks, 8.0);
     assert!(feedback.contradicted);
-    wait_for_view(&server, 1, pb::CacheView::Blended).await;
-    let (_, reason) = view_of(&server, 1).await;
-    assert!(reason.contains("contradict"), "{reason}");
+    expect_blended(&server, 1, "contradict", "cached_tokens_contradict").await;
     assert_eq!(view_of(&server, 2).await.0, pb::CacheView::Exact);
 
     // Reports that do not fit are counted and change nothing.
@@ -551,8 +566,8 @@ async fn a_worker_whose_engine_reports_contradict_its_events_is_flagged_and_reco
         ),
         "{metrics}"
     );
-    let contradicted = r#"kvroute_worker_trust_changes_total{change="downgraded",reason="cached_tokens_contradict"}"#;
-    assert_eq!(metric(&metrics, contradicted), 1.0);
+    let contradicted = trust_changes("downgraded", "cached_tokens_contradict");
+    assert_eq!(metric(&metrics, &contradicted), 1.0, "counted once");
 
     // The engine agrees with the index again: trusted again.
     for i in 0..kvroute::router::feedback::WINDOW {
@@ -611,13 +626,7 @@ async fn a_worker_whose_events_never_follow_its_prefills_falls_behind_and_recove
         pb::CacheView::Exact,
         "within the deadline"
     );
-    wait_for_view(&server, 1, pb::CacheView::Blended).await;
-    let (_, reason) = view_of(&server, 1).await;
-    assert!(reason.contains("none came"), "{reason}");
-    let (_, metrics) = server.http_get("/metrics").await;
-    let behind =
-        r#"kvroute_worker_trust_changes_total{change="downgraded",reason="events_behind"}"#;
-    assert_eq!(metric(&metrics, behind), 1.0, "{metrics}");
+    expect_blended(&server, 1, "none came", "events_behind").await;
     let approximate = server.worker_info(2).await;
     assert_eq!(approximate.cache_view(), pb::CacheView::Predicted);
     assert_eq!(approximate.ranks[0].predicted_blocks, 4);
