@@ -347,6 +347,8 @@ pub fn run(args: &ReplayArgs) -> Result<Vec<Report>, ReplayError> {
     }
     if !args.json {
         print!("{}", Report::table(&reports));
+        let floors = super::bounds::ttft_floors(&trace, &config.engine, config.workers);
+        print!("{}", super::bounds::table(&floors, config.workers));
     }
     if let Some(path) = &args.plot {
         write_chart(path, &reports)?;

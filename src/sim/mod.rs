@@ -24,12 +24,15 @@
 //! 6. `replicas`: several `kvroute` policies as router replicas whose booked
 //!    load reaches each other late or never.
 //! 7. `report`: per-policy results (`Report`, `EngineStats`, `RequestOutcome`).
-//! 8. `fleet`: the discrete-event loop, `replay`.
-//! 9. `plot`: the `--plot` chart of reports (only with the `plot` feature).
-//! 10. `cli`: `kvroute replay`, which uses all of the above.
+//! 8. `bounds`: TTFT floors from the trace alone (no queueing), under
+//!    three cache models, printed under the replay table.
+//! 9. `fleet`: the discrete-event loop, `replay`.
+//! 10. `plot`: the `--plot` chart of reports (only with the `plot` feature).
+//! 11. `cli`: `kvroute replay`, which uses all of the above.
 //!
 //! This file only declares the files and re-exports their main items.
 
+pub mod bounds;
 pub mod cli;
 pub mod determinism;
 pub mod engine;
