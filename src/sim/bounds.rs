@@ -109,7 +109,11 @@ pub fn solo_prefill_ms(engine: &EngineConfig, tokens: usize) -> f64 {
 /// The floors of `trace` for `workers` engines configured as `engine`.
 pub fn ttft_floors(trace: &Trace, engine: &EngineConfig, workers: usize) -> Vec<TtftFloor> {
     let prompts = prompts(trace);
-    let capacity_tokens = workers.max(1) * engine.num_blocks * engine.block_size;
+    // Flags set these; a product past usize means room for everything.
+    let capacity_tokens = workers
+        .max(1)
+        .saturating_mul(engine.num_blocks)
+        .saturating_mul(engine.block_size);
     let capacity_blocks = capacity_tokens / TRACE_BLOCK_TOKENS;
     CacheModel::ALL
         .iter()
