@@ -10,15 +10,19 @@
 //! * A schedule of churn cordons and uncordons workers, lets leases lapse and
 //!   deregisters workers; each one comes back with a fresh engine.
 //!
-//! Every interval (a minute) it prints the server's resident memory (the
-//! median and peak of one sample a second: a single reading mostly measures
-//! which event batches happen to be in flight),
+//! Every interval (a minute) it prints the server's resident memory and,
+//! where the server counts it, its heap (bytes allocated and not freed;
+//! each the median and peak of one sample a second: a single reading mostly
+//! measures which event batches happen to be in flight),
 //! SelectWorker p50/p99, events applied and errors by kind, split into the
 //! designed ones (what the churn makes expected, e.g. NOT_FOUND for a lapsed
 //! worker) and the rest. At the end it compares the server's index with an
 //! in-process [`KvIndex`] fed exactly the events the server accepted, and
-//! gives a verdict: memory flat after warm-up, p99 without drift, no
-//! unexpected error, an exact index.
+//! gives a verdict: memory flat after warm-up (the heap where it is
+//! counted: resident memory also grows with pages the allocator keeps for
+//! reuse, which is no leak), p99 without drift, no unexpected error, an
+//! exact index. Then it deregisters its workers and reads the heap again:
+//! what the run left behind.
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -63,7 +67,8 @@ pub struct SoakBenchArgs {
     #[arg(long)]
     pub addr: Option<String>,
     /// The external server's metrics address (host:port): its resident
-    /// memory is read from `process_resident_memory_bytes` when exported.
+    /// memory and heap are read from `process_resident_memory_bytes` and
+    /// `kvroute_heap_allocated_bytes` when exported.
     #[arg(long, requires = "addr")]
     pub metrics_addr: Option<String>,
     /// Length of the run.
@@ -119,8 +124,13 @@ const BATCH_EVENTS: usize = 256;
 const MAX_STEPS: usize = 200_000;
 /// Time between two resident-memory samples.
 const RSS_SAMPLE_PERIOD: Duration = Duration::from_secs(1);
-/// Relative RSS growth after warm-up that still counts as flat.
-const RSS_TOLERANCE: f64 = 0.05;
+/// Relative growth of the judged memory (heap, else RSS) after warm-up that
+/// still counts as flat.
+const MEMORY_TOLERANCE: f64 = 0.05;
+/// Heap an external server may hold after the run, once every worker is
+/// gone, beyond what it held before: pools grown to the run's peak (tokio's
+/// task and timer slabs, connection buffers) stay allocated.
+const HEAP_LEFT_TOLERANCE: i64 = 2 << 20;
 /// Relative p99 rise, last intervals against the first after warm-up.
 const P99_TOLERANCE: f64 = 0.20;
 /// Intervals averaged at each end for the p99 drift.
@@ -139,6 +149,10 @@ pub struct IntervalReport {
     /// Largest sample of the interval.
     pub rss_peak_bytes: Option<u64>,
     pub rss_samples: usize,
+    /// Median and largest heap sample (allocated, not freed), where the
+    /// server exports it.
+    pub heap_median_bytes: Option<u64>,
+    pub heap_peak_bytes: Option<u64>,
     pub select_calls: u64,
     #[serde(flatten)]
     pub select: Latency,
@@ -172,7 +186,21 @@ pub struct SoakVerdict {
     /// Largest single sample after warm-up (printed, not judged: it moves
     /// with the event batches in flight at that second).
     pub rss_peak_bytes: Option<u64>,
+    /// The heap's median in the same intervals, and its growth.
+    pub heap_baseline_bytes: Option<u64>,
+    pub heap_max_bytes: Option<u64>,
+    pub heap_max_growth: Option<f64>,
+    /// What "flat" judges: `heap` when every interval after warm-up has it,
+    /// else `rss`.
+    pub memory_source: &'static str,
     pub memory_flat: Option<bool>,
+    /// An external server's heap before the workers registered and after
+    /// they were deregistered at the end, and the difference.
+    pub heap_before_bytes: Option<u64>,
+    pub heap_after_bytes: Option<u64>,
+    pub heap_left_bytes: Option<i64>,
+    /// Whether the run left at most `HEAP_LEFT_TOLERANCE` behind.
+    pub heap_returned: Option<bool>,
     /// Whose SelectWorker p99 the drift judges: the server's own timing
     /// when every interval after warm-up has it, else the clients'.
     pub p99_source: &'static str,
@@ -237,11 +265,18 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         .as_ref()
         .map(|l| l.metrics_addr.to_string())
         .or_else(|| args.metrics_addr.clone());
-    let rss_samples = Arc::new(Mutex::new(Vec::new()));
+    // The heap before any worker: judged against the heap after, only for
+    // an external server (in this process the engines, the reference index
+    // and the prompts are still allocated at the end).
+    let heap_before = match &memory {
+        Memory::Scrape(_) => memory.read().await.heap,
+        _ => None,
+    };
+    let samples = Arc::new(Mutex::new(Samples::default()));
     let stop_sampling = CancellationToken::new();
     let sampler = tokio::spawn(sample_memory(
-        memory,
-        rss_samples.clone(),
+        memory.clone(),
+        samples.clone(),
         stop_sampling.clone(),
     ));
 
@@ -363,9 +398,10 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         last_histogram = histogram;
         let applied = stats.events_applied.saturating_sub(last_applied);
         last_applied = stats.events_applied;
-        let mut samples = taken.latencies;
-        let mut rss = std::mem::take(&mut *rss_samples.lock());
+        let mut latencies = taken.latencies;
+        let Samples { mut rss, mut heap } = std::mem::take(&mut *samples.lock());
         rss.sort_unstable();
+        heap.sort_unstable();
         let (designed, unexpected) = split(&taken.errors);
         for (k, v) in &designed {
             *designed_total.entry(k.clone()).or_insert(0) += v;
@@ -380,8 +416,10 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
             rss_median_bytes: rss.get(rss.len() / 2).copied(),
             rss_peak_bytes: rss.last().copied(),
             rss_samples: rss.len(),
-            select_calls: samples.len() as u64,
-            select: Latency::of(&mut samples),
+            heap_median_bytes: heap.get(heap.len() / 2).copied(),
+            heap_peak_bytes: heap.last().copied(),
+            select_calls: latencies.len() as u64,
+            select: Latency::of(&mut latencies),
             server_select,
             events_applied: applied,
             events_accepted: taken.events_accepted,
@@ -418,16 +456,29 @@ pub async fn run(args: &SoakBenchArgs) -> Result<SoakReport, BenchError> {
         *unexpected_total.entry(k).or_insert(0) += v;
     }
     let check = compare(&channel, &slots, &reference).await?;
+    // Leave the server as it was found: without this, a soak run right
+    // after this one would find these worker ids still registered (until
+    // their leases lapse) with this run's blocks.
+    deregister_all(&channel, &slots).await;
+    let heap_after = match (&memory, heap_before) {
+        (Memory::Scrape(_), Some(_)) => {
+            // Removals reach the index through its writer: let it drain.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            memory.read().await.heap
+        }
+        _ => None,
+    };
     if let Some(local) = local {
         local.stop().await;
     }
-    let verdict = judge(
+    let mut verdict = judge(
         &intervals,
         args.warmup_intervals,
         designed_total,
         unexpected_total,
         check,
     );
+    verdict.judge_heap_left(heap_before, heap_after);
     println!("{}", serde_json::to_string(&verdict).unwrap_or_default());
     eprintln!("{}", human_verdict(&verdict));
     Ok(SoakReport { intervals, verdict })
@@ -444,7 +495,8 @@ fn within(flag: &str, value: f64, min: f64, max: f64) -> Result<f64, BenchError>
     }
 }
 
-/// Where the server's resident memory comes from.
+/// Where the server's memory figures come from.
+#[derive(Clone)]
 enum Memory {
     /// The server runs in this process: /proc/self/status.
     OwnProcess,
@@ -453,21 +505,47 @@ enum Memory {
     Unknown,
 }
 
+/// One reading of the server's memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct MemoryReading {
+    rss: Option<u64>,
+    heap: Option<u64>,
+}
+
 impl Memory {
-    async fn read(&self) -> Option<u64> {
+    async fn read(&self) -> MemoryReading {
         match self {
-            Memory::OwnProcess => crate::metrics::resident_memory_bytes(),
-            Memory::Scrape(addr) => {
-                let text = super::scrape_metrics(addr).await?;
-                let line = text
-                    .lines()
-                    .find(|l| l.starts_with("process_resident_memory_bytes "))?;
-                let value: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-                Some(value as u64)
-            }
-            Memory::Unknown => None,
+            Memory::OwnProcess => MemoryReading {
+                rss: crate::metrics::resident_memory_bytes(),
+                heap: crate::metrics::heap_allocated_bytes(),
+            },
+            Memory::Scrape(addr) => match super::scrape_metrics(addr).await {
+                Some(text) => MemoryReading {
+                    rss: gauge(&text, "process_resident_memory_bytes"),
+                    heap: gauge(&text, "kvroute_heap_allocated_bytes"),
+                },
+                None => MemoryReading::default(),
+            },
+            Memory::Unknown => MemoryReading::default(),
         }
     }
+}
+
+/// The value of an unlabelled gauge `name` in a text exposition.
+fn gauge(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| {
+        l.strip_prefix(name)
+            .is_some_and(|rest| rest.starts_with(' '))
+    })?;
+    let value: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    (value.is_finite() && value >= 0.0).then_some(value as u64)
+}
+
+/// Memory samples of the current interval.
+#[derive(Debug, Default)]
+struct Samples {
+    rss: Vec<u64>,
+    heap: Vec<u64>,
 }
 
 /// The server's SelectWorker histogram, if its metrics can be read.
@@ -476,9 +554,9 @@ async fn select_histogram(metrics_addr: Option<&str>) -> Option<Histogram> {
     Some(Histogram::rpc(&text, SELECT_WORKER))
 }
 
-/// Reads the server's resident memory every [`RSS_SAMPLE_PERIOD`] into
-/// `samples` (the interval loop takes them) until `stop`.
-async fn sample_memory(memory: Memory, samples: Arc<Mutex<Vec<u64>>>, stop: CancellationToken) {
+/// Reads the server's memory every [`RSS_SAMPLE_PERIOD`] into `samples`
+/// (the interval loop takes them) until `stop`.
+async fn sample_memory(memory: Memory, samples: Arc<Mutex<Samples>>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(RSS_SAMPLE_PERIOD);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -486,9 +564,10 @@ async fn sample_memory(memory: Memory, samples: Arc<Mutex<Vec<u64>>>, stop: Canc
             () = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        if let Some(bytes) = memory.read().await {
-            samples.lock().push(bytes);
-        }
+        let reading = memory.read().await;
+        let mut samples = samples.lock();
+        samples.rss.extend(reading.rss);
+        samples.heap.extend(reading.heap);
     }
 }
 
@@ -1086,6 +1165,16 @@ struct IndexCheck {
     mismatches: Vec<String>,
 }
 
+/// Deregisters every soak worker (NOT_FOUND for one already gone is fine).
+async fn deregister_all(channel: &Channel, slots: &[Arc<WorkerSlot>]) {
+    let mut workers = WorkersClient::new(channel.clone());
+    for slot in slots {
+        let _ = workers
+            .deregister_worker(pb::DeregisterWorkerRequest { worker_id: slot.id })
+            .await;
+    }
+}
+
 async fn compare(
     channel: &Channel,
     slots: &[Arc<WorkerSlot>],
@@ -1190,18 +1279,18 @@ fn judge(
     check: IndexCheck,
 ) -> SoakVerdict {
     let after = intervals.get(warmup..).unwrap_or_default();
-    let rss_baseline_bytes = after.first().and_then(|r| r.rss_median_bytes);
-    let rss_max_bytes = after
-        .iter()
-        .skip(1)
-        .filter_map(|r| r.rss_median_bytes)
-        .max();
+    let (rss_baseline_bytes, rss_max_bytes, rss_max_growth) =
+        median_growth(after, |r| r.rss_median_bytes);
+    let (heap_baseline_bytes, heap_max_bytes, heap_max_growth) =
+        median_growth(after, |r| r.heap_median_bytes);
     let rss_peak_bytes = after.iter().filter_map(|r| r.rss_peak_bytes).max();
-    let rss_max_growth = match (rss_baseline_bytes, rss_max_bytes) {
-        (Some(base), Some(max)) if base > 0 => Some(max as f64 / base as f64 - 1.0),
-        _ => None,
+    let heap_counted = !after.is_empty() && after.iter().all(|r| r.heap_median_bytes.is_some());
+    let (memory_source, growth) = if heap_counted {
+        ("heap", heap_max_growth)
+    } else {
+        ("rss", rss_max_growth)
     };
-    let memory_flat = rss_max_growth.map(|g| g <= RSS_TOLERANCE);
+    let memory_flat = growth.map(|g| g <= MEMORY_TOLERANCE);
     let server_p99 = |r: &IntervalReport| r.server_select.map(|s| s.p99_us);
     let client_p99 = |r: &IntervalReport| (r.select_calls > 0).then_some(r.select.p99_us);
     let client_drift = p99_window_drift(after, client_p99);
@@ -1226,7 +1315,15 @@ fn judge(
         rss_max_bytes,
         rss_max_growth,
         rss_peak_bytes,
+        heap_baseline_bytes,
+        heap_max_bytes,
+        heap_max_growth,
+        memory_source,
         memory_flat,
+        heap_before_bytes: None,
+        heap_after_bytes: None,
+        heap_left_bytes: None,
+        heap_returned: None,
         p99_source,
         p99_first_us,
         p99_last_us,
@@ -1245,11 +1342,45 @@ fn judge(
     }
 }
 
+/// The first interval's median of `of`, the largest later one, and the
+/// growth between them (`None` where they are not known).
+fn median_growth(
+    after: &[IntervalReport],
+    of: impl Fn(&IntervalReport) -> Option<u64>,
+) -> (Option<u64>, Option<u64>, Option<f64>) {
+    let baseline = after.first().and_then(&of);
+    let max = after.iter().skip(1).filter_map(&of).max();
+    let growth = match (baseline, max) {
+        (Some(base), Some(max)) if base > 0 => Some(max as f64 / base as f64 - 1.0),
+        _ => None,
+    };
+    (baseline, max, growth)
+}
+
+impl SoakVerdict {
+    /// Judges what the run left on the heap once its workers were gone; a
+    /// check without both readings is not judged and does not fail.
+    fn judge_heap_left(&mut self, before: Option<u64>, after: Option<u64>) {
+        self.heap_before_bytes = before;
+        self.heap_after_bytes = after;
+        self.heap_left_bytes = match (before, after) {
+            (Some(b), Some(a)) => Some(a as i64 - b as i64),
+            _ => None,
+        };
+        self.heap_returned = self.heap_left_bytes.map(|left| left <= HEAP_LEFT_TOLERANCE);
+        self.pass &= self.heap_returned != Some(false);
+    }
+}
+
 fn mib(bytes: Option<u64>) -> String {
     bytes.map_or_else(
         || "?".into(),
         |b| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0)),
     )
+}
+
+fn percent(fraction: Option<f64>) -> String {
+    fraction.map_or_else(|| "?".into(), |f| format!("{:+.1}%", f * 100.0))
 }
 
 fn errors_line(errors: &BTreeMap<String, u64>) -> String {
@@ -1265,11 +1396,13 @@ fn errors_line(errors: &BTreeMap<String, u64>) -> String {
 
 fn human(r: &IntervalReport) -> String {
     format!(
-        "soak {:>3} ({:.0}s): rss median {} (peak {}), SelectWorker p50 {:.0}us p99 {:.0}us ({} calls; server: {}), {} events applied, index {} blocks, shed {}; designed errors: {}; unexpected: {}",
+        "soak {:>3} ({:.0}s): rss median {} (peak {}), heap median {} (peak {}), SelectWorker p50 {:.0}us p99 {:.0}us ({} calls; server: {}), {} events applied, index {} blocks, shed {}; designed errors: {}; unexpected: {}",
         r.interval,
         r.elapsed_s,
         mib(r.rss_median_bytes),
         mib(r.rss_peak_bytes),
+        mib(r.heap_median_bytes),
+        mib(r.heap_peak_bytes),
         r.select.p50_us,
         r.select.p99_us,
         r.select_calls,
@@ -1292,24 +1425,28 @@ fn human_verdict(v: &SoakVerdict) -> String {
         None => "not judged",
     };
     format!(
-        "soak verdict: {}. memory {} (median: baseline {}, max {}, growth {}; peak sample {}); p99 {} ({}: {} -> {}, drift {}; clients' drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
+        "soak verdict: {}. memory {} on {} (heap median: baseline {}, max {}, growth {}; rss median: baseline {}, max {}, growth {}; rss peak sample {}); heap left after the run {} ({} -> {}); p99 {} ({}: {} -> {}, drift {}; clients' drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
         if v.pass { "PASS" } else { "FAIL" },
         judged(v.memory_flat),
+        v.memory_source,
+        mib(v.heap_baseline_bytes),
+        mib(v.heap_max_bytes),
+        percent(v.heap_max_growth),
         mib(v.rss_baseline_bytes),
         mib(v.rss_max_bytes),
-        v.rss_max_growth
-            .map_or_else(|| "?".into(), |g| format!("{:+.1}%", g * 100.0)),
+        percent(v.rss_max_growth),
         mib(v.rss_peak_bytes),
+        judged(v.heap_returned),
+        mib(v.heap_before_bytes),
+        mib(v.heap_after_bytes),
         judged(v.p99_stable),
         v.p99_source,
         v.p99_first_us
             .map_or_else(|| "?".into(), |p| format!("{p:.0}us")),
         v.p99_last_us
             .map_or_else(|| "?".into(), |p| format!("{p:.0}us")),
-        v.p99_drift
-            .map_or_else(|| "?".into(), |d| format!("{:+.1}%", d * 100.0)),
-        v.client_p99_drift
-            .map_or_else(|| "?".into(), |d| format!("{:+.1}%", d * 100.0)),
+        percent(v.p99_drift),
+        percent(v.client_p99_drift),
         if v.unexpected_errors.is_empty() {
             "none"
         } else {
@@ -1339,6 +1476,8 @@ mod tests {
             rss_median_bytes: Some(rss),
             rss_peak_bytes: Some(rss + rss / 5),
             rss_samples: 60,
+            heap_median_bytes: None,
+            heap_peak_bytes: None,
             select_calls: 100,
             select: Latency {
                 p50_us: p99 / 2.0,
@@ -1440,6 +1579,59 @@ mod tests {
         noisy[4].server_select = None;
         let v = judge(&noisy, 0, BTreeMap::new(), BTreeMap::new(), exact());
         assert_eq!((v.p99_source, v.p99_stable), ("client", Some(false)));
+    }
+
+    #[test]
+    fn the_heap_is_judged_when_every_interval_counts_it() {
+        // RSS climbs 20 % (the allocator keeps pages) while the heap stays
+        // flat: flat, judged on the heap.
+        let mut kept: Vec<_> = [100, 100, 100, 120]
+            .iter()
+            .enumerate()
+            .map(|(i, &m)| interval(i + 1, m, 1000.0))
+            .collect();
+        for r in &mut kept {
+            r.heap_median_bytes = Some(50);
+        }
+        let v = judge(&kept, 1, BTreeMap::new(), BTreeMap::new(), exact());
+        assert_eq!((v.memory_source, v.memory_flat), ("heap", Some(true)));
+        assert!(v.rss_max_growth.unwrap() > 0.19 && v.pass);
+        // The heap growing 10 % fails it.
+        kept[3].heap_median_bytes = Some(55);
+        let v = judge(&kept, 1, BTreeMap::new(), BTreeMap::new(), exact());
+        assert_eq!(v.memory_flat, Some(false));
+        // One interval without the heap: RSS is judged (and fails).
+        kept[3].heap_median_bytes = None;
+        let v = judge(&kept, 1, BTreeMap::new(), BTreeMap::new(), exact());
+        assert_eq!((v.memory_source, v.memory_flat), ("rss", Some(false)));
+    }
+
+    #[test]
+    fn heap_left_after_the_run_fails_past_the_tolerance() {
+        let steady: Vec<_> = (1..=4).map(|i| interval(i, 100, 1000.0)).collect();
+        let mut v = judge(&steady, 0, BTreeMap::new(), BTreeMap::new(), exact());
+        v.judge_heap_left(Some(10 << 20), Some(11 << 20));
+        assert_eq!(
+            (v.heap_left_bytes, v.heap_returned),
+            (Some(1 << 20), Some(true))
+        );
+        assert!(v.pass);
+        v.judge_heap_left(Some(10 << 20), Some(13 << 20));
+        assert_eq!(v.heap_returned, Some(false));
+        assert!(!v.pass);
+        let mut v = judge(&steady, 0, BTreeMap::new(), BTreeMap::new(), exact());
+        v.judge_heap_left(None, Some(13 << 20));
+        assert_eq!((v.heap_left_bytes, v.heap_returned), (None, None));
+        assert!(v.pass);
+    }
+
+    #[test]
+    fn gauges_are_read_by_their_exact_name() {
+        let text = "kvroute_heap_allocated_bytes_total 9\nkvroute_heap_allocated_bytes 1234\nprocess_resident_memory_bytes 5e3\n";
+        assert_eq!(gauge(text, "kvroute_heap_allocated_bytes"), Some(1234));
+        assert_eq!(gauge(text, "process_resident_memory_bytes"), Some(5000));
+        assert_eq!(gauge(text, "missing"), None);
+        assert_eq!(gauge("x NaN\n", "x"), None);
     }
 
     #[test]
