@@ -56,6 +56,27 @@ impl TraceRequest {
     pub fn tokens(&self) -> Vec<u32> {
         tokens_for(&self.hash_ids, self.input_length)
     }
+
+    /// The prompt's 512-token blocks as (prefix-chained key, tokens in the
+    /// block): equal keys mean equal prompts up to the end of that block.
+    pub fn chained_blocks(&self) -> Vec<(u64, usize)> {
+        let n = self.input_length.div_ceil(TRACE_BLOCK_TOKENS);
+        let mut chain = 0x5eed_u64;
+        self.hash_ids
+            .iter()
+            .take(n)
+            .enumerate()
+            .map(|(i, &id)| {
+                chain = mix64(chain ^ mix64(id.wrapping_add(1)));
+                let tokens = if i + 1 < n {
+                    TRACE_BLOCK_TOKENS
+                } else {
+                    self.input_length - TRACE_BLOCK_TOKENS * (n - 1)
+                };
+                (chain, tokens)
+            })
+            .collect()
+    }
 }
 
 /// Why a trace, or one line of it, could not be read.
@@ -174,25 +195,16 @@ impl Trace {
         let mut seen: HashSet<u64, rustc_hash::FxBuildHasher> = HashSet::default();
         let mut out = IdealReuse::default();
         for r in &self.records {
-            let n = r.input_length.div_ceil(TRACE_BLOCK_TOKENS);
-            let mut chain = 0x5eed_u64;
-            let mut chains = Vec::with_capacity(n);
-            for (i, &id) in r.hash_ids.iter().take(n).enumerate() {
-                chain = mix64(chain ^ mix64(id.wrapping_add(1)));
-                let tokens = if i + 1 < n {
-                    TRACE_BLOCK_TOKENS
-                } else {
-                    r.input_length - TRACE_BLOCK_TOKENS * (n - 1)
-                };
+            let blocks = r.chained_blocks();
+            for &(chain, tokens) in &blocks {
                 out.total_blocks += 1;
                 out.total_tokens += tokens as u64;
                 if seen.contains(&chain) {
                     out.hit_blocks += 1;
                     out.hit_tokens += tokens as u64;
                 }
-                chains.push(chain);
             }
-            seen.extend(chains);
+            seen.extend(blocks.iter().map(|&(chain, _)| chain));
         }
         out
     }

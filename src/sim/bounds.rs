@@ -18,14 +18,15 @@
 //!   to the LRU floor is what eviction, not routing, could win.
 //!
 //! Blocks are the trace's 512-token blocks, chained as in
-//! [`Trace::ideal_reuse`]; a prompt found whole still computes one token.
+//! [`Trace::ideal_reuse`] ([`crate::trace::TraceRequest::chained_blocks`]);
+//! a prompt found whole still computes one token.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
 use super::engine::EngineConfig;
 use super::report::Distribution;
-use crate::trace::{TRACE_BLOCK_TOKENS, Trace, mix64};
+use crate::trace::{TRACE_BLOCK_TOKENS, Trace};
 
 /// What the floor's cache keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,28 +71,9 @@ fn prompts(trace: &Trace) -> Vec<Prompt> {
     trace
         .records
         .iter()
-        .map(|r| {
-            let n = r.input_length.div_ceil(TRACE_BLOCK_TOKENS);
-            let mut chain = 0x5eed_u64;
-            let blocks = r
-                .hash_ids
-                .iter()
-                .take(n)
-                .enumerate()
-                .map(|(i, &id)| {
-                    chain = mix64(chain ^ mix64(id.wrapping_add(1)));
-                    let tokens = if i + 1 < n {
-                        TRACE_BLOCK_TOKENS
-                    } else {
-                        r.input_length - TRACE_BLOCK_TOKENS * (n - 1)
-                    };
-                    (chain, tokens)
-                })
-                .collect();
-            Prompt {
-                input_tokens: r.input_length,
-                blocks,
-            }
+        .map(|r| Prompt {
+            input_tokens: r.input_length,
+            blocks: r.chained_blocks(),
         })
         .collect()
 }
