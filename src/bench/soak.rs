@@ -177,19 +177,19 @@ pub struct SoakVerdict {
     pub bench: &'static str,
     pub intervals: usize,
     pub warmup_intervals: usize,
-    /// Median RSS of the first interval after warm-up.
-    pub rss_baseline_bytes: Option<u64>,
-    /// Largest interval median after the baseline interval.
-    pub rss_max_bytes: Option<u64>,
-    /// `rss_max_bytes` over the baseline, minus 1: what "flat" judges.
-    pub rss_max_growth: Option<f64>,
+    /// Mean of the RSS interval medians over the middle third of the
+    /// intervals after warm-up, and over the last third.
+    pub rss_middle_bytes: Option<u64>,
+    pub rss_last_bytes: Option<u64>,
+    /// `rss_last_bytes` over `rss_middle_bytes`, minus 1.
+    pub rss_growth: Option<f64>,
     /// Largest single sample after warm-up (printed, not judged: it moves
     /// with the event batches in flight at that second).
     pub rss_peak_bytes: Option<u64>,
-    /// The heap's median in the same intervals, and its growth.
-    pub heap_baseline_bytes: Option<u64>,
-    pub heap_max_bytes: Option<u64>,
-    pub heap_max_growth: Option<f64>,
+    /// The same for the heap.
+    pub heap_middle_bytes: Option<u64>,
+    pub heap_last_bytes: Option<u64>,
+    pub heap_growth: Option<f64>,
     /// What "flat" judges: `heap` when every interval after warm-up has it,
     /// else `rss`.
     pub memory_source: &'static str,
@@ -1263,9 +1263,12 @@ fn p99_window_drift(
     (first, last, drift)
 }
 
-/// The verdict. Warm-up is the first `warmup` intervals (the index fills);
-/// the memory baseline is the first interval after it, and every later one
-/// must stay within 5 % above it; p99 drift compares the mean p99 of the
+/// The verdict. Warm-up is the first `warmup` intervals (the index fills).
+/// Memory is flat when the mean of the last third of the interval medians
+/// after warm-up is within 5 % of the middle third's: a leak keeps growing
+/// to the end, while pools and maps that grow to the run's peaks (the heap
+/// rose 11 % over the 4 minutes after a 3-minute warm-up, then held for the
+/// rest of a 30-minute run) settle in the first third. p99 drift compares the mean p99 of the
 /// last three intervals with the first three after warm-up, as the server
 /// timed SelectWorker when that is known for every interval after warm-up
 /// (`crate::bench::histogram` says why), else as the clients saw it.
@@ -1279,16 +1282,16 @@ fn judge(
     check: IndexCheck,
 ) -> SoakVerdict {
     let after = intervals.get(warmup..).unwrap_or_default();
-    let (rss_baseline_bytes, rss_max_bytes, rss_max_growth) =
-        median_growth(after, |r| r.rss_median_bytes);
-    let (heap_baseline_bytes, heap_max_bytes, heap_max_growth) =
-        median_growth(after, |r| r.heap_median_bytes);
+    let (rss_middle_bytes, rss_last_bytes, rss_growth) =
+        thirds_growth(after, |r| r.rss_median_bytes);
+    let (heap_middle_bytes, heap_last_bytes, heap_growth) =
+        thirds_growth(after, |r| r.heap_median_bytes);
     let rss_peak_bytes = after.iter().filter_map(|r| r.rss_peak_bytes).max();
     let heap_counted = !after.is_empty() && after.iter().all(|r| r.heap_median_bytes.is_some());
     let (memory_source, growth) = if heap_counted {
-        ("heap", heap_max_growth)
+        ("heap", heap_growth)
     } else {
-        ("rss", rss_max_growth)
+        ("rss", rss_growth)
     };
     let memory_flat = growth.map(|g| g <= MEMORY_TOLERANCE);
     let server_p99 = |r: &IntervalReport| r.server_select.map(|s| s.p99_us);
@@ -1311,13 +1314,13 @@ fn judge(
         bench: "soak-verdict",
         intervals: intervals.len(),
         warmup_intervals: warmup,
-        rss_baseline_bytes,
-        rss_max_bytes,
-        rss_max_growth,
+        rss_middle_bytes,
+        rss_last_bytes,
+        rss_growth,
         rss_peak_bytes,
-        heap_baseline_bytes,
-        heap_max_bytes,
-        heap_max_growth,
+        heap_middle_bytes,
+        heap_last_bytes,
+        heap_growth,
         memory_source,
         memory_flat,
         heap_before_bytes: None,
@@ -1342,19 +1345,29 @@ fn judge(
     }
 }
 
-/// The first interval's median of `of`, the largest later one, and the
-/// growth between them (`None` where they are not known).
-fn median_growth(
+/// The means of `of` over the middle and the last third of `after` (at
+/// least one interval each), and the growth from one to the other; `None`
+/// with fewer than three intervals or a value missing.
+fn thirds_growth(
     after: &[IntervalReport],
     of: impl Fn(&IntervalReport) -> Option<u64>,
 ) -> (Option<u64>, Option<u64>, Option<f64>) {
-    let baseline = after.first().and_then(&of);
-    let max = after.iter().skip(1).filter_map(&of).max();
-    let growth = match (baseline, max) {
-        (Some(base), Some(max)) if base > 0 => Some(max as f64 / base as f64 - 1.0),
+    let third = after.len() / 3;
+    if third == 0 {
+        return (None, None, None);
+    }
+    let mean = |part: &[IntervalReport]| -> Option<u64> {
+        let values: Option<Vec<u64>> = part.iter().map(&of).collect();
+        let values = values?;
+        Some(values.iter().sum::<u64>() / values.len() as u64)
+    };
+    let middle = mean(&after[third..2 * third]);
+    let last = mean(&after[after.len() - third..]);
+    let growth = match (middle, last) {
+        (Some(middle), Some(last)) if middle > 0 => Some(last as f64 / middle as f64 - 1.0),
         _ => None,
     };
-    (baseline, max, growth)
+    (middle, last, growth)
 }
 
 impl SoakVerdict {
@@ -1425,16 +1438,16 @@ fn human_verdict(v: &SoakVerdict) -> String {
         None => "not judged",
     };
     format!(
-        "soak verdict: {}. memory {} on {} (heap median: baseline {}, max {}, growth {}; rss median: baseline {}, max {}, growth {}; rss peak sample {}); heap left after the run {} ({} -> {}); p99 {} ({}: {} -> {}, drift {}; clients' drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
+        "soak verdict: {}. memory {} on {} (heap, middle third -> last third: {} -> {}, {}; rss: {} -> {}, {}; rss peak sample {}); heap left after the run {} ({} -> {}); p99 {} ({}: {} -> {}, drift {}; clients' drift {}); unexpected errors {} ({}); index {} (server {} blocks, replay {}{})",
         if v.pass { "PASS" } else { "FAIL" },
         judged(v.memory_flat),
         v.memory_source,
-        mib(v.heap_baseline_bytes),
-        mib(v.heap_max_bytes),
-        percent(v.heap_max_growth),
-        mib(v.rss_baseline_bytes),
-        mib(v.rss_max_bytes),
-        percent(v.rss_max_growth),
+        mib(v.heap_middle_bytes),
+        mib(v.heap_last_bytes),
+        percent(v.heap_growth),
+        mib(v.rss_middle_bytes),
+        mib(v.rss_last_bytes),
+        percent(v.rss_growth),
         mib(v.rss_peak_bytes),
         judged(v.heap_returned),
         mib(v.heap_before_bytes),
@@ -1582,6 +1595,29 @@ mod tests {
     }
 
     #[test]
+    fn growth_that_settles_is_flat_and_growth_to_the_end_is_not() {
+        let run = |medians: &[u64]| {
+            let intervals: Vec<_> = medians
+                .iter()
+                .enumerate()
+                .map(|(i, &m)| interval(i + 1, m, 1000.0))
+                .collect();
+            judge(&intervals, 0, BTreeMap::new(), BTreeMap::new(), exact())
+        };
+        // Up 11 % in the first third, then level: pools at their peak.
+        let settled = run(&[1000, 1080, 1110, 1105, 1110, 1100, 1108, 1112, 1104]);
+        assert_eq!(settled.memory_flat, Some(true));
+        // 2 % more every interval: a leak, though no single step is large.
+        let leak: Vec<u64> = (0..9).map(|i| 1000 + 20 * i).collect();
+        let leaking = run(&leak);
+        assert_eq!(
+            (leaking.rss_middle_bytes, leaking.rss_last_bytes),
+            (Some(1080), Some(1140))
+        );
+        assert_eq!(leaking.memory_flat, Some(false));
+    }
+
+    #[test]
     fn the_heap_is_judged_when_every_interval_counts_it() {
         // RSS climbs 20 % (the allocator keeps pages) while the heap stays
         // flat: flat, judged on the heap.
@@ -1595,7 +1631,7 @@ mod tests {
         }
         let v = judge(&kept, 1, BTreeMap::new(), BTreeMap::new(), exact());
         assert_eq!((v.memory_source, v.memory_flat), ("heap", Some(true)));
-        assert!(v.rss_max_growth.unwrap() > 0.19 && v.pass);
+        assert!(v.rss_growth.unwrap() > 0.19 && v.pass);
         // The heap growing 10 % fails it.
         kept[3].heap_median_bytes = Some(55);
         let v = judge(&kept, 1, BTreeMap::new(), BTreeMap::new(), exact());
