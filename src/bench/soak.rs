@@ -122,8 +122,8 @@ const BATCH_EVENTS: usize = 256;
 /// Engine steps per request at most (a request longer than this is left to
 /// finish with the next one).
 const MAX_STEPS: usize = 200_000;
-/// Time between two resident-memory samples.
-const RSS_SAMPLE_PERIOD: Duration = Duration::from_secs(1);
+/// Time between two memory samples (resident and heap).
+const MEMORY_SAMPLE_PERIOD: Duration = Duration::from_secs(1);
 /// Relative growth of the judged memory (heap, else RSS) after warm-up that
 /// still counts as flat.
 const MEMORY_TOLERANCE: f64 = 0.05;
@@ -554,10 +554,10 @@ async fn select_histogram(metrics_addr: Option<&str>) -> Option<Histogram> {
     Some(Histogram::rpc(&text, SELECT_WORKER))
 }
 
-/// Reads the server's memory every [`RSS_SAMPLE_PERIOD`] into `samples`
+/// Reads the server's memory every [`MEMORY_SAMPLE_PERIOD`] into `samples`
 /// (the interval loop takes them) until `stop`.
 async fn sample_memory(memory: Memory, samples: Arc<Mutex<Samples>>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(RSS_SAMPLE_PERIOD);
+    let mut tick = tokio::time::interval(MEMORY_SAMPLE_PERIOD);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         tokio::select! {
