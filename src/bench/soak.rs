@@ -1256,11 +1256,15 @@ fn p99_window_drift(
     let window = P99_WINDOW.min(after.len() / 2).max(1);
     let first = mean(&after[..window]);
     let last = mean(&after[after.len() - window..]);
-    let drift = match (first, last) {
+    (first, last, rise(first, last))
+}
+
+/// `last` over `first`, minus 1, when both are known and `first` is positive.
+fn rise(first: Option<f64>, last: Option<f64>) -> Option<f64> {
+    match (first, last) {
         (Some(first), Some(last)) if first > 0.0 => Some(last / first - 1.0),
         _ => None,
-    };
-    (first, last, drift)
+    }
 }
 
 /// The verdict. Warm-up is the first `warmup` intervals (the index fills).
@@ -1268,10 +1272,11 @@ fn p99_window_drift(
 /// after warm-up is within 5 % of the middle third's: a leak keeps growing
 /// to the end, while pools and maps that grow to the run's peaks (the heap
 /// rose 11 % over the 4 minutes after a 3-minute warm-up, then held for the
-/// rest of a 30-minute run) settle in the first third. p99 drift compares the mean p99 of the
-/// last three intervals with the first three after warm-up, as the server
-/// timed SelectWorker when that is known for every interval after warm-up
-/// (`crate::bench::histogram` says why), else as the clients saw it.
+/// rest of a 30-minute run) settle in the first third. p99 drift compares
+/// the mean p99 of the last three intervals with the first three after
+/// warm-up, as the server timed SelectWorker when that is known for every
+/// interval after warm-up (`crate::bench::histogram` says why), else as the
+/// clients saw it.
 /// A check without enough intervals is not judged (None) and does not fail
 /// the run.
 fn judge(
@@ -1363,11 +1368,8 @@ fn thirds_growth(
     };
     let middle = mean(&after[third..2 * third]);
     let last = mean(&after[after.len() - third..]);
-    let growth = match (middle, last) {
-        (Some(middle), Some(last)) if middle > 0 => Some(last as f64 / middle as f64 - 1.0),
-        _ => None,
-    };
-    (middle, last, growth)
+    let as_f64 = |bytes: Option<u64>| bytes.map(|b| b as f64);
+    (middle, last, rise(as_f64(middle), as_f64(last)))
 }
 
 impl SoakVerdict {

@@ -97,11 +97,11 @@ pub fn ttft_floors(trace: &Trace, engine: &EngineConfig, workers: usize) -> Vec<
         .saturating_mul(engine.num_blocks)
         .saturating_mul(engine.block_size);
     let capacity_blocks = capacity_tokens / TRACE_BLOCK_TOKENS;
+    let total: usize = prompts.iter().map(|p| p.input_tokens).sum();
     CacheModel::ALL
         .iter()
         .map(|&model| {
             let cached = cached_tokens(&prompts, model, capacity_blocks);
-            let total: usize = prompts.iter().map(|p| p.input_tokens).sum();
             let hits: usize = cached.iter().sum();
             let ttfts = prompts
                 .iter()
