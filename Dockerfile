@@ -8,21 +8,22 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs clippy.toml ./
 COPY proto ./proto
 COPY src ./src
-# Cargo checks that the benches and examples the manifest names exist.
-COPY benches ./benches
-COPY examples ./examples
-# --no-default-features leaves out the `plot` feature (kvroute replay --plot):
-# the server never draws charts, so the image carries no SVG rasteriser or
+# The workspace's other crates: the routing domain the server links, and
+# the tools (`kvroute ctl` is how an operator asks the server what it knows).
+COPY crates ./crates
+# The server binary links no tool. The tools are built without the `plot`
+# feature (kvroute replay --plot), so the image carries no SVG rasteriser or
 # font loading.
-RUN cargo build --release --locked --no-default-features --bin kvroute \
- && cp target/release/kvroute /usr/local/bin/kvroute
+RUN cargo build --release --locked -p kvroute --bin kvroute \
+ && cargo build --release --locked -p kvroute-tools --no-default-features \
+ && cp target/release/kvroute target/release/kvroute-tools /usr/local/bin/
 
 FROM debian:bookworm-slim AS runtime
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvroute
-COPY --from=build /usr/local/bin/kvroute /usr/local/bin/kvroute
+COPY --from=build /usr/local/bin/kvroute /usr/local/bin/kvroute-tools /usr/local/bin/
 USER 10001:10001
 # Listen on every interface inside the container. On a non-loopback address
 # kvroute refuses to start without client authentication (protected mode),

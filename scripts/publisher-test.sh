@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real-publisher test (tests/engine_publishers.rs): vLLM's and SGLang's
+# The real-publisher test (crates/kvroute-tools/tests/it/engine_publishers.rs): vLLM's and SGLang's
 # own kv_events.py publish into a running kvroute. scripts/test.sh runs it;
 # run it alone with this script. It needs Python 3 with venv and access to
 # PyPI: the pinned engine wheels are fetched with `pip download --no-deps`
@@ -15,5 +15,5 @@ export KVROUTE_PUBLISHER_PYTHON="$PWD/$venv/bin/python"
 export KVROUTE_REQUIRE_PUBLISHERS=1
 start=$SECONDS
 # One case at a time: each one's timing (publish pacing, replay) is its own.
-cargo test --test engine_publishers -- --test-threads=1 "$@"
+cargo test -p kvroute-tools --test it engine_publishers -- --test-threads=1 "$@"
 echo "publisher test: $((SECONDS - start))s"

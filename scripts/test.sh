@@ -14,7 +14,7 @@ source scripts/venv.sh
 source scripts/nats.sh
 source scripts/openssl.sh
 
-cargo test --all-targets
+cargo test --workspace --all-targets
 bash scripts/publisher-test.sh
 cargo build --bin kvroute
 # The binary cargo just built, wherever its target directory is

@@ -1,13 +1,21 @@
-//! The `kvroute` command line: `serve` runs the service; the other
-//! sub-commands are tools for users and benchmarks.
+//! The `kvroute` command line: `serve` runs the service. The tools
+//! (`replay`, `bench`, `ctl`, `hash`) are another binary, `kvroute-tools`,
+//! which `tools.rs` finds and hands the command line to, so the server
+//! links none of them while the user keeps one command.
 
-use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::config::{self, ServeConfig};
 
 /// kvroute: KV-cache-aware routing for LLM inference fleets.
 #[derive(Debug, Parser)]
-#[command(name = "kvroute", version, about, propagate_version = true)]
+#[command(
+    name = "kvroute",
+    version,
+    about,
+    propagate_version = true,
+    after_help = crate::tools::TOOLS_HELP
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -18,68 +26,6 @@ pub struct Cli {
 pub enum Command {
     /// Run the routing service (gRPC + Prometheus metrics).
     Serve(Box<ServeConfig>),
-    /// Print the local hash of each complete block of token ids read from
-    /// stdin (whitespace-separated or a JSON array), one unsigned decimal per line.
-    Hash(HashArgs),
-    /// Replay a request trace through simulated engines under several
-    /// routing policies and compare TTFT, latency, throughput and cache reuse.
-    Replay(Box<crate::sim::cli::ReplayArgs>),
-    /// Benchmarks that print figures.
-    #[command(subcommand)]
-    Bench(BenchCommand),
-    /// Ask a running kvroute what it knows (workers, index stats), why it
-    /// would route a prompt where it does, and cordon or uncordon workers.
-    Ctl(crate::ctl::CtlArgs),
-}
-
-/// Arguments of `kvroute hash`.
-#[derive(Debug, Args)]
-pub struct HashArgs {
-    /// Tokens per block.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub block_size: u32,
-    /// LoRA adapter name (changes the hash seed).
-    #[arg(long)]
-    pub lora: Option<String>,
-    /// Cache namespace (changes the hash seed).
-    #[arg(long)]
-    pub namespace: Option<String>,
-}
-
-/// `kvroute bench ...`
-#[derive(Debug, Subcommand)]
-pub enum BenchCommand {
-    /// Replay an OPLOG v1 file through an index and print one JSON line of
-    /// figures (blocks/s, match latency, memory, answer sums).
-    Index {
-        /// The op log: OPLOG v1 as `src/oplog.rs` reads it, made from a
-        /// Mooncake trace by the benchmark kit's make_oplog.py (the README's
-        /// "Benchmarks" section gives the command).
-        #[arg(long)]
-        oplog: std::path::PathBuf,
-        /// Which index: kvroute (the service's) or naive (the test oracle).
-        #[arg(long = "impl", default_value = "kvroute")]
-        implementation: String,
-    },
-    /// Many concurrent gRPC clients calling SelectWorker with trace prompts,
-    /// then Health/Check on the same server: calls/s and latency of each.
-    Select(crate::bench::select::SelectBenchArgs),
-    /// Replay an op log's events through PublishEvents, check the server's
-    /// block counts against an in-process replay, print blocks/s.
-    Ingest(crate::bench::ingest::IngestBenchArgs),
-    /// Fill workers through PublishEvents, snapshot them while SelectWorker
-    /// runs, load the snapshot in a new server: bytes per entry, write and
-    /// load seconds, routing latency during the snapshot.
-    Snapshot(crate::bench::snapshot::SnapshotBenchArgs),
-    /// Three replicas on NATS JetStream: an op log's events through
-    /// PublishEvents at one, blocks/s until applied on all, and the lag to
-    /// the others at a multiple of the trace's event rate.
-    Cluster(crate::bench::cluster::ClusterBenchArgs),
-    /// A long run (30 minutes by default) of KV events at a multiple of a
-    /// trace's rate, booking frontends and worker churn; per-minute memory,
-    /// SelectWorker latency, events and errors, then an index check and a
-    /// verdict (exit 1 when it fails).
-    Soak(crate::bench::soak::SoakBenchArgs),
 }
 
 /// Why the command line was refused.
@@ -94,9 +40,7 @@ pub enum CliError {
 /// Parses `argv` (program name first), folding in `serve --config FILE`.
 pub fn parse(argv: Vec<String>) -> Result<Cli, CliError> {
     let first = parse_once(&argv)?;
-    let Command::Serve(serve) = &first.command else {
-        return Ok(first);
-    };
+    let Command::Serve(serve) = &first.command;
     if serve.config.is_none() {
         return Ok(first);
     }
@@ -123,7 +67,8 @@ fn parse_once(argv: &[String]) -> Result<Cli, CliError> {
     Cli::from_arg_matches(&matches).map_err(clap_error)
 }
 
-fn clap_error(error: clap::Error) -> CliError {
+/// One line for a refused command line, or the help or version to print.
+pub fn clap_error(error: clap::Error) -> CliError {
     use clap::error::ErrorKind;
     match error.kind() {
         ErrorKind::DisplayHelp

@@ -25,11 +25,11 @@ use crate::{
         DEFAULT_OVERLAP_CREDIT, DEFAULT_OVERLAP_WEIGHT, InputLimits, RouterConfig, ScorerChoice,
         TrustSettings,
     },
-    select::TtftSettings,
 };
+use kvroute_core::select::TtftSettings;
 
 // the most blocks per event that the flag accepts is the index's own limit
-const _: () = assert!(crate::index::radix::MAX_EVENT_BLOCKS == 16_777_215);
+const _: () = assert!(kvroute_core::index::radix::MAX_EVENT_BLOCKS == 16_777_215);
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -521,7 +521,7 @@ fn parse_positive_duration(text: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-pub(crate) fn parse_non_negative_f64(text: &str) -> Result<f64, String> {
+pub fn parse_non_negative_f64(text: &str) -> Result<f64, String> {
     let v: f64 = text
         .parse()
         .map_err(|_| format!("`{text}` is not a number"))?;

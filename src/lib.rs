@@ -1,36 +1,29 @@
 //! kvroute: a standalone KV-cache-aware routing service for LLM inference
-//! fleets. The library holds everything; `main.rs` only parses the command
-//! line and runs it.
+//! fleets. This crate is the server: gRPC, the worker lifecycle, ingest,
+//! the router core, cluster mode, security, snapshots, engine events and
+//! the wiring; the routing domain is `kvroute_core`, and the tools
+//! (`crates/kvroute-tools`) use this crate as a library. `main.rs` only
+//! parses the command line and runs it.
 
-pub mod admission;
 pub mod app;
-pub mod bench;
 pub mod cli;
 pub mod cluster;
 pub mod config;
-pub mod ctl;
 pub mod engine_events;
 pub mod fleet;
-/// Entry points of the fuzz targets (`fuzz/`) and their corpus replay test.
+/// Entry points of the fuzz targets (`fuzz/`, feature `fuzzing`) and
+/// their corpus replay (a unit test), never in the server binary.
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod grpc;
-pub mod hashing;
-pub mod index;
 pub mod ingest;
 pub mod metrics;
-pub mod oplog;
-pub mod predict;
-pub mod registry;
 pub mod router;
 pub mod security;
-pub mod select;
-pub mod sim;
 pub mod snapshot;
 pub mod telemetry;
 pub mod tools;
-pub mod trace;
-pub mod types;
 
 /// Code generated from `proto/kvroute/v1/*.proto`, and `TokenIds`, one of
 /// its messages decoded by hand (`pb/token_ids.rs`).
@@ -38,6 +31,7 @@ pub mod types;
 pub mod pb {
     tonic::include_proto!("kvroute.v1");
 
+    mod kv_events_mode;
     pub mod token_ids;
     pub use token_ids::TokenIds;
 

@@ -1,10 +1,11 @@
-//! The `kvroute` binary: parse the command line, set up logging, run.
+//! The `kvroute` binary: parse the command line, set up logging, serve;
+//! a tool's sub-command goes to `kvroute-tools` (`tools.rs`).
 
 use std::process::ExitCode;
 
 use kvroute::{
-    app, bench,
-    cli::{self, BenchCommand, CliError, Command},
+    app,
+    cli::{self, CliError, Command},
     telemetry, tools,
 };
 
@@ -19,6 +20,16 @@ static GLOBAL: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, 
 
 fn main() -> ExitCode {
     kvroute::metrics::count_heap_with(|| GLOBAL.allocated() as u64);
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if tools::is_tool_command(&argv) {
+        return match tools::run_tool(&argv) {
+            Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+            Err(error) => {
+                eprintln!("kvroute: {error}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let cli = match cli::parse(std::env::args().collect()) {
         Ok(cli) => cli,
         Err(CliError::Display(shown)) => {
@@ -30,33 +41,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let command = match cli.command {
-        Command::Hash(args) => {
-            let stdin = std::io::stdin();
-            let stdout = std::io::stdout();
-            return report(tools::hash(
-                args.block_size,
-                args.lora.as_deref(),
-                args.namespace.as_deref(),
-                &mut stdin.lock(),
-                &mut stdout.lock(),
-            ));
-        }
-        Command::Replay(args) => {
-            return report(kvroute::sim::cli::run(&args).map(|_| ()));
-        }
-        Command::Bench(BenchCommand::Index {
-            oplog,
-            implementation,
-        }) => {
-            return report(
-                kvroute::oplog::bench_index(&oplog, &implementation)
-                    .map(|report| println!("{}", report.to_json())),
-            );
-        }
-        Command::Ctl(args) => return report(kvroute::ctl::run(args)),
-        other => other,
-    };
+    let Command::Serve(config) = cli.command;
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -68,49 +53,15 @@ fn main() -> ExitCode {
         }
     };
     let result: anyhow::Result<()> = runtime.block_on(async move {
-        match command {
-            Command::Serve(config) => {
-                telemetry::init(config.log_format, &config.log_level);
-                let (grpc, metrics) = app::bind(&config).await?;
-                app::run(*config, grpc, metrics, shutdown_signal()).await?;
-            }
-            Command::Bench(BenchCommand::Select(args)) => {
-                bench::select::run(&args).await?;
-            }
-            Command::Bench(BenchCommand::Ingest(args)) => {
-                bench::ingest::run(&args).await?;
-            }
-            Command::Bench(BenchCommand::Snapshot(args)) => {
-                bench::snapshot::run(&args).await?;
-            }
-            Command::Bench(BenchCommand::Cluster(args)) => {
-                bench::cluster::run(&args).await?;
-            }
-            Command::Bench(BenchCommand::Soak(args)) => {
-                let report = bench::soak::run(&args).await?;
-                if !report.verdict.pass {
-                    anyhow::bail!("bench soak: the verdict failed (see its last lines)");
-                }
-            }
-            _ => {}
-        }
+        telemetry::init(config.log_format, &config.log_level);
+        let (grpc, metrics) = app::bind(&config).await?;
+        app::run(*config, grpc, metrics, shutdown_signal()).await?;
         Ok(())
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kvroute: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// Prints a tool's error as one line; exit 1 on failure.
-fn report<E: std::fmt::Display>(result: Result<(), E>) -> ExitCode {
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("kvroute: {error}");
             ExitCode::FAILURE
         }
     }

@@ -7,7 +7,7 @@
 //! a registered worker's id, whose series are removed when its subscription
 //! stops (`subscriptions`).
 
-use std::{sync::Arc, time::Instant};
+use std::{sync::Arc, time::Duration};
 
 use prometheus::{
     Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -102,8 +102,8 @@ struct SeriesBudget {
 /// Which workers' series are exported, and which count in the shadow.
 #[derive(Default)]
 struct SeriesWorkers {
-    exported: std::collections::HashSet<crate::types::WorkerId>,
-    without: std::collections::HashSet<crate::types::WorkerId>,
+    exported: std::collections::HashSet<kvroute_core::types::WorkerId>,
+    without: std::collections::HashSet<kvroute_core::types::WorkerId>,
 }
 
 /// Default of `--max-engine-metric-workers`.
@@ -119,7 +119,7 @@ impl EngineEventFamilies {
 
     /// The families `worker_id`'s counters go to: these while it has (or
     /// can get) series of its own, the unscraped shadow past the cap.
-    pub fn families_for(&self, worker_id: crate::types::WorkerId) -> &EngineEventFamilies {
+    pub fn families_for(&self, worker_id: kvroute_core::types::WorkerId) -> &EngineEventFamilies {
         let Some(series) = &self.series else {
             return self;
         };
@@ -136,7 +136,7 @@ impl EngineEventFamilies {
 
     /// Forgets `worker_id` (its subscription stopped): the families its
     /// series were in, so the caller removes them there.
-    pub fn release(&self, worker_id: crate::types::WorkerId) -> &EngineEventFamilies {
+    pub fn release(&self, worker_id: kvroute_core::types::WorkerId) -> &EngineEventFamilies {
         let Some(series) = &self.series else {
             return self;
         };
@@ -376,11 +376,11 @@ impl Metrics {
     }
 
     /// Records one finished RPC.
-    pub fn observe_rpc(&self, method: &str, code: &str, started: Instant) {
+    pub fn observe_rpc(&self, method: &str, code: &str, elapsed: Duration) {
         self.rpc_requests.with_label_values(&[method, code]).inc();
         self.rpc_duration
             .with_label_values(&[method, code])
-            .observe(started.elapsed().as_secs_f64());
+            .observe(elapsed.as_secs_f64());
     }
 }
 

@@ -1,92 +1,101 @@
-//! Command-line tools beside the service: `kvroute hash` (debug hash
-//! mismatches between frontends, engines and the router) and
-//! `kvroute bench index` (the op-log replay of OPLOG v1).
+//! `kvroute replay | bench | ctl | hash` are tools, built as their own
+//! binary (`kvroute-tools`, crate `crates/kvroute-tools`) so that the
+//! server links no simulator, benchmark or client code. The user keeps one
+//! command: `kvroute` hands a tool's command line, unchanged, to the
+//! `kvroute-tools` found beside its own executable (where `cargo build`
+//! and an install put both), or on `PATH`; `KVROUTE_TOOLS` names another.
 
-use std::io::{BufRead, Write};
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+};
 
-use crate::hashing::{HashOptions, compute_block_hashes};
+/// The sub-commands that `kvroute-tools` runs.
+pub const TOOL_COMMANDS: &[&str] = &["replay", "bench", "ctl", "hash"];
 
-/// Why a tool failed; printed as one line.
-#[derive(Debug, thiserror::Error)]
-pub enum ToolError {
-    #[error("reading stdin: {0}")]
-    Read(std::io::Error),
-    #[error("writing stdout: {0}")]
-    Write(std::io::Error),
-    #[error("token {position}: `{text}` is not a token id (an unsigned 32-bit integer)")]
-    BadToken { position: usize, text: String },
-    #[error("{0}")]
-    Oplog(#[from] crate::oplog::OplogError),
+/// Shown under `kvroute --help`.
+pub const TOOLS_HELP: &str = "\
+Tools (run by kvroute-tools, installed beside kvroute):
+  replay  Replay a request trace through simulated engines under several routing policies
+  bench   Benchmarks that print figures (index, select, ingest, snapshot, cluster, soak)
+  ctl     Ask a running kvroute what it knows, why it routes a prompt where it does; cordon
+  hash    Print the local hash of each complete block of token ids read from stdin";
+
+/// The binary's file name.
+const TOOLS_BINARY: &str = "kvroute-tools";
+
+/// Whether `argv` (program name first) asks for a tool.
+pub fn is_tool_command(argv: &[OsString]) -> bool {
+    argv.get(1)
+        .and_then(|arg| arg.to_str())
+        .is_some_and(|arg| TOOL_COMMANDS.contains(&arg))
 }
 
-/// Parses token ids given as whitespace-separated integers or as a JSON array.
-pub fn parse_tokens(text: &str) -> Result<Vec<u32>, ToolError> {
-    let trimmed = text.trim();
-    let inner = trimmed
-        .strip_prefix('[')
-        .and_then(|t| t.strip_suffix(']'))
-        .unwrap_or(trimmed);
-    inner
-        .split(|c: char| c.is_whitespace() || c == ',')
-        .filter(|t| !t.is_empty())
-        .enumerate()
-        .map(|(position, text)| {
-            text.parse().map_err(|_| ToolError::BadToken {
-                position,
-                text: text.chars().take(40).collect(),
-            })
+/// Where `kvroute-tools` is: `KVROUTE_TOOLS`, else beside this executable,
+/// else the first on `PATH`.
+pub fn find_tools_binary() -> Option<PathBuf> {
+    if let Some(named) = std::env::var_os("KVROUTE_TOOLS") {
+        return Some(PathBuf::from(named));
+    }
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join(TOOLS_BINARY)))
+        .filter(|path| path.is_file());
+    beside.or_else(|| {
+        std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|dir| dir.join(TOOLS_BINARY))
+                .find(|path| path.is_file())
         })
-        .collect()
+    })
 }
 
-/// `kvroute hash`: one local hash per complete block, unsigned decimal.
-pub fn hash(
-    block_size: u32,
-    lora: Option<&str>,
-    namespace: Option<&str>,
-    input: &mut dyn BufRead,
-    output: &mut dyn Write,
-) -> Result<(), ToolError> {
-    let mut text = String::new();
-    input.read_to_string(&mut text).map_err(ToolError::Read)?;
-    let tokens = parse_tokens(&text)?;
-    let options = HashOptions {
-        lora_name: lora,
-        cache_namespace: namespace,
-    };
-    for hash in compute_block_hashes(&tokens, block_size, &options, None) {
-        writeln!(output, "{hash}").map_err(ToolError::Write)?;
-    }
-    Ok(())
+/// Why a tool could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(
+        "`{command}` is a tool of kvroute-tools, which is not beside this binary or on PATH \
+         (build it with `cargo build -p kvroute-tools`, or name it in KVROUTE_TOOLS)"
+    )]
+    NotFound { command: String },
+    #[error("cannot run {}: {source}", path.display())]
+    Run {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Runs the tool with `argv`'s arguments (the program name dropped) and
+/// returns its exit code; on Unix the tool replaces this process, so its
+/// signals, standard streams and exit status are the user's.
+pub fn run_tool(argv: &[OsString]) -> Result<i32, LaunchError> {
+    let command = argv
+        .get(1)
+        .map(|arg| arg.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let path = find_tools_binary().ok_or(LaunchError::NotFound { command })?;
+    exec(&path, argv.get(1..).unwrap_or_default())
+}
 
-    #[test]
-    fn tokens_parse_from_whitespace_or_json() {
-        assert_eq!(parse_tokens("1 2\n3").unwrap(), vec![1, 2, 3]);
-        assert_eq!(parse_tokens("[1, 2,3]").unwrap(), vec![1, 2, 3]);
-        assert!(matches!(
-            parse_tokens("1 x"),
-            Err(ToolError::BadToken { position: 1, .. })
-        ));
-        assert!(parse_tokens("-1").is_err());
-    }
+#[cfg(unix)]
+fn exec(path: &Path, args: &[OsString]) -> Result<i32, LaunchError> {
+    use std::os::unix::process::CommandExt;
+    // exec only returns on failure.
+    let source = std::process::Command::new(path).args(args).exec();
+    Err(LaunchError::Run {
+        path: path.to_path_buf(),
+        source,
+    })
+}
 
-    #[test]
-    fn hash_prints_one_line_per_complete_block() {
-        let tokens: Vec<String> = (0..40).map(|t| t.to_string()).collect();
-        let mut out = Vec::new();
-        hash(16, None, None, &mut tokens.join(" ").as_bytes(), &mut out).unwrap();
-        let text = String::from_utf8(out).unwrap();
-        let lines: Vec<u64> = text.lines().map(|l| l.parse().unwrap()).collect();
-        let ids: Vec<u32> = (0..40).collect();
-        assert_eq!(
-            lines,
-            compute_block_hashes(&ids, 16, &HashOptions::default(), None)
-        );
-        assert_eq!(lines.len(), 2);
-    }
+#[cfg(not(unix))]
+fn exec(path: &Path, args: &[OsString]) -> Result<i32, LaunchError> {
+    let status = std::process::Command::new(path)
+        .args(args)
+        .status()
+        .map_err(|source| LaunchError::Run {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok(status.code().unwrap_or(1))
 }

@@ -18,17 +18,14 @@
 //! length: heartbeats taken while NATS was away renewed only local leases,
 //! and their workers get that long to write their entries again.
 
-use std::{
-    collections::HashMap,
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use async_nats::jetstream::kv::{self, Operation};
 use bytes::Bytes;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use prost::Message;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::log::{Log, unix_us};
@@ -36,8 +33,8 @@ use crate::{
     fleet::Fleet,
     grpc::convert,
     pb::{self, log_record::Body},
-    types::{DpRank, RankLoad, WorkerId},
 };
+use kvroute_core::types::{DpRank, RankLoad, WorkerId};
 
 /// Tries of one compare-and-set before giving up (another replica keeps
 /// winning).

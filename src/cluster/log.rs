@@ -47,8 +47,8 @@ use crate::{
     ingest::{BatchOutcome, EngineBatch},
     metrics::Metrics,
     pb::{self, log_record::Body},
-    registry::RegisterOutcome,
 };
+use kvroute_core::registry::RegisterOutcome;
 
 /// How long an append waits for JetStream's acknowledgement.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);

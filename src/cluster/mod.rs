@@ -39,8 +39,10 @@ use crate::{
     grpc::{convert, replication::Replication},
     ingest::{BatchOutcome, ValidatedBatch},
     pb::{self, log_record::Body},
-    registry::RegisterOutcome,
     router::sync::FEED_CAPACITY,
+};
+use kvroute_core::{
+    registry::RegisterOutcome,
     types::{DpRank, RankLoad, WorkerId},
 };
 use leases::Leases;
@@ -592,7 +594,8 @@ impl Replication for ReplicaSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{index::KvEvent, ingest::IngestEvent};
+    use crate::ingest::IngestEvent;
+    use kvroute_core::index::KvEvent;
 
     fn batch(events: usize, blocks: u64) -> ValidatedBatch {
         ValidatedBatch {

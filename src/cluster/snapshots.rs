@@ -92,7 +92,7 @@ impl ClusterSnapshots {
 
     /// Captures between two log records and writes the object.
     pub async fn write(&self) -> Result<pb::SnapshotResponse, String> {
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let captured = self
             .log
             .capture()
@@ -104,7 +104,7 @@ impl ClusterSnapshots {
             captured.state.workers.len() as u64,
         );
         let position = captured.position;
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let bytes = tokio::task::spawn_blocking(move || {
             let state = format::encode(&convert::state_to_pb(&captured.state, unix_us() / 1000));
             pb::ClusterSnapshot {

@@ -31,7 +31,7 @@ pub struct ClusterOptions {
     /// Replicas of this cluster routing at once. Above 1, each replica
     /// estimates the load its peers book before their bookings reach it
     /// (`--replica-sync-delay`), so replicas deciding a burst from the same
-    /// view spread it as one router would (README, "Router replicas").
+    /// view spread it as one router would (docs/CLUSTER.md, "Router replicas").
     #[arg(long, env = "KVROUTE_CLUSTER_REPLICAS", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub cluster_replicas: u32,

@@ -4,7 +4,7 @@
 
 use clap::Args;
 
-use crate::registry::RegistryLimits;
+use kvroute_core::registry::RegistryLimits;
 
 /// Server-side limits: what registrations may claim, and what engines'
 /// ZeroMQ streams may make kvroute decode and export.

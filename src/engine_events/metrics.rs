@@ -12,7 +12,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use prometheus::{GaugeVec, IntCounter, IntGauge};
 
 use super::wire::DecodeReason;
-use crate::{metrics::EngineEventFamilies, types::WorkerId};
+use crate::metrics::EngineEventFamilies;
+use kvroute_core::types::WorkerId;
 
 /// Counters of one worker (all its dp ranks together): handles of the
 /// worker's series in the service's Prometheus families, bound when its

@@ -41,8 +41,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::index::{KvEvent, KvIndex};
-use crate::types::{DpRank, EngineHash, WorkerId, WorkerRank};
+use kvroute_core::index::{KvEvent, KvIndex};
+use kvroute_core::types::{DpRank, EngineHash, WorkerId, WorkerRank};
 
 pub use metrics::{MetricsSnapshot, WorkerEventMetrics};
 pub use sequence::{

@@ -5,7 +5,7 @@
 //! the gRPC conversion can name them without depending on that code.
 
 use super::{Dialect, EngineEventsConfig};
-use crate::types::WorkerId;
+use kvroute_core::types::WorkerId;
 
 /// Where and how a worker's engine publishes its KV events.
 #[derive(Clone, Debug, PartialEq, Eq)]

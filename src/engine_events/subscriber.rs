@@ -40,7 +40,7 @@ use super::{
     Backoff, ConfigError, EngineEventsConfig, EventSink, RankEndpoints, RankProcessor,
     RankProgress, SavedSalts, Unsynced, WorkerEventMetrics,
 };
-use crate::types::{DpRank, WorkerRank};
+use kvroute_core::types::{DpRank, WorkerRank};
 
 /// The running subscription of one worker (one task per dp rank).
 pub struct WorkerSubscription {

@@ -4,7 +4,7 @@
 
 use super::wire::*;
 use super::*;
-use crate::hashing::{HashOptions, compute_block_hashes};
+use kvroute_core::hashing::{HashOptions, compute_block_hashes};
 
 // --- tiny msgpack byte builders (each is one msgpack spec rule) -----------
 

@@ -31,9 +31,9 @@ use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::wire::{DecodeError, DecodeReason, EngineEvent, ExtraKey};
-use crate::hashing::{HashOptions, compute_block_hashes};
-use crate::index::KvEvent;
-use crate::types::EngineHash;
+use kvroute_core::hashing::{HashOptions, compute_block_hashes};
+use kvroute_core::index::KvEvent;
+use kvroute_core::types::EngineHash;
 
 /// The medium engines report for device memory; also assumed when absent.
 pub const MEDIUM_GPU: &str = "GPU";

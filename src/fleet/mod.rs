@@ -29,10 +29,12 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::{
     engine_events::{EngineSource, EngineSpec, ResumePoint},
-    index::{IndexDigest, IndexStats},
     ingest::{BatchOutcome, IngestError, IngestHandle, ValidatedBatch, cursor::EventCursor},
-    registry::{EventTarget, RegisterOutcome, Registration, RegistryError, WorkerRecord},
     router::RouterCore,
+};
+use kvroute_core::{
+    index::{IndexDigest, IndexStats},
+    registry::{EventTarget, RegisterOutcome, Registration, RegistryError, WorkerRecord},
     types::{BookedLoad, CacheView, DpRank, RankLoad, WorkerId, WorkerRank, WorkerRole},
 };
 use subscriptions::Subscriptions;
@@ -243,7 +245,7 @@ impl Fleet {
                 max_num_batched_tokens: 0,
                 taints: Vec::new(),
                 lease_ttl: None,
-                kv_events: crate::types::KvEventsMode::Exact,
+                kv_events: kvroute_core::types::KvEventsMode::Exact,
             };
             check_source(&spec.source, &registration)?;
             let _turn = self.turn(worker_id).await;

@@ -14,9 +14,11 @@ use std::{collections::HashMap, sync::Arc};
 
 use super::Fleet;
 use crate::{
-    admission::bookings::SavedBooking,
     engine_events::{EngineSource, ResumePoint},
     ingest::{CapturedTarget, RankRegistration},
+};
+use kvroute_core::{
+    admission::bookings::SavedBooking,
     registry::SavedWorker,
     select::affinity::SavedSession,
     types::{EngineHash, WorkerId, WorkerRank},

@@ -27,9 +27,11 @@ use crate::{
         EngineSource, EventSink, MetricsSnapshot, ResumePoint, SinkOutcome, WorkerEventMetrics,
         WorkerSubscription, dialect_name, spawn_worker,
     },
-    index::KvEvent,
     ingest::{EngineBatch, IngestError, IngestHandle},
     metrics::Metrics,
+};
+use kvroute_core::{
+    index::KvEvent,
     registry::WorkerRecord,
     types::{DpRank, WorkerId, WorkerRank},
 };
@@ -452,10 +454,9 @@ mod tests {
     use crate::{
         engine_events::Dialect,
         ingest::{EventWriter, start_writer},
-        registry::Registration,
         router::{RouterConfig, RouterCore},
-        types::WorkerRole,
     };
+    use kvroute_core::{registry::Registration, types::WorkerRole};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_resumed_subscription_reports_its_saved_state_until_stopped() {
@@ -477,7 +478,7 @@ mod tests {
                 max_num_batched_tokens: 8192,
                 taints: Vec::new(),
                 lease_ttl: None,
-                kv_events: crate::types::KvEventsMode::Exact,
+                kv_events: kvroute_core::types::KvEventsMode::Exact,
             })
             .unwrap_or_else(|e| panic!("register: {e}"))
             .record;

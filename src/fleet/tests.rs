@@ -33,7 +33,7 @@ fn registration(worker_id: WorkerId, block_size: u32) -> Registration {
         max_num_batched_tokens: 8192,
         taints: Vec::new(),
         lease_ttl: None,
-        kv_events: crate::types::KvEventsMode::Exact,
+        kv_events: kvroute_core::types::KvEventsMode::Exact,
     }
 }
 

@@ -5,13 +5,16 @@
 //! `publish_events`, agreement with the naive reference index).
 //!
 //! Why in the library: the `cargo fuzz` targets in `fuzz/` (nightly,
-//! libFuzzer) and the stable replay test `tests/fuzz_corpus.rs` call the
-//! same functions, so every input the fuzzer ever found stays checked by
-//! `cargo test`. Not part of the service's API.
+//! libFuzzer, with the feature `fuzzing`) and the stable replay of the
+//! corpus (`tests.rs`) call the same functions, so every input the fuzzer
+//! ever found stays checked by `cargo test`. Not part of the service's API
+//! and not in its binary.
 
 mod config;
 mod publish;
 mod select;
+#[cfg(test)]
+mod tests;
 mod zmq;
 
 pub use config::config_file;

@@ -20,15 +20,17 @@ use std::{collections::BTreeMap, sync::Arc};
 use super::Bytes;
 use crate::{
     grpc::convert::{self, BatchLimits},
-    index::{KvIndex, naive::NaiveIndex},
     ingest::{
         EventWriter,
         cursor::{EventCursor, MAX_HELD_BLOCKS, MAX_HELD_EVENTS},
     },
     metrics::Metrics,
     pb,
-    registry::Registration,
     router::{RouterConfig, RouterCore},
+};
+use kvroute_core::{
+    index::{KvIndex, naive::NaiveIndex},
+    registry::Registration,
     types::{LocalHash, WorkerRank, WorkerRole},
 };
 
@@ -71,7 +73,7 @@ pub fn publish_events(data: &[u8]) {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             lease_ttl: None,
-            kv_events: crate::types::KvEventsMode::Exact,
+            kv_events: kvroute_core::types::KvEventsMode::Exact,
         });
         assert!(registered.is_ok(), "fixed registrations are valid");
     }

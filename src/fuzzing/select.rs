@@ -8,12 +8,14 @@ use prost::Message;
 
 use crate::{
     grpc::router::prepare,
-    hashing::{HashOptions, compute_block_hashes},
-    index::KvEvent,
     metrics::Metrics,
     pb,
-    registry::Registration,
     router::{RouterConfig, RouterCore},
+};
+use kvroute_core::{
+    hashing::{HashOptions, compute_block_hashes},
+    index::KvEvent,
+    registry::Registration,
     types::{WorkerRank, WorkerRole},
 };
 
@@ -61,7 +63,7 @@ fn fleet() -> Option<RouterCore> {
             max_num_batched_tokens: 8192,
             taints,
             lease_ttl: None,
-            kv_events: crate::types::KvEventsMode::Exact,
+            kv_events: kvroute_core::types::KvEventsMode::Exact,
         })
         .ok()?;
     }

@@ -9,13 +9,11 @@
 use std::{collections::HashMap, sync::Arc};
 
 use super::Bytes;
-use crate::{
-    engine_events::{
-        translate::{TranslateOptions, Translated, Translator},
-        wire::{self, Dialect, EngineEvent, ReplayFrame},
-    },
-    index::KvEvent,
+use crate::engine_events::{
+    translate::{TranslateOptions, Translated, Translator},
+    wire::{self, Dialect, EngineEvent, ReplayFrame},
 };
+use kvroute_core::index::KvEvent;
 
 /// Block sizes the translation is tried with (flag bits 4..6).
 const BLOCK_SIZES: [u32; 4] = [1, 2, 4, 16];

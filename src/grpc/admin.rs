@@ -9,9 +9,9 @@ use crate::{
     grpc::{convert, replication::Replication, router::prepare, status::reason_label},
     pb,
     router::Admitted,
-    select::eligibility::Ineligible,
     snapshot::Snapshots,
 };
+use kvroute_core::select::eligibility::Ineligible;
 
 /// Handlers of `kvroute.v1.Admin`.
 #[derive(Clone)]

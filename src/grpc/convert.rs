@@ -5,16 +5,18 @@
 use std::collections::HashSet;
 
 use crate::{
-    admission::AdmissionMode,
     engine_events::EngineSource,
     fleet::{IndexView, WorkerView},
     grpc::status::InvalidInput,
-    hashing::{HashOptions, compute_block_hashes, compute_block_hashes_le},
-    index::KvEvent,
     ingest::{BatchOutcome, IngestEvent, ValidatedBatch},
     pb,
-    registry::{EventTarget, Registration},
     router::{Admitted, PreparedRequest, now},
+};
+use kvroute_core::{
+    admission::AdmissionMode,
+    hashing::{HashOptions, compute_block_hashes, compute_block_hashes_le},
+    index::KvEvent,
+    registry::{EventTarget, Registration},
     select::{
         RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
         affinity::{AffinityMode, SessionRef},
@@ -66,7 +68,7 @@ pub fn role_from_pb(value: i32) -> Result<WorkerRole, InvalidInput> {
 }
 
 pub fn kv_events_from_pb(value: i32) -> Result<KvEventsMode, InvalidInput> {
-    KvEventsMode::from_pb(value)
+    pb::KvEventsMode::to_domain(value)
         .ok_or_else(|| InvalidInput::new("kv_events", format!("unknown KV events mode {value}")))
 }
 
@@ -683,7 +685,7 @@ fn overrides_from_pb(
     })
 }
 
-pub fn booked_load_to_pb(load: crate::types::BookedLoad) -> pb::BookedLoad {
+pub fn booked_load_to_pb(load: kvroute_core::types::BookedLoad) -> pb::BookedLoad {
     pb::BookedLoad {
         prefill_tokens: load.prefill_tokens,
         prefill_blocks: load.prefill_blocks,
@@ -694,7 +696,7 @@ pub fn booked_load_to_pb(load: crate::types::BookedLoad) -> pb::BookedLoad {
 
 /// The response fields of a selection.
 pub fn selection_to_pb(
-    selection: &crate::select::Selection,
+    selection: &kvroute_core::select::Selection,
     admitted: Admitted,
     advisory: bool,
 ) -> pb::SelectWorkerResponse {
@@ -754,7 +756,7 @@ pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         cordoned: record.cordoned,
         ranks,
         subscription: view.subscription.clone(),
-        kv_events: r.kv_events.to_pb().into(),
+        kv_events: pb::KvEventsMode::from(r.kv_events).into(),
         cache_view: cache_view_to_pb(view.cache_view).into(),
         cache_view_reason: view.cache_view.describe().to_owned(),
         cached_tokens_feedback: view.feedback.as_ref().map(|f| pb::CachedTokensFeedback {

@@ -11,6 +11,8 @@ use tonic::Status;
 use crate::{
     ingest::{BatchOutcome, ValidatedBatch},
     pb,
+};
+use kvroute_core::{
     registry::RegisterOutcome,
     types::{DpRank, RankLoad, WorkerId},
 };

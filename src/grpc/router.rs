@@ -5,12 +5,12 @@ use std::{sync::Arc, time::Duration};
 use tonic::{Request, Response, Status};
 
 use crate::{
-    admission::AdmissionMode,
     grpc::{convert, status::reason_label},
     pb,
     router::{Admitted, PreparedRequest, RouterCore},
     security::{self, Identity, Role},
 };
+use kvroute_core::admission::AdmissionMode;
 
 /// Handlers of `kvroute.v1.Router`.
 #[derive(Clone)]

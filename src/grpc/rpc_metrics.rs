@@ -13,9 +13,9 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
-    time::Instant,
 };
 
+use tokio::time::Instant;
 use tower::{Layer, Service};
 
 use crate::metrics::Metrics;
@@ -86,7 +86,7 @@ where
                     .unwrap_or(tonic::Code::Ok),
                 Err(_) => tonic::Code::Internal,
             };
-            metrics.observe_rpc(&method, code_name(code), started);
+            metrics.observe_rpc(&method, code_name(code), started.elapsed());
             result
         })
     }

@@ -6,10 +6,8 @@
 
 use tonic::{Code, Status};
 
-use crate::{
-    fleet::FleetError, ingest::IngestError, registry::RegistryError, router::RouteError,
-    select::error::ErrorCode,
-};
+use crate::{fleet::FleetError, ingest::IngestError, router::RouteError};
+use kvroute_core::{registry::RegistryError, select::error::ErrorCode};
 
 /// A request field that failed validation.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -34,8 +32,10 @@ impl From<InvalidInput> for Status {
     }
 }
 
-impl From<RegistryError> for Status {
-    fn from(error: RegistryError) -> Self {
+/// The status of a registry refusal (the domain's error type lives in
+/// `kvroute_core`, which knows nothing of gRPC).
+pub fn registry_status(error: RegistryError) -> Status {
+    {
         let code = match &error {
             RegistryError::Invalid { .. } => Code::InvalidArgument,
             // API.md: "a dp rank that cannot be resolved" is a precondition
@@ -64,7 +64,7 @@ impl From<IngestError> for Status {
 impl From<FleetError> for Status {
     fn from(error: FleetError) -> Self {
         match error {
-            FleetError::Registry(e) => e.into(),
+            FleetError::Registry(e) => registry_status(e),
             FleetError::Ingest(e) => e.into(),
             FleetError::InvalidSource { .. } => Status::invalid_argument(error.to_string()),
             FleetError::ConfiguredEngine { .. } | FleetError::DuplicateEngine { .. } => {

@@ -17,9 +17,9 @@ use crate::{
         status::reason_label,
     },
     pb,
-    registry::RegistryError,
     security::{self, EndpointAllow, Identity, endpoint_allow},
 };
+use kvroute_core::registry::RegistryError;
 
 /// Handlers of `kvroute.v1.Workers`.
 #[derive(Clone)]
@@ -156,12 +156,12 @@ impl pb::workers_server::Workers for WorkersService {
             request.get_ref().worker_id,
         )?;
         let request = request.into_inner();
-        if request.load.len() > crate::registry::MAX_DP_SIZE as usize {
+        if request.load.len() > kvroute_core::registry::MAX_DP_SIZE as usize {
             return Err(self.fail(Status::invalid_argument(format!(
                 "worker {}: load: {} entries is over the limit of {} (one per dp rank)",
                 request.worker_id,
                 request.load.len(),
-                crate::registry::MAX_DP_SIZE
+                kvroute_core::registry::MAX_DP_SIZE
             ))));
         }
         let loads: Vec<_> = request

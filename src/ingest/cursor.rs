@@ -56,7 +56,7 @@
 
 use std::{collections::BTreeMap, sync::Arc};
 
-use crate::index::KvEvent;
+use kvroute_core::index::KvEvent;
 
 /// Ids past the next expected one that may be held: at most this many
 /// events wait per (worker, rank). A full batch (4096 events, the default

@@ -33,12 +33,12 @@ use std::{collections::HashMap, sync::Arc};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::{
+use crate::router::RouterCore;
+use cursor::{EventCursor, SkipReason};
+use kvroute_core::{
     index::{IndexError, KvEvent, KvIndex, TargetContent},
-    router::RouterCore,
     types::{DpRank, WorkerId, WorkerRank, WorkerSnapshot},
 };
-use cursor::{EventCursor, SkipReason};
 
 pub use cursor::IngestEvent;
 

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use crate::registry::RegistryLimits;
-use crate::select::TtftSettings;
+use kvroute_core::registry::RegistryLimits;
+use kvroute_core::select::TtftSettings;
 
 pub use super::trust::TrustSettings;
 
@@ -120,7 +120,7 @@ pub struct RouterConfig {
     pub registry_limits: RegistryLimits,
     /// The scoring policy of SelectWorker.
     pub scorer: ScorerChoice,
-    /// How long a predicted cache block lasts untouched (`crate::predict`);
+    /// How long a predicted cache block lasts untouched (`kvroute_core::predict`);
     /// `None`: only the worker's capacity ages predictions out.
     pub prediction_ttl: Option<Duration>,
     /// When an exact worker's events stop being trusted (`trust.rs`).
@@ -130,10 +130,10 @@ pub struct RouterConfig {
 /// The scoring policy SelectWorker uses (`select::scoring`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum ScorerChoice {
-    /// Overlap-weighted prefill plus decode blocks ([`crate::select::CostScorer`]).
+    /// Overlap-weighted prefill plus decode blocks ([`kvroute_core::select::CostScorer`]).
     #[default]
     Cost,
-    /// Predicted time to first token ([`crate::select::TtftScorer`]).
+    /// Predicted time to first token ([`kvroute_core::select::TtftScorer`]).
     Ttft(TtftSettings),
 }
 

@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::types::{CacheView, WorkerId, WorkerRank};
+use kvroute_core::types::{CacheView, WorkerId, WorkerRank};
 
 /// Workers whose errors get histogram series of their own; the rest
 /// share `worker="other"`, so the series stay bounded.

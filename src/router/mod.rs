@@ -15,7 +15,7 @@
 //!   [`RouterCore::index_of`]; routing reads it.
 //! * `routing`: bookings, sessions and the WAIT queue (`routing.rs`).
 //! * `predictions`: the predicted caches of targets scored on them
-//!   (`crate::predict`), written when a RESERVE books one, read by routing;
+//!   (`kvroute_core::predict`), written when a RESERVE books one, read by routing;
 //!   `events_seen`: which AUTO workers have sent events (the ingest writer).
 //! * `trust`: stream troubles and untrusted workers (`trust.rs`), written
 //!   by the ingest writer, housekeeping and engine reports; `feedback`:
@@ -44,10 +44,10 @@ use std::{
 
 use parking_lot::RwLock;
 
-use crate::{
+use crate::metrics::Metrics;
+use kvroute_core::{
     admission::bookings::SavedBooking,
     index::{IndexDigest, IndexStats, KvIndex},
-    metrics::Metrics,
     predict::PredictedCaches,
     registry::{
         EventTarget, RegisterOutcome, Registration, Registry, RegistryError, SavedWorker,
@@ -82,7 +82,7 @@ pub struct RouterCore {
     members: RwLock<Members>,
     /// Bookings, sessions and the WAIT queue (`routing.rs`).
     routing: RwLock<routing::RoutingState>,
-    /// Predicted caches of the targets scored on them (`crate::predict`).
+    /// Predicted caches of the targets scored on them (`kvroute_core::predict`).
     predictions: RwLock<PredictedCaches>,
     /// Stream troubles and untrusted workers (`trust.rs`).
     trust: RwLock<trust::TrustBook>,
@@ -627,7 +627,7 @@ impl RouterCore {
 
     /// Holds a booked prompt (its prefix keys) for `target` of `worker`
     /// until its prefill completes, if the worker is scored on
-    /// predictions now (`crate::predict`), at the worker's capacity.
+    /// predictions now (`kvroute_core::predict`), at the worker's capacity.
     fn hold_prediction(
         &self,
         request_id: &str,

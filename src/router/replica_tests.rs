@@ -5,9 +5,9 @@
 use std::{collections::BTreeSet, time::Duration};
 
 use super::{PreparedRequest, ReplicaSettings, RouterConfig, RouterCore};
-use crate::{
+use crate::metrics::Metrics;
+use kvroute_core::{
     admission::{AdmissionMode, bookings::SavedBooking},
-    metrics::Metrics,
     registry::Registration,
     select::{SelectMode, SelectRequest},
     types::{WorkerId, WorkerRank, WorkerRole},
@@ -36,7 +36,7 @@ fn core(replicas: ReplicaSettings) -> RouterCore {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             lease_ttl: Some(Duration::from_secs(3600)),
-            kv_events: crate::types::KvEventsMode::Exact,
+            kv_events: kvroute_core::types::KvEventsMode::Exact,
         })
         .expect("registers");
     }

@@ -16,7 +16,7 @@ use rand::{RngCore, SeedableRng, rngs::StdRng};
 use tokio::sync::oneshot;
 
 use super::{RouterCore, ScorerChoice, now, sync::RoutingChange};
-use crate::{
+use kvroute_core::{
     admission::{
         self, Admission, AdmissionError, AdmissionMode,
         bookings::BookingLedger,
@@ -162,7 +162,7 @@ fn request_load(request: &SelectRequest, selection: &Selection) -> BookedLoad {
 
 /// The inputs of one decision gathered from the registry and the index.
 struct Inputs {
-    workers: std::sync::Arc<[crate::types::WorkerSnapshot]>,
+    workers: std::sync::Arc<[kvroute_core::types::WorkerSnapshot]>,
     overlaps: RankMap<u32>,
     cached_blocks: RankMap<u64>,
     /// Targets scored on their predicted cache, and why (the rest: exact).
@@ -596,7 +596,7 @@ impl RouterCore {
 
     /// Holds a booked prompt for its target, when the target is scored on
     /// its predicted cache: recorded at MarkPrefillComplete, or at Release
-    /// if that comes first (`crate::predict`).
+    /// if that comes first (`kvroute_core::predict`).
     fn predict_booked(&self, request_id: &str, inputs: &Inputs, target: WorkerRank, now_ms: u64) {
         if !inputs.view(target).reads_predictions() {
             return;

@@ -11,7 +11,7 @@
 use tokio::sync::mpsc;
 
 use super::RouterCore;
-use crate::{admission::bookings::SavedBooking, select::affinity::SavedSession};
+use kvroute_core::{admission::bookings::SavedBooking, select::affinity::SavedSession};
 
 /// Changes a feed holds before they are dropped (and counted); the
 /// cluster's sync task empties it continuously.
@@ -131,10 +131,9 @@ impl RouterCore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        metrics::Metrics,
+    use crate::{metrics::Metrics, router::RouterConfig};
+    use kvroute_core::{
         registry::Registration,
-        router::RouterConfig,
         types::{WorkerRank, WorkerRole},
     };
 
@@ -152,7 +151,7 @@ mod tests {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             lease_ttl: None,
-            kv_events: crate::types::KvEventsMode::Exact,
+            kv_events: kvroute_core::types::KvEventsMode::Exact,
         })
         .expect("register");
         core
@@ -174,7 +173,7 @@ mod tests {
         let core = core();
         let mut approximate = core.worker(1).expect("worker 1").registration;
         approximate.worker_id = 2;
-        approximate.kv_events = crate::types::KvEventsMode::Approximate;
+        approximate.kv_events = kvroute_core::types::KvEventsMode::Approximate;
         core.register_worker(approximate).expect("register");
         let target = WorkerRank::new(2, 0);
         core.apply_remote(RoutingChange::Booked(booking("p", 2)));

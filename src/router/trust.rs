@@ -7,7 +7,7 @@
 //! misses everything since. Routing on it alone keeps sending the worker's
 //! prefixes elsewhere and its new prompts nowhere. While untrusted, the
 //! worker is scored on the larger of the index's overlap and the predicted
-//! cache's (`crate::predict`, fed by what is booked there from the moment
+//! cache's (`kvroute_core::predict`, fed by what is booked there from the moment
 //! it is untrusted): the index keeps what it knew, the predictions add what
 //! was sent since. Neither knows what the engine evicted meanwhile; the
 //! blend errs towards staying, as a sticky router would.
@@ -26,7 +26,7 @@
 
 use std::{collections::HashMap, time::Duration};
 
-use crate::types::{Distrust, WorkerId, WorkerRank};
+use kvroute_core::types::{Distrust, WorkerId, WorkerRank};
 
 /// When a worker's events stop being trusted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::{collections::HashMap, fmt, path::Path, sync::Arc};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::types::WorkerId;
+use kvroute_core::types::WorkerId;
 
 /// What an identity may do; each role reaches exactly its methods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]

@@ -7,15 +7,17 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use crate::{
-    admission::bookings::SavedBooking,
     engine_events::{EngineSource, dialect_name},
     fleet::state::{FleetState, FleetTarget, FleetWorker},
-    index::content::{ContentNode, TargetContent},
     ingest::CapturedTarget,
     pb,
+};
+use kvroute_core::{
+    admission::bookings::SavedBooking,
+    index::content::{ContentNode, TargetContent},
     registry::{Registration, SavedWorker},
     select::{PinTarget, affinity::SavedSession},
-    types::{KvEventsMode, RankLoad, WorkerRank, WorkerRole},
+    types::{RankLoad, WorkerRank, WorkerRole},
 };
 
 /// Why a decoded snapshot describes no state kvroute can restore.
@@ -132,7 +134,7 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
             .and_then(|s| s.replay_endpoint.clone())
             .unwrap_or_default(),
         configured: w.configured,
-        kv_events: r.kv_events.to_pb().into(),
+        kv_events: pb::KvEventsMode::from(r.kv_events).into(),
     }
 }
 
@@ -223,7 +225,7 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
                 max_num_batched_tokens: w.max_num_batched_tokens,
                 taints: w.taints,
                 lease_ttl: None,
-                kv_events: KvEventsMode::from_pb(w.kv_events).ok_or_else(|| {
+                kv_events: pb::KvEventsMode::to_domain(w.kv_events).ok_or_else(|| {
                     invalid(what(), format!("unknown KV events mode {}", w.kv_events))
                 })?,
             },
@@ -314,6 +316,7 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_core::types::KvEventsMode;
 
     fn worker(kv_events: KvEventsMode) -> FleetWorker {
         FleetWorker {

@@ -1,0 +1,315 @@
+//! The exact KV block index: which (worker, dp_rank) holds which blocks.
+//!
+//! Why this exists: routing asks, for the local block hashes of a request,
+//! how many leading blocks each target already caches. Workers report their
+//! cache through events; this module keeps the answer exact and fast.
+//!
+//! Model (invariants):
+//! * A node is identified by its PATH of local hashes from the root; local
+//!   hashes are per block, not chained. A `Stored` event with a parent hangs
+//!   its blocks under the node that the *same* (worker, dp_rank) holds under
+//!   that parent engine hash; parent `None` means the root.
+//! * A target's prefix for a query is the number of leading query blocks it
+//!   holds contiguously from block 0; removing a block mid-chain ends the
+//!   prefix there even though deeper blocks stay held.
+//! * A target's block count is the number of distinct engine hashes it holds.
+//!
+//! Event rules (each checked by the naive oracle in `crates/kvroute-core/tests/it/index_oracle.rs`):
+//! * `Stored` whose parent the target does not hold: rejected with
+//!   [`IndexError::UnknownParent`]; the index is untouched.
+//! * `Stored` of an engine hash the target already holds at the same path:
+//!   a counted no-op for that block ([`ApplyOutcome::skipped`]), so a resent
+//!   event is harmless. Held at a *different* path (also: the same hash twice
+//!   in one event at different depths): the whole event is rejected with
+//!   [`IndexError::EngineHashConflict`] and the index is left untouched.
+//! * Two different engine hashes of one target at the same path are both
+//!   kept; the target holds the node until both are removed.
+//! * `Stored` of more than [`radix::MAX_EVENT_BLOCKS`] blocks (16.7 M):
+//!   rejected with [`IndexError::TooManyBlocks`]; the index is untouched.
+//! * `Removed` of an engine hash the target does not hold: a counted no-op per
+//!   block; the other blocks of the event are still removed.
+//! * `Cleared`, `remove_rank` and `remove_worker` of unknown targets: no-ops.
+//!
+//! Concurrency: [`KvIndex`] is `Send + Sync` and every method takes `&self`.
+//! It wraps a single-writer core ([`radix::IndexCore`]) in a
+//! `parking_lot::RwLock`. Whoever ingests events (one task per deployment)
+//! applies them one at a time under the write lock, so a router thread never
+//! waits for more than one event's worth of work, and every read sees the
+//! index between two whole events (never half an event). Routing reads take
+//! the read lock and run in parallel on every core.
+
+mod array_pool;
+pub mod content;
+pub mod group_table;
+pub mod naive;
+pub mod radix;
+
+use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
+use parking_lot::RwLock;
+use serde::Serialize;
+
+pub use content::{IndexDigest, TargetContent};
+pub use radix::IndexCore;
+
+/// One KV event of one (worker, dp_rank).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    /// The target now caches `blocks` (engine hash, local hash), in chain
+    /// order, the first one a child of `parent` (`None`: a root block).
+    Stored {
+        parent: Option<EngineHash>,
+        blocks: Vec<(EngineHash, LocalHash)>,
+    },
+    /// The target evicted these blocks.
+    Removed { blocks: Vec<EngineHash> },
+    /// The target dropped its whole cache.
+    Cleared,
+}
+
+/// Why an event was rejected. A rejected event leaves the index untouched.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum IndexError {
+    #[error("{worker}: stored blocks under parent engine hash {parent} which it does not hold")]
+    UnknownParent {
+        worker: WorkerRank,
+        parent: EngineHash,
+    },
+    #[error("{worker}: engine hash {engine_hash} is already held at a different position")]
+    EngineHashConflict {
+        worker: WorkerRank,
+        engine_hash: EngineHash,
+    },
+    #[error(
+        "{worker}: storing {blocks} blocks would take it past its KV capacity of {capacity} blocks (it holds {held})"
+    )]
+    OverCapacity {
+        worker: WorkerRank,
+        blocks: usize,
+        held: u64,
+        capacity: u64,
+    },
+    #[error("{worker}: stored {blocks} blocks in one event, more than the {max} the index takes")]
+    TooManyBlocks {
+        worker: WorkerRank,
+        blocks: usize,
+        max: usize,
+    },
+}
+
+/// What an accepted event did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ApplyOutcome {
+    /// Blocks added (store) or dropped (remove, clear).
+    pub applied: u64,
+    /// Blocks that were counted no-ops: duplicate stores, unknown removes.
+    pub skipped: u64,
+}
+
+/// One target's overlap with a query.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerOverlap {
+    pub worker: WorkerRank,
+    /// Leading query blocks held contiguously from block 0 (always > 0).
+    pub blocks: u32,
+    /// `blocks * block_size`.
+    pub cached_tokens: u64,
+    /// Blocks this target holds in total (its cache occupancy).
+    pub worker_blocks: u64,
+}
+
+/// The answer to [`KvIndex::find_matches`]: every target with a non-zero
+/// prefix, in an unspecified order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OverlapScores {
+    pub scores: Vec<WorkerOverlap>,
+}
+
+impl OverlapScores {
+    /// The overlap of one target (0 blocks when absent).
+    pub fn get(&self, worker: WorkerRank) -> Option<&WorkerOverlap> {
+        self.scores.iter().find(|s| s.worker == worker)
+    }
+
+    /// The largest prefix of any target.
+    pub fn max_blocks(&self) -> u32 {
+        self.scores.iter().map(|s| s.blocks).max().unwrap_or(0)
+    }
+
+    /// Scores sorted by target, for comparisons.
+    pub fn sorted(mut self) -> Self {
+        self.scores.sort_by_key(|s| s.worker);
+        self
+    }
+}
+
+/// Size and occupancy of the index.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Cached (block, target) entries.
+    pub blocks: u64,
+    /// Tree nodes (distinct paths), root excluded.
+    pub nodes: u64,
+    /// Targets holding at least one block (a registered target that has
+    /// stored nothing yet is not one).
+    pub workers: u64,
+    /// Blocks per target, sorted by target; targets holding nothing omitted.
+    pub per_worker: Vec<(WorkerRank, u64)>,
+    /// Estimated heap bytes, from the capacities of every table.
+    pub bytes_used: u64,
+    pub events_applied: u64,
+    pub events_rejected: u64,
+    pub blocks_skipped: u64,
+}
+
+/// The concurrent exact index (see the module docs for the rules).
+pub struct KvIndex {
+    block_size: u32,
+    core: RwLock<IndexCore>,
+}
+
+impl KvIndex {
+    /// An empty index for blocks of `block_size` tokens.
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            block_size,
+            core: RwLock::new(IndexCore::new(block_size)),
+        }
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Apply one event of `worker` (see the module docs for the rules).
+    pub fn apply(&self, worker: WorkerRank, event: &KvEvent) -> Result<ApplyOutcome, IndexError> {
+        self.core.write().apply(worker, event)
+    }
+
+    /// [`Self::apply`] for an event the caller is done with: a store that
+    /// starts a new run of blocks keeps the event's array instead of
+    /// copying it.
+    pub fn apply_owned(
+        &self,
+        worker: WorkerRank,
+        event: KvEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        self.core.write().apply_owned(worker, event)
+    }
+
+    /// Expect `worker` to cache up to `blocks` blocks (its KV capacity, from
+    /// registration): its engine-hash table is sized for them once instead
+    /// of growing, which would stall readers while it rehashes. Capped at
+    /// [`radix::MAX_RESERVED_BLOCKS`] per target and a fixed budget in all
+    /// (room comes back when a target goes); forgotten with the target.
+    pub fn reserve(&self, worker: WorkerRank, blocks: u64) {
+        self.core.write().reserve(worker, blocks);
+    }
+
+    /// Holds `worker` to `blocks` cached blocks, its KV capacity: a store
+    /// that would take it past them is rejected
+    /// ([`IndexError::OverCapacity`]). Forgotten with the target.
+    pub fn limit_capacity(&self, worker: WorkerRank, blocks: u64) {
+        self.core.write().limit_capacity(worker, blocks);
+    }
+
+    /// Drop every dp rank of `worker` and all their blocks; returns blocks dropped.
+    pub fn remove_worker(&self, worker: WorkerId) -> u64 {
+        self.core.write().remove_worker(worker)
+    }
+
+    /// Drop one target and all its blocks; returns blocks dropped.
+    pub fn remove_rank(&self, worker: WorkerRank) -> u64 {
+        self.core.write().remove_rank(worker)
+    }
+
+    /// Every target's contiguous prefix of `query`.
+    pub fn find_matches(&self, query: &[LocalHash]) -> OverlapScores {
+        let mut out = OverlapScores::default();
+        self.core.read().find_matches_into(query, &mut out);
+        out
+    }
+
+    /// Like [`Self::find_matches`], reusing `out`'s allocation.
+    pub fn find_matches_into(&self, query: &[LocalHash], out: &mut OverlapScores) {
+        self.core.read().find_matches_into(query, out);
+    }
+
+    /// Blocks held by one target.
+    pub fn worker_blocks(&self, worker: WorkerRank) -> u64 {
+        self.core.read().worker_blocks(worker)
+    }
+
+    /// Blocks held by each of `targets`, under one read lock.
+    pub fn worker_blocks_many(&self, targets: &[WorkerRank]) -> Vec<u64> {
+        let core = self.core.read();
+        targets.iter().map(|t| core.worker_blocks(*t)).collect()
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        self.core.read().stats()
+    }
+
+    /// The targets holding blocks, by target.
+    pub fn targets(&self) -> Vec<WorkerRank> {
+        self.core.read().targets()
+    }
+
+    /// Everything one target holds (see [`content::TargetContent`]).
+    pub fn export_target(&self, worker: WorkerRank) -> TargetContent {
+        self.core.read().export_target(worker)
+    }
+
+    /// Rebuilds `content` for a target that holds nothing yet, through
+    /// ordinary events (see [`TargetContent::events`]); stops at the first
+    /// event the index rejects (a malformed content).
+    pub fn restore_target(
+        &self,
+        worker: WorkerRank,
+        content: &TargetContent,
+    ) -> Result<(), IndexError> {
+        let mut core = self.core.write();
+        for event in content.events(radix::MAX_EVENT_BLOCKS) {
+            core.apply_owned(worker, event)?;
+        }
+        Ok(())
+    }
+
+    /// Cached entries and their digest, summed over every target (see
+    /// [`content::digest_term`]). Each target is read under its own short
+    /// read lock.
+    pub fn digest(&self) -> IndexDigest {
+        let mut total = IndexDigest::default();
+        for target in self.targets() {
+            total.add(self.export_target(target).digest(target));
+        }
+        total
+    }
+}
+
+/// Event builders for the index's unit tests.
+#[cfg(test)]
+mod test_events {
+    use super::KvEvent;
+    use crate::types::WorkerRank;
+
+    /// Target `id`, dp rank 0.
+    pub fn w(id: u64) -> WorkerRank {
+        WorkerRank::new(id, 0)
+    }
+
+    /// A store of `(engine hash, local hash)` blocks under parent `p`.
+    pub fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
+        KvEvent::Stored {
+            parent: p,
+            blocks: b.to_vec(),
+        }
+    }
+
+    /// A remove of engine hashes `b`.
+    pub fn rm(b: &[u64]) -> KvEvent {
+        KvEvent::Removed { blocks: b.to_vec() }
+    }
+}
+
+#[cfg(test)]
+mod tests;

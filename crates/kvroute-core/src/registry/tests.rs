@@ -1,0 +1,191 @@
+//! The registry's unit tests: registration rules, leases, load, snapshots.
+// std's clock: the registry takes its clock as an argument; any start will do.
+#![allow(clippy::disallowed_methods)]
+
+use super::*;
+
+/// Removes every worker whose lease lapsed by `now`, as the fleet's reaper
+/// does one worker at a time.
+fn reap(registry: &mut Registry, now: Instant) -> Vec<WorkerRecord> {
+    registry
+        .lapsed(now)
+        .into_iter()
+        .filter_map(|id| registry.remove_if_lapsed(id, now))
+        .collect()
+}
+
+fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registration {
+    Registration {
+        worker_id,
+        model: model.into(),
+        role: WorkerRole::Aggregated,
+        endpoint: String::new(),
+        block_size,
+        dp_start_rank: 0,
+        dp_size: 1,
+        total_kv_blocks: 1000,
+        max_num_batched_tokens: 8192,
+        taints: vec![],
+        lease_ttl: None,
+        kv_events: crate::types::KvEventsMode::Exact,
+    }
+}
+
+#[test]
+fn first_worker_fixes_the_models_block_size() {
+    let mut registry = Registry::new();
+    let now = Instant::now();
+    let ttl = Duration::from_secs(10);
+    assert!(
+        registry
+            .register(registration(1, "m", 16), ttl, now)
+            .unwrap()
+            .created
+    );
+    let error = registry
+        .register(registration(2, "m", 32), ttl, now)
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "worker 2 declares block_size 32 but model \"m\" uses block_size 16"
+    );
+    // Another model may use another size; the only worker of a model may change it.
+    registry
+        .register(registration(3, "other", 32), ttl, now)
+        .unwrap();
+    let outcome = registry
+        .register(registration(1, "m", 64), ttl, now)
+        .unwrap();
+    assert!(!outcome.created);
+    assert_eq!(outcome.invalidated.map(|r| r.block_size), Some(16));
+}
+
+#[test]
+fn reregistering_keeps_cordon_and_renews_the_lease() {
+    let mut registry = Registry::new();
+    let start = Instant::now();
+    let ttl = Duration::from_secs(10);
+    registry
+        .register(registration(1, "m", 16), ttl, start)
+        .unwrap();
+    registry.set_cordoned(1, true).unwrap();
+    let later = start + Duration::from_secs(8);
+    let outcome = registry
+        .register(registration(1, "m", 16), ttl, later)
+        .unwrap();
+    assert_eq!(outcome.invalidated, None);
+    let record = registry.get(1).unwrap();
+    assert!(record.cordoned);
+    assert_eq!(record.lease_remaining(later), ttl);
+}
+
+#[test]
+fn heartbeat_renews_and_lapsed_leases_are_reaped() {
+    let mut registry = Registry::new();
+    let start = Instant::now();
+    let ttl = Duration::from_secs(10);
+    registry
+        .register(registration(1, "m", 16), ttl, start)
+        .unwrap();
+    registry
+        .register(registration(2, "m", 16), ttl, start)
+        .unwrap();
+    let load = RankLoad {
+        running_requests: 3,
+        waiting_requests: 1,
+        kv_blocks_used: 50,
+    };
+    registry
+        .heartbeat(1, &[(0, load)], start + Duration::from_secs(9))
+        .unwrap();
+    assert!(matches!(
+        registry.heartbeat(1, &[(5, load)], start),
+        Err(RegistryError::UnknownRank { dp_rank: 5, .. })
+    ));
+    let reaped = reap(&mut registry, start + Duration::from_secs(10));
+    assert_eq!(reaped.len(), 1);
+    assert_eq!(reaped[0].registration.worker_id, 2);
+    assert_eq!(registry.get(1).unwrap().snapshot().rank_load(0), load);
+    assert!(reap(&mut registry, start + Duration::from_secs(18)).is_empty());
+    assert_eq!(
+        reap(&mut registry, start + Duration::from_secs(19)).len(),
+        1
+    );
+}
+
+#[test]
+fn snapshots_follow_every_change() {
+    let mut registry = Registry::new();
+    let now = Instant::now();
+    let ttl = Duration::from_secs(10);
+    registry
+        .register(registration(2, "m", 16), ttl, now)
+        .unwrap();
+    registry
+        .register(registration(1, "m", 16), ttl, now)
+        .unwrap();
+    let ids =
+        |r: &Registry| -> Vec<u64> { r.model_snapshots("m").iter().map(|w| w.worker_id).collect() };
+    assert_eq!(ids(&registry), vec![1, 2]);
+    registry.set_cordoned(2, true).unwrap();
+    assert!(registry.model_snapshots("m")[1].cordoned);
+    let load = RankLoad {
+        running_requests: 7,
+        ..RankLoad::default()
+    };
+    registry.heartbeat(1, &[(0, load)], now).unwrap();
+    assert_eq!(registry.model_snapshots("m")[0].rank_load(0), load);
+    // Moving a worker to another model moves its snapshot.
+    registry
+        .register(registration(1, "other", 32), ttl, now)
+        .unwrap();
+    assert_eq!(ids(&registry), vec![2]);
+    assert_eq!(registry.model_snapshots("other").len(), 1);
+    registry.deregister(2).unwrap();
+    assert!(registry.model_snapshots("m").is_empty());
+    reap(&mut registry, now + ttl);
+    assert!(registry.model_snapshots("other").is_empty());
+}
+
+#[test]
+fn invalid_registrations_are_refused() {
+    let mut registry = Registry::new();
+    let now = Instant::now();
+    let ttl = Duration::from_secs(10);
+    assert!(
+        registry
+            .register(registration(1, "m", 0), ttl, now)
+            .is_err()
+    );
+    let mut many = registration(1, "m", 16);
+    many.dp_size = MAX_DP_SIZE + 1;
+    assert!(registry.register(many, ttl, now).is_err());
+    let mut overflow = registration(1, "m", 16);
+    overflow.dp_start_rank = u32::MAX;
+    overflow.dp_size = 2;
+    assert!(registry.register(overflow, ttl, now).is_err());
+    // A caller's numbers do not decide how long it is remembered or how
+    // large its blocks are.
+    let mut forever = registration(1, "m", 16);
+    forever.lease_ttl = Some(MAX_LEASE_TTL + Duration::from_secs(1));
+    let refused = registry
+        .register(forever, ttl, now)
+        .expect_err("lease too long");
+    assert!(
+        refused.to_string().contains("lease_ttl_secs 3601"),
+        "{refused}"
+    );
+    let mut huge = registration(1, "m", MAX_BLOCK_SIZE + 1);
+    huge.lease_ttl = Some(MAX_LEASE_TTL);
+    let refused = registry
+        .register(huge, ttl, now)
+        .expect_err("block too large");
+    assert!(
+        refused.to_string().contains("block_size 65537"),
+        "{refused}"
+    );
+    assert_eq!(registry.all().len(), 0);
+    let mut longest = registration(1, "m", MAX_BLOCK_SIZE);
+    longest.lease_ttl = Some(MAX_LEASE_TTL);
+    assert!(registry.register(longest, ttl, now).is_ok());
+}
