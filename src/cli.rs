@@ -3,6 +3,8 @@
 //! which `tools.rs` finds and hands the command line to, so the server
 //! links none of them while the user keeps one command.
 
+use std::process::ExitCode;
+
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::config::{self, ServeConfig};
@@ -91,6 +93,43 @@ pub fn clap_error(error: clap::Error) -> CliError {
                 line = format!("{line} {}", next.trim());
             }
             CliError::Usage(line)
+        }
+    }
+}
+
+/// Runs `work` on a multi-threaded runtime: exit 0 when it succeeds, 1
+/// with its error on one line when it fails or the runtime cannot start.
+pub fn run_on_runtime(work: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("kvroute: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(work) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvroute: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What a refused command line ends with: help or version printed and
+/// exit 0, or one `kvroute: ...` line and exit 2.
+pub fn exit_for(error: CliError) -> ExitCode {
+    match error {
+        CliError::Display(shown) => {
+            let _ = shown.print();
+            ExitCode::SUCCESS
+        }
+        CliError::Usage(line) => {
+            eprintln!("kvroute: {line}");
+            ExitCode::from(2)
         }
     }
 }

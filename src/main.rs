@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use kvroute::{
     app,
-    cli::{self, CliError, Command},
+    cli::{self, Command},
     telemetry, tools,
 };
 
@@ -32,39 +32,15 @@ fn main() -> ExitCode {
     }
     let cli = match cli::parse(std::env::args().collect()) {
         Ok(cli) => cli,
-        Err(CliError::Display(shown)) => {
-            let _ = shown.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(CliError::Usage(line)) => {
-            eprintln!("kvroute: {line}");
-            return ExitCode::from(2);
-        }
+        Err(error) => return cli::exit_for(error),
     };
     let Command::Serve(config) = cli.command;
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("kvroute: cannot start the async runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result: anyhow::Result<()> = runtime.block_on(async move {
+    cli::run_on_runtime(async move {
         telemetry::init(config.log_format, &config.log_level);
         let (grpc, metrics) = app::bind(&config).await?;
         app::run(*config, grpc, metrics, shutdown_signal()).await?;
         Ok(())
-    });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("kvroute: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    })
 }
 
 /// Resolves on SIGTERM or SIGINT (Ctrl-C). The handlers are installed

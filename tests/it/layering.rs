@@ -24,20 +24,25 @@ fn architecture() -> String {
         .unwrap_or_else(|e| panic!("docs/ARCHITECTURE.md: {e}"))
 }
 
-/// The rows, top first, of the fenced block after the line `marker`: each
-/// row's words up to `--` (those that `is_name` accepts).
-fn diagram(marker: &str, is_name: fn(&str) -> bool) -> Vec<Vec<String>> {
+/// The text of the fenced block after the line `marker` in
+/// docs/ARCHITECTURE.md, its info string first.
+fn fenced_block_after(marker: &str) -> String {
     let doc = architecture();
     let after = doc
         .split_once(marker)
         .unwrap_or_else(|| panic!("docs/ARCHITECTURE.md has no `{marker}` line"))
         .1;
-    let block = after
+    after
         .split_once("```")
         .and_then(|(_, rest)| rest.split_once("```"))
-        .map(|(block, _)| block)
-        .unwrap_or_else(|| panic!("no fenced diagram after `{marker}`"));
-    block
+        .map(|(block, _)| block.to_string())
+        .unwrap_or_else(|| panic!("no fenced diagram after `{marker}`"))
+}
+
+/// The rows, top first, of the fenced block after the line `marker`: each
+/// row's words up to `--` (those that `is_name` accepts).
+fn diagram(marker: &str, is_name: fn(&str) -> bool) -> Vec<Vec<String>> {
+    fenced_block_after(marker)
         .lines()
         .skip(1) // the fence's info string
         .map(|line| line.split_once("--").map_or(line, |(names, _)| names))
@@ -68,18 +73,7 @@ fn module_rows(krate: &str) -> Vec<Vec<String>> {
 /// The workspace's crates, top first: (name, folder) from the rows of
 /// `<!-- crate layers: top imports bottom -->`, one crate a row.
 fn crate_rows() -> Vec<(String, PathBuf)> {
-    let doc = architecture();
-    let marker = "<!-- crate layers: top imports bottom -->";
-    let after = doc
-        .split_once(marker)
-        .unwrap_or_else(|| panic!("docs/ARCHITECTURE.md has no `{marker}` line"))
-        .1;
-    let block = after
-        .split_once("```")
-        .and_then(|(_, rest)| rest.split_once("```"))
-        .map(|(block, _)| block)
-        .unwrap_or_else(|| panic!("no fenced diagram after `{marker}`"));
-    block
+    fenced_block_after("<!-- crate layers: top imports bottom -->")
         .lines()
         .skip(1)
         .filter_map(|line| {

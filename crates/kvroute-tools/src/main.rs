@@ -4,7 +4,6 @@
 
 use std::process::ExitCode;
 
-use kvroute::cli::CliError;
 use kvroute_tools::{
     bench,
     cli::{self, BenchCommand, Command},
@@ -20,14 +19,7 @@ fn main() -> ExitCode {
     kvroute::metrics::count_heap_with(|| GLOBAL.allocated() as u64);
     let cli = match cli::parse(std::env::args().collect()) {
         Ok(cli) => cli,
-        Err(CliError::Display(shown)) => {
-            let _ = shown.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(CliError::Usage(line)) => {
-            eprintln!("kvroute: {line}");
-            return ExitCode::from(2);
-        }
+        Err(error) => return kvroute::cli::exit_for(error),
     };
     match cli.command {
         Command::Hash(args) => {
@@ -56,17 +48,7 @@ fn main() -> ExitCode {
 
 /// The benchmarks that run a server and its clients on a runtime.
 fn run_async(command: BenchCommand) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("kvroute: cannot start the async runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result: anyhow::Result<()> = runtime.block_on(async move {
+    kvroute::cli::run_on_runtime(async move {
         match command {
             BenchCommand::Select(args) => {
                 bench::select::run(&args).await?;
@@ -89,14 +71,7 @@ fn run_async(command: BenchCommand) -> ExitCode {
             BenchCommand::Index { .. } => {}
         }
         Ok(())
-    });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("kvroute: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    })
 }
 
 /// Prints a tool's error as one line; exit 1 on failure.
