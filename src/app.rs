@@ -15,12 +15,14 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
 use crate::{
-    cluster::{Cluster, ClusterSettings, ReplicaSlot},
+    cluster::{Cluster, ClusterError, ClusterSettings, ReplicatedChanges},
     config::ServeConfig,
-    fleet::{Fleet, FleetError},
+    fleet::{
+        Fleet, FleetError,
+        changes::{FleetChanges, LocalChanges},
+    },
     grpc::{
         admin::AdminService,
-        replication::Replication,
         router::RouterService,
         rpc_metrics::{RpcMetricsLayer, rpc_paths},
         startup_gate::StartupGate,
@@ -35,7 +37,7 @@ use crate::{
         screen::ScreenLayer,
         tls::{ServerTls, TlsFiles},
     },
-    snapshot::{SnapshotError, Snapshots},
+    snapshot::{SnapshotError, Snapshots, WriteSnapshot},
 };
 
 /// The gRPC service names health reports on, besides the overall "".
@@ -66,8 +68,11 @@ pub enum ServeError {
     Engine(FleetError),
     #[error("{0}")]
     Snapshot(#[from] SnapshotError),
+    /// Settings that cluster mode replaces.
     #[error("cluster mode: {0}")]
-    Cluster(String),
+    ClusterSettings(&'static str),
+    #[error("cluster mode: {0}")]
+    Cluster(#[from] ClusterError),
     #[error("{0}")]
     Security(String),
 }
@@ -107,7 +112,7 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
     let (fleet, snapshots) = build_fleet(&config, &metrics)?;
-    let replica = replica_slot(&config)?;
+    let replica = replicated_changes(&config, &fleet)?;
     let gate = StartupGate::new();
 
     let stop_accepting = CancellationToken::new();
@@ -139,7 +144,7 @@ pub async fn run(
     }
     let cluster_tasks = (TaskTracker::new(), CancellationToken::new());
     let started = match &replica {
-        Some(slot) => join_cluster(&config, &fleet, slot, &cluster_tasks, &health).await,
+        Some(changes) => join_cluster(&config, &fleet, changes, &cluster_tasks, &health).await,
         None => restore_and_start(&config, &fleet, snapshots.as_deref()).await,
     };
     if let Err(error) = started {
@@ -246,23 +251,26 @@ fn build_fleet(
     Ok((fleet, snapshots))
 }
 
-/// Cluster mode's slot for the replica, or `None` alone; refuses the
+/// Cluster mode's side of the fleet's seam, or `None` alone; refuses the
 /// settings that cluster mode replaces.
-fn replica_slot(config: &ServeConfig) -> Result<Option<Arc<ReplicaSlot>>, ServeError> {
+fn replicated_changes(
+    config: &ServeConfig,
+    fleet: &Arc<Fleet>,
+) -> Result<Option<Arc<ReplicatedChanges>>, ServeError> {
     if config.cluster.nats_url.is_none() {
         return Ok(None);
     }
     if config.state_dir.is_some() {
-        return Err(ServeError::Cluster(
-            "--state-dir: replicas keep their snapshot in the cluster's object store".into(),
+        return Err(ServeError::ClusterSettings(
+            "--state-dir: replicas keep their snapshot in the cluster's object store",
         ));
     }
     if !config.engine.is_empty() {
-        return Err(ServeError::Cluster(
-            "--engine: register engines over gRPC (RegisterWorker with events_endpoint), so every replica follows them".into(),
+        return Err(ServeError::ClusterSettings(
+            "--engine: register engines over gRPC (RegisterWorker with events_endpoint), so every replica follows them",
         ));
     }
-    Ok(Some(Arc::new(ReplicaSlot::default())))
+    Ok(Some(Arc::new(ReplicatedChanges::new(fleet.clone()))))
 }
 
 /// Joins the cluster (snapshot, log catch-up, the replica's tasks on
@@ -271,7 +279,7 @@ fn replica_slot(config: &ServeConfig) -> Result<Option<Arc<ReplicaSlot>>, ServeE
 async fn join_cluster(
     config: &ServeConfig,
     fleet: &Arc<Fleet>,
-    slot: &ReplicaSlot,
+    changes: &ReplicatedChanges,
     (tasks, stop): &(TaskTracker, CancellationToken),
     health: &tonic_health::server::HealthReporter,
 ) -> Result<(), ServeError> {
@@ -289,10 +297,9 @@ async fn join_cluster(
         tasks,
         stop.clone(),
     )
-    .await
-    .map_err(|e| ServeError::Cluster(format!("{e:#}")))?;
+    .await?;
     let mut connection = cluster.connection();
-    slot.set(cluster);
+    changes.attach(cluster);
     let (health, stop) = (health.clone(), stop.clone());
     tasks.spawn(async move {
         loop {
@@ -370,7 +377,7 @@ fn grpc_server<H: Health>(
     (fleet, snapshots, replica): (
         &Arc<Fleet>,
         Option<Arc<Snapshots>>,
-        Option<Arc<ReplicaSlot>>,
+        Option<Arc<ReplicatedChanges>>,
     ),
     (gate, security): (&StartupGate, &Security),
     health: HealthServer<H>,
@@ -393,18 +400,18 @@ fn grpc_server<H: Health>(
     ))
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);
-    let replication = replica.map(|slot| slot as Arc<dyn Replication>);
-    let (workers, admin) = match replication {
-        Some(replication) => (
-            WorkersService::replicated(fleet.clone(), replication.clone()),
-            AdminService::new(fleet.clone(), snapshots).with_replication(replication),
-        ),
-        None => (
-            WorkersService::new(fleet.clone()),
-            AdminService::new(fleet.clone(), snapshots),
-        ),
-    };
-    let workers = workers.with_endpoint_allow(security.endpoint_allow.clone());
+    // The one place that knows whether this server is alone or a replica.
+    let (changes, snapshot_writer): (Arc<dyn FleetChanges>, Option<Arc<dyn WriteSnapshot>>) =
+        match replica {
+            Some(replicated) => (replicated.clone(), Some(replicated)),
+            None => (
+                Arc::new(LocalChanges(fleet.clone())),
+                snapshots.map(|s| s as Arc<dyn WriteSnapshot>),
+            ),
+        };
+    let workers = WorkersService::new(fleet.clone(), changes.clone())
+        .with_endpoint_allow(security.endpoint_allow.clone());
+    let admin = AdminService::new(fleet.clone(), changes, snapshot_writer);
     let workers = pb::workers_server::WorkersServer::new(workers)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);

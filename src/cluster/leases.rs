@@ -28,7 +28,10 @@ use prost::Message;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::log::{Log, unix_us};
+use super::{
+    error::ClusterError,
+    log::{Log, unix_us},
+};
 use crate::{
     fleet::Fleet,
     grpc::convert,
@@ -102,13 +105,13 @@ impl Leases {
         worker_id: WorkerId,
         local: &pb::WorkerLease,
         change: impl Fn(&mut pb::WorkerLease),
-    ) -> Result<(), String> {
+    ) -> Result<(), ClusterError> {
         for _ in 0..CAS_TRIES {
             let current = self
                 .kv
                 .entry(key(worker_id))
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| ClusterError::nats("read a lease entry", e))?;
             let (revision, mut entry) = match current {
                 Some(e) if e.operation == Operation::Put => {
                     let entry = pb::WorkerLease::decode(e.value).unwrap_or_default();
@@ -122,30 +125,26 @@ impl Leases {
             }
             change(&mut entry);
             let value = Bytes::from(entry.encode_to_vec());
+            // A failed write means another replica wrote in between (or
+            // the bucket is away): read again and retry.
             let written = match revision {
                 Some(revision) => self
                     .kv
                     .update(key(worker_id), value, revision)
                     .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-                None => self
-                    .kv
-                    .create(key(worker_id), value)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
+                    .is_ok(),
+                None => self.kv.create(key(worker_id), value).await.is_ok(),
             };
-            if written.is_ok() {
+            if written {
                 return Ok(());
             }
         }
-        Err(format!("worker {worker_id}: entry kept changing"))
+        Err(ClusterError::EntryContended { worker_id })
     }
 
     /// A registration this replica applied: the entry starts (or a
     /// re-registration renews it, keeping the cordon).
-    pub async fn registered(&self, worker_id: WorkerId) -> Result<(), String> {
+    pub async fn registered(&self, worker_id: WorkerId) -> Result<(), ClusterError> {
         let Some(local) = self.local_entry(worker_id) else {
             return Ok(());
         };
@@ -180,7 +179,11 @@ impl Leases {
     }
 
     /// A cordon change this replica applied.
-    pub async fn set_cordoned(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), String> {
+    pub async fn set_cordoned(
+        &self,
+        worker_id: WorkerId,
+        cordoned: bool,
+    ) -> Result<(), ClusterError> {
         let Some(local) = self.local_entry(worker_id) else {
             return Ok(()); // removed meanwhile
         };

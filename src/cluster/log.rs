@@ -44,7 +44,7 @@ use crate::{
     engine_events::SinkOutcome,
     fleet::{Fleet, FleetError, state::FleetState, subscriptions::EngineForward},
     grpc::convert::{self, BatchLimits},
-    ingest::{BatchOutcome, EngineBatch},
+    ingest::{BatchOutcome, EngineBatch, EngineOutcome},
     metrics::Metrics,
     pb::{self, log_record::Body},
 };
@@ -342,7 +342,15 @@ impl Log {
             }
             Some(Body::Engine(engine)) => {
                 self.count("engine");
-                engine_events(fleet, engine).await;
+                let (worker_id, generation) = (engine.worker_id, engine.generation);
+                if let Some(outcome) = engine_events(fleet, engine).await
+                    && mine
+                    && outcome.rejected > 0
+                {
+                    // This replica's subscription forwarded it: its
+                    // refusals count there, as a single process counts them.
+                    fleet.count_engine_rejected(worker_id, generation, outcome.rejected);
+                }
                 Applied::Other
             }
             None => {
@@ -428,16 +436,16 @@ async fn events(fleet: &Fleet, batch: pb::KvEventBatch) -> Result<BatchOutcome, 
     fleet.apply_events(validated).await
 }
 
-async fn engine_events(fleet: &Fleet, record: pb::EngineEvents) {
+async fn engine_events(fleet: &Fleet, record: pb::EngineEvents) -> Option<EngineOutcome> {
     let model = match fleet.router().worker(record.worker_id) {
         Some(w) if w.generation == record.generation => w.registration.model,
-        _ => return, // the registration it was for is gone
+        _ => return None, // the registration it was for is gone
     };
     let mut events = Vec::with_capacity(record.events.len());
     for event in record.events {
         match convert::index_event_from_pb(event) {
             Some(event) => events.push(event),
-            None => return,
+            None => return None,
         }
     }
     let batch = EngineBatch {
@@ -447,8 +455,12 @@ async fn engine_events(fleet: &Fleet, record: pb::EngineEvents) {
         dp_rank: record.dp_rank,
         events,
     };
-    if let Err(error) = fleet.apply_engine_events(batch).await {
-        tracing::debug!(%error, "engine events from the log dropped");
+    match fleet.apply_engine_events(batch).await {
+        Ok(outcome) => Some(outcome),
+        Err(error) => {
+            tracing::debug!(%error, "engine events from the log dropped");
+            None
+        }
     }
 }
 
@@ -488,7 +500,8 @@ impl EngineForward for LogForward {
                 });
                 self.append_until_taken(body, message_id).await;
             }
-            // What the index does with them is counted where they apply.
+            // What the index does with them is counted where they apply
+            // (the follower, `Fleet::count_engine_rejected`).
             SinkOutcome::default()
         })
     }
@@ -498,7 +511,9 @@ impl LogForward {
     /// Appends, retrying until the log takes the record or the process
     /// stops: the subscriber reads no further meanwhile, and what the
     /// engine sends then is caught up through its replay socket like any
-    /// gap.
+    /// gap. It does not wait for the record to apply: the follower may be
+    /// stopping this very subscription (a deregistration before it in the
+    /// log), which waits for the subscriber.
     async fn append_until_taken(&self, body: Body, message_id: String) {
         let mut delay = Duration::from_millis(50);
         let mut warned = false;

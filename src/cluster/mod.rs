@@ -19,6 +19,7 @@
 //! UNAVAILABLE, so workers retry and nothing accepted is lost; the
 //! Workers service reports NOT_SERVING in the health service.
 
+mod error;
 mod leases;
 mod log;
 mod names;
@@ -26,27 +27,33 @@ mod parts;
 mod routing_sync;
 mod snapshots;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 use async_nats::jetstream::{self, kv, object_store, stream};
+use futures::future::BoxFuture;
 use tokio::sync::{mpsc, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tonic::Status;
 
 use crate::{
     config::ClusterOptions,
-    fleet::Fleet,
-    grpc::{convert, replication::Replication},
+    engine_events::EngineSource,
+    fleet::{Fleet, FleetError, WorkerView, changes::FleetChanges},
+    grpc::convert,
     ingest::{BatchOutcome, ValidatedBatch},
     pb::{self, log_record::Body},
     router::sync::FEED_CAPACITY,
+    snapshot::{SnapshotError, WriteSnapshot, Written},
 };
+pub use error::ClusterError;
 use kvroute_core::{
-    registry::RegisterOutcome,
+    registry::{RegisterOutcome, Registration},
     types::{DpRank, RankLoad, WorkerId},
 };
 use leases::Leases;
-use log::{AppendError, Applied, Log, LogForward};
+use log::{Applied, Log, LogForward};
 use names::Names;
 use routing_sync::RoutingSync;
 use snapshots::ClusterSnapshots;
@@ -85,10 +92,6 @@ impl std::fmt::Debug for Cluster {
     }
 }
 
-fn unavailable(error: AppendError) -> Status {
-    Status::unavailable(error.to_string())
-}
-
 impl Cluster {
     /// Connects, creates what is missing, loads the newest snapshot into
     /// `fleet` (which has no worker yet), catches up with the log and
@@ -100,7 +103,7 @@ impl Cluster {
         fleet: Arc<Fleet>,
         tasks: &TaskTracker,
         stop: CancellationToken,
-    ) -> anyhow::Result<Arc<Self>> {
+    ) -> Result<Arc<Self>, ClusterError> {
         let replica = options.replica();
         let names = Names::new(&options.cluster_name);
         let (connected_tx, connected) = watch::channel(false);
@@ -112,7 +115,7 @@ impl Cluster {
                 Err(error) => {
                     tracing::warn!(%error, url, "cluster: NATS not ready; retrying");
                     tokio::select! {
-                        () = stop.cancelled() => anyhow::bail!("stopped before NATS was reachable"),
+                        () = stop.cancelled() => return Err(ClusterError::Stopped),
                         () = tokio::time::sleep(SETUP_RETRY) => {}
                     }
                 }
@@ -137,11 +140,7 @@ impl Cluster {
             log: log.clone(),
             metrics: metrics.clone(),
         });
-        let from = match snapshots
-            .load()
-            .await
-            .map_err(|e| anyhow::anyhow!("cluster snapshot: {e}"))?
-        {
+        let from = match snapshots.load().await? {
             Some(loaded) => {
                 let report = fleet.restore(loaded.state).await;
                 tracing::info!(
@@ -166,7 +165,7 @@ impl Cluster {
         let end = log_stream.cached_info().state.last_sequence;
         tasks.spawn(log.clone().follow(fleet.clone(), from, stop.clone()));
         if !log.wait_applied(end, Duration::from_secs(600)).await {
-            anyhow::bail!("the shared log was not caught up with (position {end})");
+            return Err(ClusterError::NotCaughtUp { position: end });
         }
         tracing::info!(
             replica,
@@ -246,7 +245,7 @@ async fn connect(
     url: &str,
     replica: &str,
     events: tokio::sync::watch::Sender<bool>,
-) -> anyhow::Result<async_nats::Client> {
+) -> Result<async_nats::Client, ClusterError> {
     let mut options = async_nats::ConnectOptions::new()
         .name(format!("kvroute {replica}"))
         .retry_on_initial_connect()
@@ -266,7 +265,10 @@ async fn connect(
             }
         });
     if let Some(creds) = &flags.nats_creds {
-        options = options.credentials_file(creds).await?;
+        options = options
+            .credentials_file(creds)
+            .await
+            .map_err(|e| ClusterError::nats("read the credentials file", e))?;
     }
     if let (Some(user), Some(password)) = (&flags.nats_user, &flags.nats_password) {
         options = options.user_and_password(user.clone(), password.clone());
@@ -280,7 +282,10 @@ async fn connect(
     if let (Some(cert), Some(key)) = (&flags.nats_tls_cert, &flags.nats_tls_key) {
         options = options.add_client_certificate(cert.clone(), key.clone());
     }
-    Ok(options.connect(url).await?)
+    options
+        .connect(url)
+        .await
+        .map_err(|e| ClusterError::nats("connect", e))
 }
 
 /// Creates (or opens) the cluster's stream, buckets and object store.
@@ -289,13 +294,16 @@ async fn setup(
     names: &Names,
     options: &ClusterOptions,
     settings: &ClusterSettings,
-) -> anyhow::Result<(
-    stream::Stream,
-    kv::Store,
-    kv::Store,
-    kv::Store,
-    object_store::ObjectStore,
-)> {
+) -> Result<
+    (
+        stream::Stream,
+        kv::Store,
+        kv::Store,
+        kv::Store,
+        object_store::ObjectStore,
+    ),
+    ClusterError,
+> {
     let log = js
         .get_or_create_stream(stream::Config {
             name: names.log_stream.clone(),
@@ -306,7 +314,8 @@ async fn setup(
             storage: stream::StorageType::File,
             ..Default::default()
         })
-        .await?;
+        .await
+        .map_err(|e| ClusterError::nats("open the log stream", e))?;
     js.get_or_create_stream(stream::Config {
         name: names.bookings_stream.clone(),
         subjects: vec![format!("{}.>", names.bookings_prefix)],
@@ -314,7 +323,8 @@ async fn setup(
         storage: stream::StorageType::File,
         ..Default::default()
     })
-    .await?;
+    .await
+    .map_err(|e| ClusterError::nats("open the bookings stream", e))?;
     let bucket = |bucket: &str, max_age: Duration| kv::Config {
         bucket: bucket.to_owned(),
         history: 1,
@@ -327,14 +337,14 @@ async fn setup(
     let control = open_bucket(js, bucket(&names.control_bucket, Duration::ZERO)).await?;
     let store = match js.get_object_store(&names.snapshots_bucket).await {
         Ok(store) => store,
-        Err(_) => {
-            js.create_object_store(object_store::Config {
+        Err(_) => js
+            .create_object_store(object_store::Config {
                 bucket: names.snapshots_bucket.clone(),
                 storage: stream::StorageType::File,
                 ..Default::default()
             })
-            .await?
-        }
+            .await
+            .map_err(|e| ClusterError::nats("create the snapshot store", e))?,
     };
     Ok((log, workers, sessions, control, store))
 }
@@ -343,7 +353,10 @@ async fn setup(
 /// stream is made here as the client's `create_key_value` would make it:
 /// that call first asks for the account's API level, an answer
 /// nats-server 2.9 (Debian's) gives in a form the client cannot read.
-async fn open_bucket(js: &jetstream::Context, config: kv::Config) -> anyhow::Result<kv::Store> {
+async fn open_bucket(
+    js: &jetstream::Context,
+    config: kv::Config,
+) -> Result<kv::Store, ClusterError> {
     js.get_or_create_stream(stream::Config {
         name: format!("KV_{}", config.bucket),
         subjects: vec![format!("$KV.{}.>", config.bucket)],
@@ -357,50 +370,56 @@ async fn open_bucket(js: &jetstream::Context, config: kv::Config) -> anyhow::Res
         discard: stream::DiscardPolicy::New,
         ..Default::default()
     })
-    .await?;
-    Ok(js.get_key_value(&config.bucket).await?)
+    .await
+    .map_err(|e| ClusterError::nats("open a bucket's stream", e))?;
+    js.get_key_value(&config.bucket)
+        .await
+        .map_err(|e| ClusterError::nats("open a bucket", e))
 }
 
-#[tonic::async_trait]
-impl Replication for Cluster {
+impl Cluster {
+    /// Appends a registration to the log; answers once this replica has
+    /// applied it, with what its fleet did.
     async fn register(
         &self,
         request: pb::RegisterWorkerRequest,
-    ) -> Result<RegisterOutcome, Status> {
+    ) -> Result<RegisterOutcome, FleetError> {
         let worker_id = request.worker_id;
         let applied = self
             .log
             .append(Body::Register(request), None, true)
             .await
-            .map_err(unavailable)?;
-        let outcome = match applied {
-            Applied::Register(outcome) => (*outcome).map_err(Status::from)?,
-            _ => return Err(Status::internal("the log applied another record")),
+            .map_err(ClusterError::from)?;
+        let Applied::Register(outcome) = applied else {
+            return Err(ClusterError::WrongRecord.into());
         };
+        let outcome = (*outcome)?;
         if let Err(error) = self.leases.registered(worker_id).await {
             tracing::warn!(worker_id, %error, "lease entry not written; the next heartbeat writes it");
         }
         Ok(outcome)
     }
 
-    async fn deregister(&self, worker_id: WorkerId) -> Result<u64, Status> {
+    /// Appends a deregistration; answers with the blocks it removed here.
+    async fn deregister(&self, worker_id: WorkerId) -> Result<u64, FleetError> {
         let applied = self
             .log
             .append(Body::Deregister(worker_id), None, true)
             .await
-            .map_err(unavailable)?;
+            .map_err(ClusterError::from)?;
         self.leases.forget(worker_id).await;
         match applied {
-            Applied::Deregister(outcome) => outcome.map_err(Status::from),
-            _ => Err(Status::internal("the log applied another record")),
+            Applied::Deregister(outcome) => outcome,
+            _ => Err(ClusterError::WrongRecord.into()),
         }
     }
 
-    async fn heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
-        // Shared in the background: the worker's call does not wait on
-        // NATS. While NATS is away nothing is sent (the lease was renewed
-        // here; `Leases::reconnected` writes it later), and at most
-        // `SHARING_HEARTBEATS` are in flight, so a flood costs no memory.
+    /// Shares a heartbeat this replica has applied, in the background:
+    /// the worker's call does not wait on NATS. While NATS is away nothing
+    /// is sent (the lease was renewed here; `Leases::reconnected` writes
+    /// it later), and at most `SHARING_HEARTBEATS` are in flight, so a
+    /// flood costs no memory.
+    fn share_heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
         if !*self.connected.borrow() {
             return;
         }
@@ -414,21 +433,20 @@ impl Replication for Cluster {
         });
     }
 
-    async fn set_cordoned(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), Status> {
+    /// Shares a cordon change before this replica makes it, so that a
+    /// replica that cannot share it changes nothing.
+    async fn share_cordon(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), ClusterError> {
         if !*self.connected.borrow() {
-            return Err(Status::unavailable(
-                "NATS is unreachable: a cordon could not reach the other replicas",
-            ));
+            return Err(ClusterError::CordonNotShared);
         }
-        self.leases
-            .set_cordoned(worker_id, cordoned)
-            .await
-            .map_err(Status::unavailable)
+        self.leases.set_cordoned(worker_id, cordoned).await
     }
 
-    async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
-        // A record must fit in one NATS message: a batch over that is sent
-        // as several records, in order, and answered as one.
+    /// Appends a validated batch; answers once this replica applied it,
+    /// with what its writer did (the same on every replica). A record must
+    /// fit in one NATS message: a batch over that is sent as several
+    /// records, in order, and answered as one.
+    async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, FleetError> {
         let limit = self.log.max_record_bytes();
         let mut merged: Option<BatchOutcome> = None;
         for part in split_to_fit(batch, limit)? {
@@ -441,13 +459,8 @@ impl Replication for Cluster {
         Ok(merged.unwrap_or_default())
     }
 
-    async fn snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
-        self.snapshots.write().await.map_err(Status::unavailable)
-    }
-}
-
-impl Cluster {
-    async fn publish_part(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
+    async fn publish_part(&self, part: Part) -> Result<BatchOutcome, FleetError> {
+        let Part { batch, events } = part;
         let (first, last) = match (batch.events.first(), batch.events.last()) {
             (Some(f), Some(l)) => (f.event_id, l.event_id),
             _ => (0, 0),
@@ -459,15 +472,15 @@ impl Cluster {
         let body = Body::Events(pb::KvEventBatch {
             worker_id: batch.worker_id,
             dp_rank: batch.dp_rank,
-            events: events_to_pb(&batch),
+            events,
         });
         let applied = self
             .log
             .append(body, Some(message_id), true)
             .await
-            .map_err(unavailable)?;
+            .map_err(ClusterError::from)?;
         match applied {
-            Applied::Events(outcome) => outcome.map_err(Status::from),
+            Applied::Events(outcome) => outcome,
             // A resend of a batch already in the log: the cursor has it.
             _ => {
                 let cursor = self
@@ -486,37 +499,42 @@ impl Cluster {
     }
 }
 
-fn events_to_pb(batch: &ValidatedBatch) -> Vec<pb::KvEvent> {
-    batch
-        .events
-        .iter()
-        .map(|e| convert::kv_event_to_pb(e.event_id, &e.event))
-        .collect()
+/// One log record's share of a batch: its validated events and the same
+/// events in wire form, converted once.
+struct Part {
+    batch: ValidatedBatch,
+    events: Vec<pb::KvEvent>,
 }
 
 /// Splits a batch into parts whose events, in wire form, take at most
 /// `limit` bytes each; an event larger than that on its own is refused.
-fn split_to_fit(batch: ValidatedBatch, limit: usize) -> Result<Vec<ValidatedBatch>, Status> {
+fn split_to_fit(batch: ValidatedBatch, limit: usize) -> Result<Vec<Part>, ClusterError> {
     use prost::Message;
-    let sizes: Vec<usize> = events_to_pb(&batch)
+    let events: Vec<pb::KvEvent> = batch
+        .events
         .iter()
-        .map(|e| e.encoded_len() + 8)
+        .map(|e| convert::kv_event_to_pb(e.event_id, &e.event))
         .collect();
+    let sizes: Vec<usize> = events.iter().map(|e| e.encoded_len() + 8).collect();
     if sizes.iter().sum::<usize>() <= limit {
-        return Ok(vec![batch]);
+        return Ok(vec![Part { batch, events }]);
     }
-    if let Some((i, size)) = sizes.iter().enumerate().find(|(_, s)| **s > limit) {
-        return Err(Status::invalid_argument(format!(
-            "events[{i}] takes {size} bytes, over the {limit} a cluster log record holds (NATS max_payload)"
-        )));
+    if let Some((index, &size)) = sizes.iter().enumerate().find(|(_, s)| **s > limit) {
+        return Err(ClusterError::RecordTooLarge { index, size, limit });
     }
-    let sized = batch.events.iter().cloned().zip(sizes);
+    let sized = batch.events.iter().cloned().zip(events).zip(sizes);
     let parts = parts::in_parts(sized, |(_, size)| *size, limit);
     Ok(parts
         .into_iter()
-        .map(|part| ValidatedBatch {
-            events: part.into_iter().map(|(event, _)| event).collect(),
-            ..batch.clone()
+        .map(|part| {
+            let (validated, wire) = part.into_iter().map(|(pair, _)| pair).unzip();
+            Part {
+                batch: ValidatedBatch {
+                    events: validated,
+                    ..batch.clone()
+                },
+                events: wire,
+            }
         })
         .collect())
 }
@@ -538,56 +556,106 @@ fn merge(before: BatchOutcome, after: BatchOutcome) -> BatchOutcome {
     }
 }
 
-/// The replica a server's handlers use: set once the cluster has started
-/// (the handlers exist before it, behind the startup gate, which refuses
-/// their calls until then).
-#[derive(Debug, Default)]
-pub struct ReplicaSlot(std::sync::OnceLock<Arc<Cluster>>);
+/// Cluster mode's side of the fleet's seam (`fleet::changes`): what
+/// decides the index (registration, removal, events) goes through the
+/// shared log, so every replica makes it in the same order; leases, load
+/// and cordons reach the other replicas through their bucket. It exists
+/// before the replica has joined (the handlers are built then, behind the
+/// startup gate); until [`Self::attach`], every change answers
+/// UNAVAILABLE.
+pub struct ReplicatedChanges {
+    fleet: Arc<Fleet>,
+    cluster: OnceLock<Arc<Cluster>>,
+}
 
-impl ReplicaSlot {
-    pub fn set(&self, cluster: Arc<Cluster>) {
-        let _ = self.0.set(cluster);
-    }
-
-    pub fn get(&self) -> Option<&Arc<Cluster>> {
-        self.0.get()
-    }
-
-    fn cluster(&self) -> Result<&Arc<Cluster>, Status> {
-        self.get()
-            .ok_or_else(|| Status::unavailable("this replica is still joining its cluster"))
+impl std::fmt::Debug for ReplicatedChanges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicatedChanges")
+            .field("joined", &self.cluster.get().is_some())
+            .finish_non_exhaustive()
     }
 }
 
-#[tonic::async_trait]
-impl Replication for ReplicaSlot {
-    async fn register(
-        &self,
-        request: pb::RegisterWorkerRequest,
-    ) -> Result<RegisterOutcome, Status> {
-        self.cluster()?.register(request).await
-    }
-
-    async fn deregister(&self, worker_id: WorkerId) -> Result<u64, Status> {
-        self.cluster()?.deregister(worker_id).await
-    }
-
-    async fn heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
-        if let Ok(cluster) = self.cluster() {
-            cluster.heartbeat(worker_id, loads).await;
+impl ReplicatedChanges {
+    pub fn new(fleet: Arc<Fleet>) -> Self {
+        Self {
+            fleet,
+            cluster: OnceLock::new(),
         }
     }
 
-    async fn set_cordoned(&self, worker_id: WorkerId, cordoned: bool) -> Result<(), Status> {
-        self.cluster()?.set_cordoned(worker_id, cordoned).await
+    /// The replica has joined: changes go through `cluster` from now on.
+    pub fn attach(&self, cluster: Arc<Cluster>) {
+        let _ = self.cluster.set(cluster);
     }
 
-    async fn publish(&self, batch: ValidatedBatch) -> Result<BatchOutcome, Status> {
-        self.cluster()?.publish(batch).await
+    fn cluster(&self) -> Result<&Arc<Cluster>, ClusterError> {
+        self.cluster.get().ok_or(ClusterError::Joining)
+    }
+}
+
+impl FleetChanges for ReplicatedChanges {
+    fn register(
+        &self,
+        registration: Registration,
+        source: Option<EngineSource>,
+    ) -> BoxFuture<'_, Result<RegisterOutcome, FleetError>> {
+        Box::pin(async move {
+            // Checked before the log: a refusal reaches no replica.
+            self.fleet
+                .check_registration(&registration, source.as_ref())?;
+            let request = convert::registration_to_pb(&registration, source.as_ref());
+            self.cluster()?.register(request).await
+        })
     }
 
-    async fn snapshot(&self) -> Result<pb::SnapshotResponse, Status> {
-        self.cluster()?.snapshot().await
+    fn heartbeat<'a>(
+        &'a self,
+        worker_id: WorkerId,
+        loads: &'a [(DpRank, RankLoad)],
+    ) -> BoxFuture<'a, Result<Duration, FleetError>> {
+        Box::pin(async move {
+            let ttl = self.fleet.heartbeat(worker_id, loads)?;
+            if let Ok(cluster) = self.cluster() {
+                cluster.share_heartbeat(worker_id, loads);
+            }
+            Ok(ttl)
+        })
+    }
+
+    fn deregister(&self, worker_id: WorkerId) -> BoxFuture<'_, Result<u64, FleetError>> {
+        Box::pin(async move {
+            // Unknown here: unknown everywhere that has caught up.
+            self.fleet.worker_view(worker_id)?;
+            self.cluster()?.deregister(worker_id).await
+        })
+    }
+
+    fn set_cordoned(
+        &self,
+        worker_id: WorkerId,
+        cordoned: bool,
+    ) -> BoxFuture<'_, Result<WorkerView, FleetError>> {
+        Box::pin(async move {
+            self.fleet.worker_view(worker_id)?;
+            self.cluster()?.share_cordon(worker_id, cordoned).await?;
+            self.fleet.set_cordoned(worker_id, cordoned)
+        })
+    }
+
+    fn publish(&self, batch: ValidatedBatch) -> BoxFuture<'_, Result<BatchOutcome, FleetError>> {
+        Box::pin(async move { self.cluster()?.publish(batch).await })
+    }
+}
+
+/// Admin `Snapshot` in cluster mode: the cluster's object, now.
+impl WriteSnapshot for ReplicatedChanges {
+    fn write_now(&self) -> BoxFuture<'_, Result<Written, SnapshotError>> {
+        Box::pin(async move {
+            let replicated = |e: ClusterError| SnapshotError::Replicated(Box::new(e));
+            let cluster = self.cluster().map_err(replicated)?;
+            cluster.snapshots.write().await.map_err(replicated)
+        })
     }
 }
 
@@ -621,17 +689,33 @@ mod tests {
         assert!(parts.len() > 1);
         let ids: Vec<u64> = parts
             .iter()
-            .flat_map(|p| p.events.iter().map(|e| e.event_id))
+            .flat_map(|p| p.batch.events.iter().map(|e| e.event_id))
             .collect();
         assert_eq!(ids, (0..10).collect::<Vec<_>>());
+        // Each part's wire events are its validated events, converted once.
+        for part in &parts {
+            let wire: Vec<u64> = part.events.iter().map(|e| e.event_id).collect();
+            let validated: Vec<u64> = part.batch.events.iter().map(|e| e.event_id).collect();
+            assert_eq!(wire, validated);
+        }
         assert_eq!(split_to_fit(batch(3, 5), 1 << 20).expect("one").len(), 1);
     }
 
     #[test]
     fn an_event_over_the_limit_is_refused() {
-        let status = split_to_fit(batch(2, 500), 2000).expect_err("too big");
-        assert_eq!(status.code(), tonic::Code::InvalidArgument);
-        assert!(status.message().contains("events[0]"), "{status:?}");
+        let Err(error) = split_to_fit(batch(2, 500), 2000) else {
+            panic!("an event over the limit was split");
+        };
+        assert!(
+            matches!(error, ClusterError::RecordTooLarge { index: 0, .. }),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("events[0]"), "{error}");
+        // It reaches the worker as INVALID_ARGUMENT: refused, not retried.
+        assert!(matches!(
+            FleetError::from(error),
+            FleetError::Replication(crate::fleet::changes::ReplicationError::Refused(_))
+        ));
     }
 
     #[test]

@@ -17,12 +17,15 @@ use prost::Message;
 use tokio::io::AsyncReadExt;
 use tokio_util::sync::CancellationToken;
 
-use super::log::{Log, unix_us};
+use super::{
+    error::ClusterError,
+    log::{Log, unix_us},
+};
 use crate::{
     fleet::state::FleetState,
     metrics::Metrics,
     pb,
-    snapshot::{convert, format},
+    snapshot::{Written, convert, format},
 };
 
 const OBJECT: &str = "snapshot";
@@ -53,7 +56,7 @@ impl ClusterSnapshots {
     /// The newest snapshot; `Ok(None)` when there is none yet. An object
     /// that does not decode is an error: starting from the log's start
     /// instead could miss records retention already dropped.
-    pub async fn load(&self) -> Result<Option<LoadedSnapshot>, String> {
+    pub async fn load(&self) -> Result<Option<LoadedSnapshot>, ClusterError> {
         let mut object = match self.store.get(OBJECT).await {
             Ok(object) => object,
             Err(error)
@@ -61,23 +64,23 @@ impl ClusterSnapshots {
             {
                 return Ok(None);
             }
-            Err(error) => return Err(error.to_string()),
+            Err(error) => return Err(ClusterError::nats("read the cluster snapshot", error)),
         };
         let mut bytes = Vec::new();
         object
             .read_to_end(&mut bytes)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ClusterError::nats("read the cluster snapshot", e))?;
         let size = bytes.len();
         let (position, state) = tokio::task::spawn_blocking(move || {
-            let snapshot =
-                pb::ClusterSnapshot::decode(bytes.as_slice()).map_err(|e| e.to_string())?;
-            let state = format::decode(&snapshot.state).map_err(|e| e.to_string())?;
-            let state = convert::state_from_pb(state).map_err(|e| e.to_string())?;
-            Ok::<_, String>((snapshot.log_position, state))
+            let unreadable = |e: String| ClusterError::SnapshotUnreadable(e.into());
+            let snapshot = pb::ClusterSnapshot::decode(bytes.as_slice())
+                .map_err(|e| ClusterError::SnapshotUnreadable(e.into()))?;
+            let state = format::decode(&snapshot.state).map_err(|e| unreadable(e.to_string()))?;
+            let state = convert::state_from_pb(state).map_err(|e| unreadable(e.to_string()))?;
+            Ok::<_, ClusterError>((snapshot.log_position, state))
         })
-        .await
-        .map_err(|e| e.to_string())??;
+        .await??;
         self.metrics
             .snapshot
             .outcomes
@@ -91,13 +94,13 @@ impl ClusterSnapshots {
     }
 
     /// Captures between two log records and writes the object.
-    pub async fn write(&self) -> Result<pb::SnapshotResponse, String> {
+    pub async fn write(&self) -> Result<Written, ClusterError> {
         let started = tokio::time::Instant::now();
         let captured = self
             .log
             .capture()
             .await
-            .ok_or("the log follower has stopped")?;
+            .ok_or(ClusterError::FollowerStopped)?;
         let capture_seconds = started.elapsed().as_secs_f64();
         let (entries, workers) = (
             captured.state.entries(),
@@ -113,8 +116,7 @@ impl ClusterSnapshots {
             }
             .encode_to_vec()
         })
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
         let size = bytes.len();
         let mut reader = bytes.as_slice();
         let written = self.store.put(OBJECT, &mut reader).await;
@@ -125,8 +127,8 @@ impl ClusterSnapshots {
                 s.bytes.set(i64::try_from(size).unwrap_or(i64::MAX));
                 s.age.set(0.0);
                 tracing::info!(position, bytes = size, "cluster snapshot written");
-                Ok(pb::SnapshotResponse {
-                    path: format!("nats object store, log position {position}"),
+                Ok(Written {
+                    path: format!("nats object store, log position {position}").into(),
                     bytes: size as u64,
                     entries,
                     workers,
@@ -136,7 +138,7 @@ impl ClusterSnapshots {
             }
             Err(error) => {
                 s.outcomes.with_label_values(&["write_failed"]).inc();
-                Err(error.to_string())
+                Err(ClusterError::nats("write the cluster snapshot", error))
             }
         }
     }

@@ -19,6 +19,7 @@
 //! queued before), forget bookings and sessions. Deregistration and lease
 //! lapse both end in it.
 
+pub mod changes;
 pub mod state;
 pub mod subscriptions;
 
@@ -57,6 +58,9 @@ pub enum FleetError {
     DuplicateEngine { worker_id: WorkerId },
     #[error(transparent)]
     Ingest(#[from] IngestError),
+    /// Cluster mode: the change could not go through the other replicas.
+    #[error(transparent)]
+    Replication(#[from] changes::ReplicationError),
 }
 
 /// What kvroute knows of one registered worker, for the Admin API.
@@ -166,6 +170,13 @@ impl Fleet {
         batch: crate::ingest::EngineBatch,
     ) -> Result<crate::ingest::EngineOutcome, FleetError> {
         Ok(self.ingest.apply_engine(batch).await?)
+    }
+
+    /// Counts engine events the index refused when they were applied from
+    /// the shared log, on the subscription that forwarded them.
+    pub fn count_engine_rejected(&self, worker_id: WorkerId, generation: u64, rejected: u32) {
+        self.subscriptions
+            .count_index_rejected(worker_id, generation, rejected);
     }
 
     /// Waits for `worker_id`'s turn (see the module docs).

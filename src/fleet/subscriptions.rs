@@ -113,6 +113,7 @@ struct Running {
     configured: bool,
     ranks: u32,
     subscription: WorkerSubscription,
+    metrics: Arc<WorkerEventMetrics>,
 }
 
 /// Every running subscription of the service.
@@ -238,7 +239,7 @@ impl Subscriptions {
         let subscription = spawn_worker(
             cfg,
             sink,
-            metrics,
+            metrics.clone(),
             self.stop_all.child_token(),
             &self.tracker,
         )
@@ -262,9 +263,24 @@ impl Subscriptions {
                 configured,
                 ranks: r.dp_size.max(1),
                 subscription,
+                metrics,
             },
         );
         Ok(())
+    }
+
+    /// Counts events of `worker_id`'s subscription (started for
+    /// `generation`) that the index refused where they were applied later:
+    /// cluster mode applies them from the shared log.
+    pub fn count_index_rejected(&self, worker_id: WorkerId, generation: u64, rejected: u32) {
+        if let Some(running) = self
+            .running
+            .lock()
+            .get(&worker_id)
+            .filter(|r| r.generation == generation)
+        {
+            WorkerEventMetrics::add(&running.metrics.index_rejected, u64::from(rejected));
+        }
     }
 
     /// Stops a worker's subscription and waits for its tasks; returns whether

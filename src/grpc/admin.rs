@@ -5,56 +5,48 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use crate::{
-    fleet::Fleet,
-    grpc::{convert, replication::Replication, router::prepare, status::reason_label},
+    fleet::{Fleet, changes::FleetChanges},
+    grpc::{convert, router::prepare, status::reason_label},
     pb,
     router::Admitted,
-    snapshot::Snapshots,
+    snapshot::{SnapshotError, WriteSnapshot},
 };
 use kvroute_core::select::eligibility::Ineligible;
 
 /// Handlers of `kvroute.v1.Admin`.
 #[derive(Clone)]
 pub struct AdminService {
+    /// What the handlers read.
     fleet: Arc<Fleet>,
-    /// `None` without `--state-dir`.
-    snapshots: Option<Arc<Snapshots>>,
-    /// Set in cluster mode: cordons reach the other replicas.
-    replication: Option<Arc<dyn Replication>>,
+    /// Cordons, alone or through the cluster (`app.rs` chooses).
+    changes: Arc<dyn FleetChanges>,
+    /// The state directory's snapshots, or the cluster's; `None` alone
+    /// without `--state-dir`.
+    snapshots: Option<Arc<dyn WriteSnapshot>>,
 }
 
 type Res<T> = Result<Response<T>, Status>;
 
 impl AdminService {
-    pub fn new(fleet: Arc<Fleet>, snapshots: Option<Arc<Snapshots>>) -> Self {
+    pub fn new(
+        fleet: Arc<Fleet>,
+        changes: Arc<dyn FleetChanges>,
+        snapshots: Option<Arc<dyn WriteSnapshot>>,
+    ) -> Self {
         Self {
             fleet,
+            changes,
             snapshots,
-            replication: None,
         }
-    }
-
-    /// A replica's service (see [`Replication`]).
-    pub fn with_replication(mut self, replication: Arc<dyn Replication>) -> Self {
-        self.replication = Some(replication);
-        self
     }
 
     /// In a cluster the cordon is shared first, so a replica that cannot
     /// share it changes nothing and answers UNAVAILABLE.
     async fn cordon(&self, worker_id: u64, cordoned: bool) -> Res<pb::WorkerInfo> {
-        if let Some(replication) = &self.replication {
-            self.fleet
-                .worker_view(worker_id)
-                .map_err(|e| self.fail(e.into()))?;
-            replication
-                .set_cordoned(worker_id, cordoned)
-                .await
-                .map_err(|e| self.fail(e))?;
-        }
         let view = self
-            .fleet
+            .changes
             .set_cordoned(worker_id, cordoned)
+            .await
             .map_err(|e| self.fail(e.into()))?;
         Ok(Response::new(convert::worker_view_to_pb(&view)))
     }
@@ -185,21 +177,18 @@ impl pb::admin_server::Admin for AdminService {
     }
 
     async fn snapshot(&self, _request: Request<pb::SnapshotRequest>) -> Res<pb::SnapshotResponse> {
-        if let Some(replication) = &self.replication {
-            return replication
-                .snapshot()
-                .await
-                .map(Response::new)
-                .map_err(|e| self.fail(e));
-        }
         let Some(snapshots) = &self.snapshots else {
             return Err(self.fail(Status::failed_precondition(
                 "kvroute runs without a state directory: start it with --state-dir to take snapshots",
             )));
         };
-        let written = snapshots.write().await.map_err(|e| {
+        let written = snapshots.write_now().await.map_err(|e| {
             tracing::warn!(error = %e, "snapshot on request failed");
-            self.fail(Status::internal(e.to_string()))
+            self.fail(match e {
+                // The cluster's store is away: try again later.
+                SnapshotError::Replicated(_) => Status::unavailable(e.to_string()),
+                _ => Status::internal(e.to_string()),
+            })
         })?;
         Ok(Response::new(pb::SnapshotResponse {
             path: written.path.display().to_string(),

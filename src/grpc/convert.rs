@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use crate::{
-    engine_events::EngineSource,
+    engine_events::{EngineSource, dialect_name},
     fleet::{IndexView, WorkerView},
     grpc::status::InvalidInput,
     ingest::{BatchOutcome, IngestEvent, ValidatedBatch},
@@ -136,6 +136,37 @@ pub fn registration_from_pb(
         ));
     }
     Ok((registration, source))
+}
+
+/// The RegisterWorker request that [`registration_from_pb`] reads back as
+/// `registration` and `source`: cluster mode appends registrations to the
+/// shared log in this form, which every replica reads the same way.
+pub fn registration_to_pb(
+    registration: &Registration,
+    source: Option<&EngineSource>,
+) -> pb::RegisterWorkerRequest {
+    let r = registration;
+    pb::RegisterWorkerRequest {
+        worker_id: r.worker_id,
+        model: r.model.clone(),
+        role: role_to_pb(r.role).into(),
+        endpoint: r.endpoint.clone(),
+        block_size: r.block_size,
+        dp_start_rank: r.dp_start_rank,
+        dp_size: r.dp_size,
+        total_kv_blocks: r.total_kv_blocks,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+        taints: r.taints.clone(),
+        lease_ttl_secs: r
+            .lease_ttl
+            .map_or(0, |ttl| u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX)),
+        kv_events: pb::KvEventsMode::from(r.kv_events).into(),
+        events_endpoint: source.map_or_else(String::new, |s| s.endpoint.clone()),
+        events_dialect: source.map_or_else(String::new, |s| dialect_name(s.dialect).into()),
+        replay_endpoint: source
+            .and_then(|s| s.replay_endpoint.clone())
+            .unwrap_or_default(),
+    }
 }
 
 pub fn rank_load_from_pb(load: &pb::RankLoad) -> (u32, RankLoad) {
@@ -781,5 +812,55 @@ pub fn index_view_to_pb(view: &IndexView) -> pb::IndexStats {
         memory_bytes: view.stats.bytes_used,
         entries: view.digest.entries,
         digest: view.digest.digest,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine_events::Dialect;
+
+    /// Cluster mode appends `registration_to_pb` and every replica reads it
+    /// with `registration_from_pb`: what it wrote must come back whole.
+    #[test]
+    fn a_registration_reads_back_as_it_was_written() {
+        let full = Registration {
+            worker_id: 42,
+            model: "llama".into(),
+            role: WorkerRole::Prefill,
+            endpoint: "10.0.0.7:8000".into(),
+            block_size: 16,
+            dp_start_rank: 4,
+            dp_size: 2,
+            total_kv_blocks: 9000,
+            max_num_batched_tokens: 8192,
+            taints: vec!["gpu=h100".into(), "spot".into()],
+            lease_ttl: Some(std::time::Duration::from_secs(45)),
+            kv_events: KvEventsMode::Auto,
+        };
+        let source = EngineSource {
+            dialect: Dialect::Sglang,
+            endpoint: "tcp://127.0.0.1:5557".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:5600".into()),
+        };
+        let bare = Registration {
+            worker_id: 7,
+            model: "m".into(),
+            role: WorkerRole::Decode,
+            endpoint: String::new(),
+            block_size: 64,
+            dp_start_rank: 0,
+            dp_size: 1,
+            total_kv_blocks: 0,
+            max_num_batched_tokens: 0,
+            taints: Vec::new(),
+            lease_ttl: None,
+            kv_events: KvEventsMode::Approximate,
+        };
+        for (registration, source) in [(full, Some(source)), (bare, None)] {
+            let request = registration_to_pb(&registration, source.as_ref());
+            let back = registration_from_pb(request).expect("reads back");
+            assert_eq!(back, (registration, source));
+        }
     }
 }

@@ -1,11 +1,10 @@
 //! The gRPC edge: thin handlers that translate protobuf to domain calls and
 //! back (`convert`), one error mapping to `tonic::Status` (`status`), and the
-//! RPC metrics layer. In cluster mode the
-//! Workers and Admin handlers change state through `replication`.
+//! RPC metrics layer. The Workers and Admin handlers change state through
+//! the fleet's seam (`fleet::changes`), the same alone or as a replica.
 
 pub mod admin;
 pub mod convert;
-pub mod replication;
 pub mod router;
 pub mod rpc_metrics;
 pub mod startup_gate;

@@ -6,7 +6,11 @@
 
 use tonic::{Code, Status};
 
-use crate::{fleet::FleetError, ingest::IngestError, router::RouteError};
+use crate::{
+    fleet::{FleetError, changes::ReplicationError},
+    ingest::IngestError,
+    router::RouteError,
+};
 use kvroute_core::{registry::RegistryError, select::error::ErrorCode};
 
 /// A request field that failed validation.
@@ -69,6 +73,15 @@ impl From<FleetError> for Status {
             FleetError::InvalidSource { .. } => Status::invalid_argument(error.to_string()),
             FleetError::ConfiguredEngine { .. } | FleetError::DuplicateEngine { .. } => {
                 Status::failed_precondition(error.to_string())
+            }
+            FleetError::Replication(ReplicationError::Unavailable(message)) => {
+                Status::unavailable(message)
+            }
+            FleetError::Replication(ReplicationError::Refused(message)) => {
+                Status::invalid_argument(message)
+            }
+            FleetError::Replication(ReplicationError::Inconsistent(message)) => {
+                Status::internal(message)
             }
         }
     }

@@ -1,7 +1,8 @@
 //! The `kvroute.v1.Workers` service: registration, leases, load and the
-//! `PublishEvents` stream. Handlers translate (`convert`) and call the fleet
-//! (`crate::fleet`), which owns the worker lifecycle; event batches are
-//! validated here, with no lock held, and applied by the index's one writer.
+//! `PublishEvents` stream. Handlers translate (`convert`) and call the
+//! fleet's seam (`fleet::changes`), alone or as a replica without knowing
+//! which; event batches are validated here, with no lock held, and applied
+//! by the index's one writer.
 
 use std::{pin::Pin, sync::Arc};
 
@@ -10,10 +11,9 @@ use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::{
-    fleet::{Fleet, FleetError},
+    fleet::{Fleet, FleetError, changes::FleetChanges},
     grpc::{
         convert::{self, BatchLimits},
-        replication::Replication,
         status::reason_label,
     },
     pb,
@@ -24,18 +24,19 @@ use kvroute_core::registry::RegistryError;
 /// Handlers of `kvroute.v1.Workers`.
 #[derive(Clone)]
 pub struct WorkersService {
+    /// What the handlers read (views, event targets, limits).
     fleet: Arc<Fleet>,
-    /// Set in cluster mode: changes go through the shared log.
-    replication: Option<Arc<dyn Replication>>,
+    /// What they change, alone or through the cluster (`app.rs` chooses).
+    changes: Arc<dyn FleetChanges>,
     /// Hosts a registration's events endpoint may point at.
     endpoint_allow: Arc<EndpointAllow>,
 }
 
 impl WorkersService {
-    pub fn new(fleet: Arc<Fleet>) -> Self {
+    pub fn new(fleet: Arc<Fleet>, changes: Arc<dyn FleetChanges>) -> Self {
         Self {
             fleet,
-            replication: None,
+            changes,
             endpoint_allow: Arc::default(),
         }
     }
@@ -45,15 +46,6 @@ impl WorkersService {
         Self {
             endpoint_allow: Arc::new(allow),
             ..self
-        }
-    }
-
-    /// A replica's service (see [`Replication`]).
-    pub fn replicated(fleet: Arc<Fleet>, replication: Arc<dyn Replication>) -> Self {
-        Self {
-            fleet,
-            replication: Some(replication),
-            endpoint_allow: Arc::default(),
         }
     }
 
@@ -124,22 +116,11 @@ impl pb::workers_server::Workers for WorkersService {
                 .inc();
             return Err(self.fail(Status::permission_denied(endpoint_allow::REFUSED)));
         }
-        let outcome = match &self.replication {
-            Some(replication) => {
-                self.fleet
-                    .check_registration(&registration, source.as_ref())
-                    .map_err(|e| self.fail(e.into()))?;
-                replication
-                    .register(request)
-                    .await
-                    .map_err(|e| self.fail(e))?
-            }
-            None => self
-                .fleet
-                .register(registration, source)
-                .await
-                .map_err(|e| self.fail(e.into()))?,
-        };
+        let outcome = self
+            .changes
+            .register(registration, source)
+            .await
+            .map_err(|e| self.fail(e.into()))?;
         Ok(Response::new(pb::RegisterWorkerResponse {
             created: outcome.created,
             lease_ttl_secs: u32::try_from(outcome.lease_ttl.as_secs()).unwrap_or(u32::MAX),
@@ -170,12 +151,10 @@ impl pb::workers_server::Workers for WorkersService {
             .map(convert::rank_load_from_pb)
             .collect();
         let ttl = self
-            .fleet
+            .changes
             .heartbeat(request.worker_id, &loads)
+            .await
             .map_err(|e| self.fail(e.into()))?;
-        if let Some(replication) = &self.replication {
-            replication.heartbeat(request.worker_id, &loads).await;
-        }
         Ok(Response::new(pb::HeartbeatResponse {
             lease_ttl_secs: u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX),
         }))
@@ -191,23 +170,11 @@ impl pb::workers_server::Workers for WorkersService {
             request.get_ref().worker_id,
         )?;
         let worker_id = request.into_inner().worker_id;
-        let blocks_removed = match &self.replication {
-            Some(replication) => {
-                // Unknown here: unknown everywhere that has caught up.
-                self.fleet
-                    .worker_view(worker_id)
-                    .map_err(|e| self.fail(e.into()))?;
-                replication
-                    .deregister(worker_id)
-                    .await
-                    .map_err(|e| self.fail(e))?
-            }
-            None => self
-                .fleet
-                .deregister(worker_id)
-                .await
-                .map_err(|e| self.fail(e.into()))?,
-        };
+        let blocks_removed = self
+            .changes
+            .deregister(worker_id)
+            .await
+            .map_err(|e| self.fail(e.into()))?;
         Ok(Response::new(pb::DeregisterWorkerResponse {
             blocks_removed,
         }))
@@ -265,29 +232,18 @@ impl WorkersService {
             max_blocks_per_event: limits.max_blocks_per_event as usize,
         };
         let count = batch.events.len() as u64;
-        let target = self.fleet.event_target(batch.worker_id, batch.dp_rank);
-        let approximate = matches!(
-            target,
-            Err(FleetError::Registry(
-                RegistryError::PublishesNoEvents { .. }
-            ))
-        );
-        let validated = target.map_err(Status::from).and_then(|target| {
-            convert::batch_from_pb(batch, &target, limits).map_err(|e| {
+        let validated = match self.fleet.event_target(batch.worker_id, batch.dp_rank) {
+            Err(error) => Err((not_a_target(&error), Status::from(error))),
+            Ok(target) => convert::batch_from_pb(batch, &target, limits).map_err(|e| {
                 // A registered rank's malformed batch: its events count
                 // as rejected in the Admin API too.
                 self.fleet.count_rejected(target, count);
-                Status::from(e)
-            })
-        });
+                ("malformed", Status::from(e))
+            }),
+        };
         let validated = match validated {
             Ok(v) => v,
-            Err(status) => {
-                let reason = match status.code() {
-                    tonic::Code::NotFound => "unknown_worker",
-                    _ if approximate => "approximate_worker",
-                    _ => "malformed",
-                };
+            Err((reason, status)) => {
                 if count > 0 {
                     self.fleet
                         .router()
@@ -300,17 +256,11 @@ impl WorkersService {
             }
         };
         let worker_id = validated.worker_id;
-        let outcome = match &self.replication {
-            Some(replication) => replication
-                .publish(validated)
-                .await
-                .map_err(|e| self.fail(e))?,
-            None => self
-                .fleet
-                .apply_events(validated)
-                .await
-                .map_err(|e| self.fail(e.into()))?,
-        };
+        let outcome = self
+            .changes
+            .publish(validated)
+            .await
+            .map_err(|e| self.fail(e.into()))?;
         if let Some(rejection) = &outcome.first_rejection {
             tracing::debug!(worker_id, %rejection, rejected = outcome.rejected, "events rejected");
         }
@@ -318,5 +268,17 @@ impl WorkersService {
             tracing::debug!(worker_id, dp_rank = outcome.dp_rank, "resync required");
         }
         Ok(convert::publish_reply_to_pb(&outcome))
+    }
+}
+
+/// The metric label of a batch whose (worker, rank) takes no events: an
+/// unknown worker, one that publishes none (APPROXIMATE), or else a batch
+/// naming what it may not (a rank the worker does not have).
+fn not_a_target(error: &FleetError) -> &'static str {
+    match error {
+        FleetError::Registry(RegistryError::UnknownWorker { .. })
+        | FleetError::Ingest(crate::ingest::IngestError::WorkerGone { .. }) => "unknown_worker",
+        FleetError::Registry(RegistryError::PublishesNoEvents { .. }) => "approximate_worker",
+        _ => "malformed",
     }
 }

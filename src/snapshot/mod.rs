@@ -54,6 +54,21 @@ pub enum SnapshotError {
     Unusable { path: String, why: String },
     #[error("the snapshot writer stopped: {0}")]
     Task(String),
+    /// Cluster mode: the cluster's snapshot could not be written now.
+    #[error("{0}")]
+    Replicated(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Writes a snapshot now, for Admin `Snapshot`: the state directory's file
+/// alone, the cluster's object in cluster mode (`app.rs` chooses).
+pub trait WriteSnapshot: Send + Sync + 'static {
+    fn write_now(&self) -> futures::future::BoxFuture<'_, Result<Written, SnapshotError>>;
+}
+
+impl WriteSnapshot for Snapshots {
+    fn write_now(&self) -> futures::future::BoxFuture<'_, Result<Written, SnapshotError>> {
+        Box::pin(self.write())
+    }
 }
 
 /// A snapshot written.

@@ -554,3 +554,77 @@ async fn a_batch_larger_than_a_nats_message_is_applied_whole() {
     let (entries, _) = converged(&all, Duration::from_secs(20)).await;
     assert_eq!(entries, 4 * 16_384);
 }
+
+/// An engine's batch that the index refuses counts in the worker's
+/// `index_rejected` in cluster mode as it does alone, though there it is
+/// applied from the shared log by the follower, not by the subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_events_the_index_refuses_count_in_cluster_mode() {
+    use crate::engine_reconnect::{engine_registration, send, seq, stored as engine_stored};
+
+    let nats = Nats::start("engine-rejected");
+    let replica = Replica::start(&nats, "rejected", "r0", &[]).await;
+    let endpoint = format!("tcp://127.0.0.1:{}", common::cluster::free_addr().port());
+    let mut engine = <zeromq::PubSocket as zeromq::Socket>::new();
+    zeromq::Socket::bind(&mut engine, &endpoint).await.unwrap();
+    WorkersClient::new(replica.channel.clone())
+        .register_worker(engine_registration(7, &endpoint))
+        .await
+        .expect("register");
+    let connected = |info: &pb::WorkerInfo| info.subscription.contains(" connected,");
+    wait_for(&replica, 7, "connected", connected).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    send(
+        &mut engine,
+        vec![vec![], seq(0), engine_stored(1, None, 10)],
+    )
+    .await;
+    // Its parent was never stored: the index refuses it.
+    send(
+        &mut engine,
+        vec![vec![], seq(1), engine_stored(2, Some(99), 12)],
+    )
+    .await;
+    send(
+        &mut engine,
+        vec![vec![], seq(2), engine_stored(3, Some(1), 14)],
+    )
+    .await;
+    let cached =
+        |info: &pb::WorkerInfo| info.ranks.iter().map(|r| r.cached_blocks).sum::<u64>() == 2;
+    wait_for(&replica, 7, "two blocks", cached).await;
+
+    let series = r#"kvroute_engine_events_ignored_total{reason="index_rejected",worker="7"}"#;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while replica.metric(series) < 1.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{series} never counted the refused event"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(replica.metric(series), 1.0);
+}
+
+/// Polls the replica's GetWorker until `done` holds (10 s at most).
+async fn wait_for(
+    replica: &Replica,
+    worker_id: u64,
+    what: &str,
+    done: impl Fn(&pb::WorkerInfo) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(info) = replica.worker(worker_id).await
+            && done(&info)
+        {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -45,7 +45,7 @@ use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage
 
 /// `[0.0, [["BlockStored", [h], parent, [t, t+1], 2, nil, "GPU", nil]], 0]`
 /// (vLLM array form, block size 2).
-fn stored(h: u8, parent: Option<u8>, t: u8) -> Vec<u8> {
+pub(crate) fn stored(h: u8, parent: Option<u8>, t: u8) -> Vec<u8> {
     let mut v = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x98, 0xab];
     v.extend_from_slice(b"BlockStored");
     v.extend_from_slice(&[0x91, h, parent.unwrap_or(0xc0), 0x92, t, t + 1, 0x02, 0xc0]);
@@ -69,12 +69,12 @@ fn all_cleared() -> Vec<u8> {
     v
 }
 
-async fn send(p: &mut PubSocket, frames: Vec<Vec<u8>>) {
+pub(crate) async fn send(p: &mut PubSocket, frames: Vec<Vec<u8>>) {
     let frames: Vec<Bytes> = frames.into_iter().map(Bytes::from).collect();
     p.send(ZmqMessage::try_from(frames).unwrap()).await.unwrap();
 }
 
-fn seq(s: u64) -> Vec<u8> {
+pub(crate) fn seq(s: u64) -> Vec<u8> {
     s.to_be_bytes().to_vec()
 }
 
@@ -130,7 +130,7 @@ async fn select(server: &TestServer, tokens: &[u32]) -> pb::SelectWorkerResponse
         .into_inner()
 }
 
-fn engine_registration(id: u64, endpoint: &str) -> pb::RegisterWorkerRequest {
+pub(crate) fn engine_registration(id: u64, endpoint: &str) -> pb::RegisterWorkerRequest {
     pb::RegisterWorkerRequest {
         block_size: 2,
         events_endpoint: endpoint.into(),
