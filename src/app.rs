@@ -183,51 +183,84 @@ pub async fn run(
         }
     }
 
-    tracing::info!("shutdown requested: health NOT_SERVING, draining");
-    fleet.router().fail_queue();
-    cluster_tasks.1.cancel();
-    set_health(&health, tonic_health::ServingStatus::NotServing).await;
-    if !config.drain_delay.is_zero() {
-        tokio::time::sleep(config.drain_delay).await;
+    Serving {
+        fleet,
+        snapshots,
+        health,
+        cluster_tasks,
+        stop_accepting,
+        server,
+        background,
     }
-    stop_accepting.cancel();
-    let result = match tokio::time::timeout(config.shutdown_grace, &mut server).await {
-        Ok(result) => flatten(result),
-        Err(_) => {
-            tracing::warn!(
-                grace = ?config.shutdown_grace,
-                "grace period over: aborting calls still in flight"
-            );
-            server.abort();
-            Ok(())
+    .drain_and_stop(&config)
+    .await
+}
+
+/// What a serving kvroute stops, in order, when shutdown is requested.
+struct Serving {
+    fleet: Arc<Fleet>,
+    snapshots: Option<Arc<Snapshots>>,
+    health: tonic_health::server::HealthReporter,
+    /// The replica's tasks and their token (cluster mode).
+    cluster_tasks: (TaskTracker, CancellationToken),
+    stop_accepting: CancellationToken,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    background: Background,
+}
+
+impl Serving {
+    /// Health NOT_SERVING, the drain delay, no new connections, the calls
+    /// in flight finish within the grace period; then the background and
+    /// cluster tasks stop, a last snapshot is written and the engine
+    /// subscriptions end.
+    async fn drain_and_stop(mut self, config: &ServeConfig) -> Result<(), ServeError> {
+        let fleet = &self.fleet;
+        tracing::info!("shutdown requested: health NOT_SERVING, draining");
+        fleet.router().fail_queue();
+        self.cluster_tasks.1.cancel();
+        set_health(&self.health, tonic_health::ServingStatus::NotServing).await;
+        if !config.drain_delay.is_zero() {
+            tokio::time::sleep(config.drain_delay).await;
         }
-    };
-    if tokio::time::timeout(Duration::from_secs(5), background.stop())
-        .await
-        .is_err()
-    {
-        tracing::warn!("background tasks did not stop within 5s");
+        self.stop_accepting.cancel();
+        let result = match tokio::time::timeout(config.shutdown_grace, &mut self.server).await {
+            Ok(result) => flatten(result),
+            Err(_) => {
+                tracing::warn!(
+                    grace = ?config.shutdown_grace,
+                    "grace period over: aborting calls still in flight"
+                );
+                self.server.abort();
+                Ok(())
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(5), self.background.stop())
+            .await
+            .is_err()
+        {
+            tracing::warn!("background tasks did not stop within 5s");
+        }
+        if let Some(snapshots) = &self.snapshots
+            && let Err(error) = snapshots.write().await
+        {
+            tracing::error!(%error, "snapshot at shutdown failed");
+        }
+        self.cluster_tasks.0.close();
+        if tokio::time::timeout(Duration::from_secs(5), self.cluster_tasks.0.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("cluster tasks did not stop within 5s");
+        }
+        if tokio::time::timeout(Duration::from_secs(5), fleet.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("engine event subscriptions did not stop within 5s");
+        }
+        tracing::info!("kvroute stopped");
+        result
     }
-    if let Some(snapshots) = &snapshots
-        && let Err(error) = snapshots.write().await
-    {
-        tracing::error!(%error, "snapshot at shutdown failed");
-    }
-    cluster_tasks.0.close();
-    if tokio::time::timeout(Duration::from_secs(5), cluster_tasks.0.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("cluster tasks did not stop within 5s");
-    }
-    if tokio::time::timeout(Duration::from_secs(5), fleet.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!("engine event subscriptions did not stop within 5s");
-    }
-    tracing::info!("kvroute stopped");
-    result
 }
 
 /// The router core, its index writer, the fleet and, with a state

@@ -109,18 +109,7 @@ impl Cluster {
         let (connected_tx, connected) = watch::channel(false);
         let client = connect(options, url, &replica, connected_tx).await?;
         let js = jetstream::new(client.clone());
-        let (log_stream, workers, sessions, control, store) = loop {
-            match setup(&js, &names, options, &settings).await {
-                Ok(made) => break made,
-                Err(error) => {
-                    tracing::warn!(%error, url, "cluster: NATS not ready; retrying");
-                    tokio::select! {
-                        () = stop.cancelled() => return Err(ClusterError::Stopped),
-                        () = tokio::time::sleep(SETUP_RETRY) => {}
-                    }
-                }
-            }
-        };
+        let made = setup_until_ready(&js, &names, options, &settings, &stop).await?;
         let metrics = fleet.router().metrics().clone();
         let log = Arc::new(Log::new(
             js.clone(),
@@ -135,61 +124,26 @@ impl Cluster {
             stop: stop.clone(),
         }));
         let snapshots = Arc::new(ClusterSnapshots {
-            store,
-            control,
+            store: made.store,
+            control: made.control,
             log: log.clone(),
-            metrics: metrics.clone(),
+            metrics,
         });
-        let from = match snapshots.load().await? {
-            Some(loaded) => {
-                let report = fleet.restore(loaded.state).await;
-                tracing::info!(
-                    position = loaded.position,
-                    bytes = loaded.bytes,
-                    workers = report.workers,
-                    entries = report.entries,
-                    "cluster snapshot loaded"
-                );
-                loaded.position + 1
-            }
-            None => 1,
-        };
-        let first = log_stream.cached_info().state.first_sequence;
-        if from < first {
-            tracing::warn!(
-                from,
-                first,
-                "the shared log no longer holds every record after the snapshot (retention): the index may miss events until workers resynchronise"
-            );
-        }
-        let end = log_stream.cached_info().state.last_sequence;
-        tasks.spawn(log.clone().follow(fleet.clone(), from, stop.clone()));
-        if !log.wait_applied(end, Duration::from_secs(600)).await {
-            return Err(ClusterError::NotCaughtUp { position: end });
-        }
-        tracing::info!(
-            replica,
-            position = end,
-            "cluster: caught up with the shared log"
-        );
+        let position = catch_up(&fleet, &log, &snapshots, &made.log_stream, tasks, &stop).await?;
+        tracing::info!(replica, position, "cluster: caught up with the shared log");
 
-        let leases = Arc::new(Leases::new(workers, fleet.clone(), log.clone()));
+        let leases = Arc::new(Leases::new(made.workers, fleet.clone(), log.clone()));
         tasks.spawn(leases.clone().watch(stop.clone()));
         tasks.spawn(leases.clone().housekeeping(LEASE_CHECK, stop.clone()));
-
-        let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
-        fleet.router().set_change_feed(feed_tx);
         let sync = Arc::new(RoutingSync {
             client: client.clone(),
             js: js.clone(),
-            sessions,
+            sessions: made.sessions,
             names: names.clone(),
             replica: replica.clone(),
             router: fleet.router().clone(),
         });
-        tasks.spawn(sync.clone().publish(feed_rx, connected.clone()));
-        tasks.spawn(sync.clone().receive(stop.clone()));
-        tasks.spawn(sync.watch_sessions(stop.clone()));
+        share_routing(&fleet, sync, connected.clone(), tasks, &stop);
         tasks.spawn(
             snapshots
                 .clone()
@@ -236,6 +190,94 @@ impl Cluster {
             was = now;
         }
     }
+}
+
+/// What the cluster keeps in NATS, opened or created.
+struct Made {
+    log_stream: stream::Stream,
+    workers: kv::Store,
+    sessions: kv::Store,
+    control: kv::Store,
+    store: object_store::ObjectStore,
+}
+
+/// [`setup`], retried each `SETUP_RETRY` until NATS is ready or `stop`.
+async fn setup_until_ready(
+    js: &jetstream::Context,
+    names: &Names,
+    options: &ClusterOptions,
+    settings: &ClusterSettings,
+    stop: &CancellationToken,
+) -> Result<Made, ClusterError> {
+    loop {
+        match setup(js, names, options, settings).await {
+            Ok(made) => return Ok(made),
+            Err(error) => {
+                tracing::warn!(%error, "cluster: NATS not ready; retrying");
+                tokio::select! {
+                    () = stop.cancelled() => return Err(ClusterError::Stopped),
+                    () = tokio::time::sleep(SETUP_RETRY) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Loads the newest cluster snapshot into `fleet`, then follows the log
+/// from there (on `tasks`) until this replica has applied every record
+/// the log held when it started; answers with that position.
+async fn catch_up(
+    fleet: &Arc<Fleet>,
+    log: &Arc<Log>,
+    snapshots: &ClusterSnapshots,
+    log_stream: &stream::Stream,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) -> Result<u64, ClusterError> {
+    let from = match snapshots.load().await? {
+        Some(loaded) => {
+            let report = fleet.restore(loaded.state).await;
+            tracing::info!(
+                position = loaded.position,
+                bytes = loaded.bytes,
+                workers = report.workers,
+                entries = report.entries,
+                "cluster snapshot loaded"
+            );
+            loaded.position + 1
+        }
+        None => 1,
+    };
+    let first = log_stream.cached_info().state.first_sequence;
+    if from < first {
+        tracing::warn!(
+            from,
+            first,
+            "the shared log no longer holds every record after the snapshot (retention): the index may miss events until workers resynchronise"
+        );
+    }
+    let end = log_stream.cached_info().state.last_sequence;
+    tasks.spawn(log.clone().follow(fleet.clone(), from, stop.clone()));
+    if !log.wait_applied(end, Duration::from_secs(600)).await {
+        return Err(ClusterError::NotCaughtUp { position: end });
+    }
+    Ok(end)
+}
+
+/// Feeds this replica's bookings and sessions to the others, and theirs
+/// to this replica's router, on `tasks` until `stop`.
+fn share_routing(
+    fleet: &Fleet,
+    sync: Arc<RoutingSync>,
+    connected: watch::Receiver<bool>,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) {
+    let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
+    fleet.router().set_change_feed(feed_tx);
+    tasks.spawn(sync.clone().publish(feed_rx, connected));
+    tasks.spawn(sync.clone().receive(stop.clone()));
+    tasks.spawn(sync.watch_sessions(stop.clone()));
 }
 
 /// Connects to NATS. The client reconnects by itself for as long as the
@@ -294,16 +336,7 @@ async fn setup(
     names: &Names,
     options: &ClusterOptions,
     settings: &ClusterSettings,
-) -> Result<
-    (
-        stream::Stream,
-        kv::Store,
-        kv::Store,
-        kv::Store,
-        object_store::ObjectStore,
-    ),
-    ClusterError,
-> {
+) -> Result<Made, ClusterError> {
     let log = js
         .get_or_create_stream(stream::Config {
             name: names.log_stream.clone(),
@@ -346,7 +379,13 @@ async fn setup(
             .await
             .map_err(|e| ClusterError::nats("create the snapshot store", e))?,
     };
-    Ok((log, workers, sessions, control, store))
+    Ok(Made {
+        log_stream: log,
+        workers,
+        sessions,
+        control,
+        store,
+    })
 }
 
 /// Opens a key-value bucket, creating its stream first if missing. The
