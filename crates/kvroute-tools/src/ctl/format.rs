@@ -1,0 +1,105 @@
+//! How values are spelled in `ctl`'s tables and JSON: the names of the
+//! protocol's enums, durations, sizes and rank ranges. One spelling for
+//! every sub-command that shows the same value.
+
+use kvroute::pb;
+
+pub(super) fn role_name(role: pb::WorkerRole) -> &'static str {
+    match role {
+        pb::WorkerRole::Aggregated => "aggregated",
+        pb::WorkerRole::Prefill => "prefill",
+        pb::WorkerRole::Decode => "decode",
+    }
+}
+
+pub(super) fn kv_events_name(mode: pb::KvEventsMode) -> &'static str {
+    match mode {
+        pb::KvEventsMode::Unspecified | pb::KvEventsMode::Exact => "exact",
+        pb::KvEventsMode::Approximate => "approximate",
+        pb::KvEventsMode::Auto => "auto",
+    }
+}
+
+pub(super) fn view_name(view: pb::CacheView) -> &'static str {
+    match view {
+        pb::CacheView::Unspecified => "-",
+        pb::CacheView::Exact => "exact",
+        pb::CacheView::Predicted => "predicted",
+        pb::CacheView::Blended => "blended",
+    }
+}
+
+pub(super) fn reason_name(reason: pb::IneligibleReason) -> &'static str {
+    match reason {
+        pb::IneligibleReason::None => "-",
+        pb::IneligibleReason::Cordoned => "cordoned",
+        pb::IneligibleReason::NotAllowed => "not allowed",
+        pb::IneligibleReason::Taint => "taint",
+        pb::IneligibleReason::Excluded => "excluded",
+        pb::IneligibleReason::Role => "role",
+        pb::IneligibleReason::PinnedElsewhere => "pinned elsewhere",
+    }
+}
+
+pub(super) fn admission_name(admission: pb::AdmissionResult) -> &'static str {
+    match admission {
+        pb::AdmissionResult::Unspecified => "unspecified",
+        pb::AdmissionResult::Admitted => "admitted",
+        pb::AdmissionResult::AdmittedAfterQueue => "admitted after queue",
+        pb::AdmissionResult::Untracked => "untracked",
+    }
+}
+
+pub(super) fn yes_no(flag: bool) -> &'static str {
+    if flag { "yes" } else { "no" }
+}
+
+/// `0` for one rank, `0-3` for several.
+pub(super) fn rank_range(info: &pb::WorkerInfo) -> String {
+    let last = info
+        .dp_start_rank
+        .saturating_add(info.dp_size.saturating_sub(1));
+    if info.dp_size <= 1 {
+        info.dp_start_rank.to_string()
+    } else {
+        format!("{}-{last}", info.dp_start_rank)
+    }
+}
+
+/// Milliseconds as seconds with one decimal (`9.8s`).
+pub(super) fn lease_text(ms: u64) -> String {
+    format!("{}.{}s", ms / 1000, (ms % 1000) / 100)
+}
+
+pub(super) fn bytes_text(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_formats() {
+        assert_eq!(lease_text(9_876), "9.8s");
+        assert_eq!(lease_text(0), "0.0s");
+        assert_eq!(bytes_text(10), "10 B");
+        assert_eq!(bytes_text(3 * 1024 * 1024), "3.0 MiB");
+        let info = pb::WorkerInfo {
+            dp_start_rank: 2,
+            dp_size: 4,
+            ..Default::default()
+        };
+        assert_eq!(rank_range(&info), "2-5");
+    }
+}

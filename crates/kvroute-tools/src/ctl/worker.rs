@@ -1,0 +1,193 @@
+//! `kvroute ctl worker ID`: one worker in full, its fields and then a row
+//! per dp rank; also the JSON of one worker, which `workers` and `cordon`
+//! print too.
+
+use serde_json::{Value, json};
+
+use kvroute::pb;
+
+use super::{
+    client::Admin,
+    error::CtlError,
+    format::{kv_events_name, lease_text, rank_range, role_name, view_name, yes_no},
+    output::Output,
+    table::Table,
+};
+
+/// Shows worker `id`.
+pub(super) async fn show(admin: &mut Admin, id: u64, output: Output<'_>) -> Result<(), CtlError> {
+    let info = admin
+        .get_worker(pb::GetWorkerRequest { worker_id: id })
+        .await?
+        .into_inner();
+    output.print(|| worker_json(&info), || worker_detail(&info))
+}
+
+/// The worker's fields, a blank line, then its ranks.
+pub(super) fn worker_detail(w: &pb::WorkerInfo) -> String {
+    format!("{}\n{}", fields_text(w), ranks_table(w))
+}
+
+/// The worker's fields as a key/value list.
+fn fields_text(w: &pb::WorkerInfo) -> String {
+    let mut fields = Table::new(&[("", false), ("", false)]);
+    let mut field = |name: &'static str, value: String| fields.row(vec![name.into(), value]);
+    field("worker", w.worker_id.to_string());
+    field("model", w.model.clone());
+    field("role", role_name(w.role()).into());
+    field("endpoint", dash_if_empty(&w.endpoint));
+    field("block size", w.block_size.to_string());
+    field("dp ranks", rank_range(w));
+    field("kv blocks/rank", w.total_kv_blocks.to_string());
+    field("batch tokens", w.max_num_batched_tokens.to_string());
+    field(
+        "taints",
+        if w.taints.is_empty() {
+            "-".into()
+        } else {
+            w.taints.join(",")
+        },
+    );
+    field("lease left", lease_text(w.lease_remaining_ms));
+    field("cordoned", yes_no(w.cordoned).into());
+    field("kv events", kv_events_name(w.kv_events()).into());
+    field("scored on", w.cache_view_reason.clone());
+    field(
+        "cached-token reports",
+        match &w.cached_tokens_feedback {
+            None => "-".into(),
+            Some(f) => format!(
+                "{}, mean error {:+.0} tokens, mean |error| {:.0}, index error {:.1} blocks{}",
+                f.reports,
+                f.mean_error_tokens,
+                f.mean_abs_error_tokens,
+                f.index_error_blocks,
+                if f.contradicted { ", contradicted" } else { "" }
+            ),
+        },
+    );
+    field("subscription", dash_if_empty(&w.subscription));
+    fields.render_rows()
+}
+
+fn dash_if_empty(text: &str) -> String {
+    if text.is_empty() {
+        "-".into()
+    } else {
+        text.to_string()
+    }
+}
+
+/// A row per dp rank: the load its engine reports, what it caches and what
+/// is booked on it.
+fn ranks_table(w: &pb::WorkerInfo) -> String {
+    let mut ranks = Table::new(&[
+        ("RANK", true),
+        ("RUNNING", true),
+        ("WAITING", true),
+        ("KV USED", true),
+        ("CACHED", true),
+        ("PREDICTED", true),
+        ("BOOKED REQS", true),
+        ("PREFILL TOKENS", true),
+        ("DECODE BLOCKS", true),
+        ("LAST EVENT", true),
+        ("SKIPPED", true),
+        ("REJECTED", true),
+    ]);
+    for r in &w.ranks {
+        let load = r.reported_load.unwrap_or_default();
+        let booked = r.booked_load.unwrap_or_default();
+        ranks.row(vec![
+            r.dp_rank.to_string(),
+            load.running_requests.to_string(),
+            load.waiting_requests.to_string(),
+            load.kv_blocks_used.to_string(),
+            r.cached_blocks.to_string(),
+            r.predicted_blocks.to_string(),
+            booked.active_requests.to_string(),
+            booked.prefill_tokens.to_string(),
+            booked.decode_blocks.to_string(),
+            r.last_event_id.to_string(),
+            r.events_skipped.to_string(),
+            r.events_rejected.to_string(),
+        ]);
+    }
+    ranks.render()
+}
+
+/// One booked load, as in `worker_json`.
+fn booked_json(b: &pb::BookedLoad) -> Value {
+    json!({
+        "prefill_tokens": b.prefill_tokens,
+        "prefill_blocks": b.prefill_blocks,
+        "decode_blocks": b.decode_blocks,
+        "active_requests": b.active_requests,
+    })
+}
+
+/// The worker, its ranks and their loads, as `--json` prints it.
+pub(super) fn worker_json(w: &pb::WorkerInfo) -> Value {
+    let ranks: Vec<Value> = w
+        .ranks
+        .iter()
+        .map(|r| {
+            let load = r.reported_load.unwrap_or_default();
+            json!({
+                "dp_rank": r.dp_rank,
+                "reported_load": {
+                    "running_requests": load.running_requests,
+                    "waiting_requests": load.waiting_requests,
+                    "kv_blocks_used": load.kv_blocks_used,
+                },
+                "booked_load": booked_json(&r.booked_load.unwrap_or_default()),
+                "cached_blocks": r.cached_blocks,
+                "predicted_blocks": r.predicted_blocks,
+                "last_event_id": r.last_event_id,
+                "events_skipped": r.events_skipped,
+                "events_rejected": r.events_rejected,
+            })
+        })
+        .collect();
+    json!({
+        "worker_id": w.worker_id,
+        "model": w.model,
+        "role": role_name(w.role()),
+        "endpoint": w.endpoint,
+        "block_size": w.block_size,
+        "dp_start_rank": w.dp_start_rank,
+        "dp_size": w.dp_size,
+        "total_kv_blocks": w.total_kv_blocks,
+        "max_num_batched_tokens": w.max_num_batched_tokens,
+        "taints": w.taints,
+        "lease_remaining_ms": w.lease_remaining_ms,
+        "cordoned": w.cordoned,
+        "subscription": w.subscription,
+        "kv_events": kv_events_name(w.kv_events()),
+        "cache_view": view_name(w.cache_view()),
+        "cache_view_reason": w.cache_view_reason,
+        "cached_tokens_feedback": w.cached_tokens_feedback.as_ref().map_or(Value::Null, |f| json!({
+            "reports": f.reports,
+            "mean_error_tokens": f.mean_error_tokens,
+            "mean_abs_error_tokens": f.mean_abs_error_tokens,
+            "index_error_blocks": f.index_error_blocks,
+            "contradicted": f.contradicted,
+        })),
+        "cached_blocks": w.ranks.iter().map(|r| r.cached_blocks).sum::<u64>(),
+        "booked_load": booked_json(&booked_of(w)),
+        "ranks": ranks,
+    })
+}
+
+/// The load booked on all of the worker's ranks.
+pub(super) fn booked_of(info: &pb::WorkerInfo) -> pb::BookedLoad {
+    info.ranks
+        .iter()
+        .filter_map(|r| r.booked_load)
+        .fold(pb::BookedLoad::default(), |sum, b| pb::BookedLoad {
+            prefill_tokens: sum.prefill_tokens + b.prefill_tokens,
+            prefill_blocks: sum.prefill_blocks + b.prefill_blocks,
+            decode_blocks: sum.decode_blocks + b.decode_blocks,
+            active_requests: sum.active_requests + b.active_requests,
+        })
+}

@@ -1,0 +1,51 @@
+//! Routing's families: SelectWorker's outcomes and the overlap it found, the
+//! admission queue, and the bookings held until requests are released.
+
+use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge};
+
+use super::registrar::{LATENCY_BUCKETS, Registrar};
+
+pub(super) struct RoutingFamilies {
+    pub(super) decisions: IntCounterVec,
+    pub(super) overlap_ratio: HistogramVec,
+    pub(super) queue_depth: IntGauge,
+    pub(super) queue_wait: HistogramVec,
+    pub(super) bookings_active: IntGauge,
+    pub(super) bookings_expired: IntCounter,
+}
+
+impl RoutingFamilies {
+    pub(super) fn register(families: Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            decisions: families.counter_vec(
+                "routing_decisions_total",
+                "SelectWorker outcomes",
+                &["outcome"],
+            )?,
+            overlap_ratio: families.histogram_vec(
+                "routing_overlap_ratio",
+                "Cached share of the prompt's blocks on the chosen worker",
+                &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+                &["mode"],
+            )?,
+            queue_depth: families.int_gauge(
+                "admission_queue_depth",
+                "SelectWorker calls waiting for a free worker",
+            )?,
+            queue_wait: families.histogram_vec(
+                "admission_queue_wait_seconds",
+                "Time queued before an answer",
+                LATENCY_BUCKETS,
+                &["outcome"],
+            )?,
+            bookings_active: families.int_gauge(
+                "bookings_active",
+                "Requests with booked load not yet released",
+            )?,
+            bookings_expired: families.counter(
+                "bookings_expired_total",
+                "Bookings dropped because they were never released",
+            )?,
+        })
+    }
+}
