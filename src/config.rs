@@ -369,7 +369,7 @@ impl ServeConfig {
     }
 
     /// The router core's part of the settings.
-    pub fn router_config(&self) -> RouterConfig {
+    pub(crate) fn router_config(&self) -> RouterConfig {
         RouterConfig {
             default_block_size: self.block_size,
             lease_ttl: self.lease_ttl,
@@ -429,7 +429,7 @@ pub enum ConfigError {
 /// `matches` its matches and `argv` the full original arguments; returns
 /// argv with the file's settings appended where neither a flag nor an env
 /// var set them.
-pub fn argv_with_config_file(
+pub(crate) fn argv_with_config_file(
     command: &clap::Command,
     matches: &clap::ArgMatches,
     config_path: Option<&PathBuf>,
@@ -448,7 +448,7 @@ pub fn argv_with_config_file(
 
 /// [`argv_with_config_file`] once the file is read: `text` is its TOML,
 /// `shown` the name its errors give it.
-pub fn argv_with_config_text(
+pub(crate) fn argv_with_config_text(
     command: &clap::Command,
     matches: &clap::ArgMatches,
     shown: &str,

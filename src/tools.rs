@@ -33,7 +33,7 @@ pub fn is_tool_command(argv: &[OsString]) -> bool {
 
 /// Where `kvroute-tools` is: `KVROUTE_TOOLS`, else beside this executable,
 /// else the first on `PATH`.
-pub fn find_tools_binary() -> Option<PathBuf> {
+pub(crate) fn find_tools_binary() -> Option<PathBuf> {
     if let Some(named) = std::env::var_os("KVROUTE_TOOLS") {
         return Some(PathBuf::from(named));
     }

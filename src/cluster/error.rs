@@ -51,7 +51,7 @@ pub enum ClusterError {
 }
 
 impl ClusterError {
-    pub fn nats(what: &'static str, error: impl Into<Source>) -> Self {
+    pub(crate) fn nats(what: &'static str, error: impl Into<Source>) -> Self {
         ClusterError::Nats {
             what,
             source: error.into(),

@@ -69,7 +69,7 @@ fn unix_ms() -> u64 {
 }
 
 impl Leases {
-    pub fn new(kv: kv::Store, fleet: Arc<Fleet>, log: Arc<Log>) -> Self {
+    pub(crate) fn new(kv: kv::Store, fleet: Arc<Fleet>, log: Arc<Log>) -> Self {
         Self {
             kv,
             fleet,
@@ -144,7 +144,7 @@ impl Leases {
 
     /// A registration this replica applied: the entry starts (or a
     /// re-registration renews it, keeping the cordon).
-    pub async fn registered(&self, worker_id: WorkerId) -> Result<(), ClusterError> {
+    pub(crate) async fn registered(&self, worker_id: WorkerId) -> Result<(), ClusterError> {
         let Some(local) = self.local_entry(worker_id) else {
             return Ok(());
         };
@@ -156,7 +156,7 @@ impl Leases {
     }
 
     /// A heartbeat this replica applied.
-    pub async fn heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
+    pub(crate) async fn heartbeat(&self, worker_id: WorkerId, loads: &[(DpRank, RankLoad)]) {
         let Some(local) = self.local_entry(worker_id) else {
             return;
         };
@@ -179,7 +179,7 @@ impl Leases {
     }
 
     /// A cordon change this replica applied.
-    pub async fn set_cordoned(
+    pub(crate) async fn set_cordoned(
         &self,
         worker_id: WorkerId,
         cordoned: bool,
@@ -192,7 +192,7 @@ impl Leases {
     }
 
     /// A deregistration this replica applied.
-    pub async fn forget(&self, worker_id: WorkerId) {
+    pub(crate) async fn forget(&self, worker_id: WorkerId) {
         if let Err(error) = self.kv.delete(key(worker_id)).await {
             tracing::debug!(worker_id, %error, "lease entry not deleted");
         }
@@ -200,7 +200,7 @@ impl Leases {
     }
 
     /// Follows the bucket until `stop`, making each entry true here.
-    pub async fn watch(self: Arc<Self>, stop: CancellationToken) {
+    pub(crate) async fn watch(self: Arc<Self>, stop: CancellationToken) {
         while !stop.is_cancelled() {
             let mut watch = match self.kv.watch_all().await {
                 Ok(watch) => watch,
@@ -260,7 +260,7 @@ impl Leases {
 
     /// NATS came back: hold reaping for a lease length and write the
     /// leases renewed here meanwhile.
-    pub async fn reconnected(&self) {
+    pub(crate) async fn reconnected(&self) {
         let longest = self
             .fleet
             .router()
@@ -279,7 +279,7 @@ impl Leases {
     /// Every `period` until `stop`: entries of this replica's workers that
     /// the watch has not seen yet are applied (a cordon set before the
     /// registration reached here), and lapsed leases are claimed.
-    pub async fn housekeeping(self: Arc<Self>, period: Duration, stop: CancellationToken) {
+    pub(crate) async fn housekeeping(self: Arc<Self>, period: Duration, stop: CancellationToken) {
         let mut ticks = tokio::time::interval(period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

@@ -108,7 +108,7 @@ impl std::fmt::Debug for Log {
 }
 
 impl Log {
-    pub fn new(
+    pub(crate) fn new(
         js: jetstream::Context,
         stream: String,
         subject: String,
@@ -135,17 +135,17 @@ impl Log {
     /// The most bytes of events one record should carry: the server's
     /// largest message, less room for the record's other fields and the
     /// message's headers.
-    pub fn max_record_bytes(&self) -> usize {
+    pub(crate) fn max_record_bytes(&self) -> usize {
         parts::limit(self.max_payload)
     }
 
     /// The last stream position applied here.
-    pub fn position(&self) -> u64 {
+    pub(crate) fn position(&self) -> u64 {
         *self.applied.borrow()
     }
 
     /// Waits until this replica has applied every record up to `position`.
-    pub async fn wait_applied(&self, position: u64, timeout: Duration) -> bool {
+    pub(crate) async fn wait_applied(&self, position: u64, timeout: Duration) -> bool {
         let mut applied = self.applied.subscribe();
         tokio::time::timeout(timeout, applied.wait_for(|p| *p >= position))
             .await
@@ -155,7 +155,7 @@ impl Log {
     /// Appends a record; with `wait`, waits for this replica to apply it
     /// and returns what that did. `message_id` makes JetStream drop a
     /// repeat of the same record.
-    pub async fn append(
+    pub(crate) async fn append(
         &self,
         body: Body,
         message_id: Option<String>,
@@ -247,7 +247,7 @@ impl Log {
 
     /// Takes the fleet's state between two records (the follower pauses
     /// while the writer captures it).
-    pub async fn capture(&self) -> Option<Captured> {
+    pub(crate) async fn capture(&self) -> Option<Captured> {
         let (tx, rx) = oneshot::channel();
         self.capture.send(tx).await.ok()?;
         rx.await.ok()
@@ -256,7 +256,12 @@ impl Log {
     /// Applies the log from `from` on, until `stop`. The consumer is
     /// ordered: a gap or a lost connection makes it start again after the
     /// last record delivered, so no record is applied twice or skipped.
-    pub async fn follow(self: Arc<Self>, fleet: Arc<Fleet>, from: u64, stop: CancellationToken) {
+    pub(crate) async fn follow(
+        self: Arc<Self>,
+        fleet: Arc<Fleet>,
+        from: u64,
+        stop: CancellationToken,
+    ) {
         let Some(mut captures) = self.capture_rx.lock().take() else {
             return;
         };
@@ -400,7 +405,7 @@ pub(super) async fn ordered_from(
 }
 
 /// Unix microseconds (replicas on one host or NTP-synced hosts).
-pub fn unix_us() -> u64 {
+pub(crate) fn unix_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))

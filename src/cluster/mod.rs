@@ -96,7 +96,7 @@ impl Cluster {
     /// Connects, creates what is missing, loads the newest snapshot into
     /// `fleet` (which has no worker yet), catches up with the log and
     /// starts the replica's tasks on `tasks`, which end with `stop`.
-    pub async fn start(
+    pub(crate) async fn start(
         options: &ClusterOptions,
         url: &str,
         settings: ClusterSettings,
@@ -165,7 +165,7 @@ impl Cluster {
 
     /// True while the NATS connection is up; changes when it drops or
     /// comes back.
-    pub fn connection(&self) -> watch::Receiver<bool> {
+    pub(crate) fn connection(&self) -> watch::Receiver<bool> {
         self.connected.clone()
     }
 
@@ -616,7 +616,7 @@ impl std::fmt::Debug for ReplicatedChanges {
 }
 
 impl ReplicatedChanges {
-    pub fn new(fleet: Arc<Fleet>) -> Self {
+    pub(crate) fn new(fleet: Arc<Fleet>) -> Self {
         Self {
             fleet,
             cluster: OnceLock::new(),
@@ -624,7 +624,7 @@ impl ReplicatedChanges {
     }
 
     /// The replica has joined: changes go through `cluster` from now on.
-    pub fn attach(&self, cluster: Arc<Cluster>) {
+    pub(crate) fn attach(&self, cluster: Arc<Cluster>) {
         let _ = self.cluster.set(cluster);
     }
 

@@ -17,7 +17,7 @@ pub struct Names {
 
 impl Names {
     /// `cluster` is checked by the flag's parser: letters, digits, `-`, `_`.
-    pub fn new(cluster: &str) -> Self {
+    pub(crate) fn new(cluster: &str) -> Self {
         Self {
             log_stream: format!("{cluster}_LOG"),
             log_subject: format!("{cluster}.log"),
@@ -31,14 +31,14 @@ impl Names {
     }
 
     /// The subject a replica publishes its booking changes on.
-    pub fn bookings_subject(&self, replica: &str) -> String {
+    pub(crate) fn bookings_subject(&self, replica: &str) -> String {
         format!("{}.{}", self.bookings_prefix, token(replica))
     }
 }
 
 /// `text` as one subject token or key: other bytes than letters, digits,
 /// `-` and `_` become `_`.
-pub fn token(text: &str) -> String {
+pub(crate) fn token(text: &str) -> String {
     text.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
@@ -52,7 +52,7 @@ pub fn token(text: &str) -> String {
 
 /// A session id as a bucket key: hex, so any id maps to a valid key and
 /// two ids never share one.
-pub fn session_key(session_id: &str) -> String {
+pub(crate) fn session_key(session_id: &str) -> String {
     session_id.bytes().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -6,14 +6,14 @@
 const HEADROOM: usize = 4096;
 
 /// The most bytes of list items one message should carry.
-pub fn limit(max_payload: usize) -> usize {
+pub(crate) fn limit(max_payload: usize) -> usize {
     max_payload.saturating_sub(HEADROOM).max(1024)
 }
 
 /// `items` in order, cut into parts of at most `limit` bytes by `size`
 /// (an item over the limit on its own makes a part of its own). Never
 /// empty: no items give one empty part.
-pub fn in_parts<T>(
+pub(crate) fn in_parts<T>(
     items: impl IntoIterator<Item = T>,
     size: impl Fn(&T) -> usize,
     limit: usize,

@@ -103,7 +103,7 @@ impl RoutingSync {
     /// Publishes the changes of `feed` until it closes. After a change
     /// could not be published, or the connection came back, it publishes
     /// a resync of every booking this replica made that is still open.
-    pub async fn publish(
+    pub(crate) async fn publish(
         self: Arc<Self>,
         mut feed: mpsc::Receiver<RoutingChange>,
         mut connected: watch::Receiver<bool>,
@@ -226,7 +226,7 @@ impl RoutingSync {
 
     /// Applies the other replicas' booking changes, from the oldest the
     /// stream keeps, until `stop`.
-    pub async fn receive(self: Arc<Self>, stop: CancellationToken) {
+    pub(crate) async fn receive(self: Arc<Self>, stop: CancellationToken) {
         let mut origins: HashMap<String, Origin> = HashMap::new();
         let mut next_stream_sequence = 1u64;
         while !stop.is_cancelled() {
@@ -339,7 +339,7 @@ impl RoutingSync {
     }
 
     /// Applies session bindings made at other replicas, until `stop`.
-    pub async fn watch_sessions(self: Arc<Self>, stop: CancellationToken) {
+    pub(crate) async fn watch_sessions(self: Arc<Self>, stop: CancellationToken) {
         while !stop.is_cancelled() {
             let mut watch = match self.sessions.watch_all().await {
                 Ok(watch) => watch,

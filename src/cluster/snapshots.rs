@@ -56,7 +56,7 @@ impl ClusterSnapshots {
     /// The newest snapshot; `Ok(None)` when there is none yet. An object
     /// that does not decode is an error: starting from the log's start
     /// instead could miss records retention already dropped.
-    pub async fn load(&self) -> Result<Option<LoadedSnapshot>, ClusterError> {
+    pub(crate) async fn load(&self) -> Result<Option<LoadedSnapshot>, ClusterError> {
         let mut object = match self.store.get(OBJECT).await {
             Ok(object) => object,
             Err(error)
@@ -94,7 +94,7 @@ impl ClusterSnapshots {
     }
 
     /// Captures between two log records and writes the object.
-    pub async fn write(&self) -> Result<Written, ClusterError> {
+    pub(crate) async fn write(&self) -> Result<Written, ClusterError> {
         let started = tokio::time::Instant::now();
         let captured = self
             .log
@@ -145,7 +145,7 @@ impl ClusterSnapshots {
 
     /// Every `interval` until `stop`: writes the snapshot if no replica
     /// has for an interval and this one wins the claim.
-    pub async fn every(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
+    pub(crate) async fn every(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
         let interval_ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
         loop {
             tokio::select! {

@@ -154,7 +154,7 @@ fn parse_cluster_name(text: &str) -> Result<String, String> {
 
 impl ClusterOptions {
     /// This replica's name.
-    pub fn replica(&self) -> String {
+    pub(crate) fn replica(&self) -> String {
         self.replica_id.clone().unwrap_or_else(|| {
             let host = std::fs::read_to_string("/etc/hostname")
                 .map(|h| h.trim().to_owned())
@@ -170,7 +170,7 @@ impl ClusterOptions {
 
     /// What this process's router core knows of its peer replicas: nothing
     /// alone (no `--nats-url`), else the cluster's replica flags.
-    pub fn replica_settings(&self) -> ReplicaSettings {
+    pub(crate) fn replica_settings(&self) -> ReplicaSettings {
         if self.nats_url.is_none() || self.cluster_replicas <= 1 {
             return ReplicaSettings::default();
         }

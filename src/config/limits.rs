@@ -75,7 +75,7 @@ impl Default for LimitOptions {
 }
 
 impl LimitOptions {
-    pub fn registry_limits(&self) -> RegistryLimits {
+    pub(crate) fn registry_limits(&self) -> RegistryLimits {
         RegistryLimits {
             max_workers: usize::try_from(self.max_workers).unwrap_or(usize::MAX),
             max_models: usize::try_from(self.max_models).unwrap_or(usize::MAX),

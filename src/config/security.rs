@@ -87,7 +87,7 @@ impl Default for SecurityOptions {
 
 impl SecurityOptions {
     /// The gRPC port's TLS files, if TLS is on.
-    pub fn grpc_tls(&self) -> Option<TlsFiles> {
+    pub(crate) fn grpc_tls(&self) -> Option<TlsFiles> {
         Some(TlsFiles {
             cert: self.tls_cert.clone()?,
             key: self.tls_key.clone()?,
@@ -96,7 +96,7 @@ impl SecurityOptions {
     }
 
     /// The metrics port's, with `--metrics-tls`.
-    pub fn metrics_tls_files(&self) -> Option<TlsFiles> {
+    pub(crate) fn metrics_tls_files(&self) -> Option<TlsFiles> {
         let files = self.grpc_tls()?;
         self.metrics_tls.then_some(TlsFiles {
             client_ca: None,
@@ -104,7 +104,7 @@ impl SecurityOptions {
         })
     }
 
-    pub fn endpoint_allow(&self) -> Result<EndpointAllow, String> {
+    pub(crate) fn endpoint_allow(&self) -> Result<EndpointAllow, String> {
         EndpointAllow::parse(&self.engine_endpoint_allow)
     }
 }

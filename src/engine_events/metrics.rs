@@ -110,11 +110,12 @@ pub struct MetricsSnapshot {
 }
 
 impl MetricsSnapshot {
-    pub fn decode_errors_total(&self) -> u64 {
+    pub(crate) fn decode_errors_total(&self) -> u64 {
         self.decode_errors.iter().map(|(_, n)| n).sum()
     }
 
-    pub fn decode_error(&self, reason: DecodeReason) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn decode_error(&self, reason: DecodeReason) -> u64 {
         self.decode_errors
             .iter()
             .find(|(l, _)| *l == reason.label())
@@ -173,7 +174,7 @@ impl WorkerEventMetrics {
 
     /// Removes every series of `worker_id` from `families` (its
     /// subscription stopped); handles still held count into nothing.
-    pub fn unbind(families: &EngineEventFamilies, worker_id: WorkerId) {
+    pub(crate) fn unbind(families: &EngineEventFamilies, worker_id: WorkerId) {
         let f = families.release(worker_id);
         let w = worker_id.to_string();
         let w = w.as_str();
@@ -207,50 +208,50 @@ impl WorkerEventMetrics {
         let _ = f.last_event_age.remove_label_values(&[w]);
     }
 
-    pub fn inc(counter: &IntCounter) {
+    pub(crate) fn inc(counter: &IntCounter) {
         counter.inc();
     }
 
-    pub fn add(counter: &IntCounter, n: u64) {
+    pub(crate) fn add(counter: &IntCounter, n: u64) {
         counter.inc_by(n);
     }
 
     /// A rank's socket connected.
-    pub fn connected(&self) {
+    pub(crate) fn connected(&self) {
         self.connects.inc();
         self.connected_ranks.inc();
     }
 
     /// A rank's socket, connected before, was lost.
-    pub fn disconnected(&self) {
+    pub(crate) fn disconnected(&self) {
         self.disconnects.inc();
         self.connected_ranks.dec();
     }
 
     /// A rank became unsynced.
-    pub fn rank_unsynced(&self) {
+    pub(crate) fn rank_unsynced(&self) {
         self.unsynced_ranks.inc();
     }
 
     /// An unsynced rank is exact again.
-    pub fn rank_resynced(&self) {
+    pub(crate) fn rank_resynced(&self) {
         self.unsynced_ranks.dec();
     }
 
-    pub fn decode_error(&self, reason: DecodeReason) {
+    pub(crate) fn decode_error(&self, reason: DecodeReason) {
         if let Some(c) = self.decode_errors.get(reason.index()) {
             c.inc();
         }
     }
 
     /// Note that batch `seq` arrived now.
-    pub fn touch(&self, seq: u64) {
+    pub(crate) fn touch(&self, seq: u64) {
         self.last_batch_unix_ms.store(now_ms(), Relaxed);
         self.last_seq_plus_one.store(seq.saturating_add(1), Relaxed);
     }
 
     /// Sets the last-batch age gauge from the clock (before a scrape).
-    pub fn refresh_age(&self) {
+    pub(crate) fn refresh_age(&self) {
         let last = self.last_batch_unix_ms.load(Relaxed);
         if last > 0 {
             let age = Duration::from_millis(now_ms().saturating_sub(last));

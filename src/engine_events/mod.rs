@@ -215,7 +215,7 @@ impl EngineEventsConfig {
         }
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         if self.block_size == 0 {
             return Err(ConfigError::ZeroBlockSize);
         }
@@ -229,7 +229,7 @@ impl EngineEventsConfig {
     }
 
     /// The endpoints of `rank` (explicit, or rank 0's with the port offset).
-    pub fn endpoints_for(&self, rank: DpRank) -> Result<RankEndpoints, ConfigError> {
+    pub(crate) fn endpoints_for(&self, rank: DpRank) -> Result<RankEndpoints, ConfigError> {
         if let Some(e) = self.rank_endpoints.get(&rank) {
             return Ok(e.clone());
         }
@@ -253,7 +253,7 @@ impl EngineEventsConfig {
         })
     }
 
-    pub fn translate_options(&self) -> TranslateOptions {
+    pub(crate) fn translate_options(&self) -> TranslateOptions {
         TranslateOptions {
             block_size: self.block_size,
             cached_media: self.cached_media.clone(),
@@ -265,7 +265,7 @@ impl EngineEventsConfig {
 
 /// `tcp://host:port` with the port plus `rank`; other transports only for
 /// rank 0.
-pub fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
+pub(crate) fn offset_port(endpoint: &str, rank: DpRank) -> Option<String> {
     if rank == 0 {
         return Some(endpoint.to_owned());
     }
@@ -310,7 +310,7 @@ struct RankState {
 
 impl RankProgress {
     /// The cache salt of each salted block the rank holds.
-    pub fn salts(&self) -> SavedSalts {
+    pub(crate) fn salts(&self) -> SavedSalts {
         let mut salts: SavedSalts = self
             .salts
             .lock()
@@ -323,13 +323,13 @@ impl RankProgress {
 
     /// The last engine sequence whose events were handed to the sink (and
     /// the sink finished with), `None` before the first or after a restart.
-    pub fn last_applied(&self) -> Option<u64> {
+    pub(crate) fn last_applied(&self) -> Option<u64> {
         self.state.lock().last_applied
     }
 
     /// Whether the rank's blocks may differ from the engine's cache (see
     /// [`sequence`]).
-    pub fn is_unsynced(&self) -> bool {
+    pub(crate) fn is_unsynced(&self) -> bool {
         self.state.lock().unsynced
     }
 
@@ -364,7 +364,7 @@ pub struct RankProcessor<S: EventSink + ?Sized> {
 }
 
 impl<S: EventSink + ?Sized> RankProcessor<S> {
-    pub fn new(
+    pub(crate) fn new(
         target: WorkerRank,
         dialect: Dialect,
         opts: Arc<TranslateOptions>,
@@ -392,19 +392,15 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         }
     }
 
-    pub fn target(&self) -> WorkerRank {
+    pub(crate) fn target(&self) -> WorkerRank {
         self.target
-    }
-
-    pub fn tracker(&self) -> &SequenceTracker {
-        &self.tracker
     }
 
     /// Start from a saved state instead of from nothing: everything up to
     /// `last_applied` counts as applied (see [`SequenceTracker::resumed`]);
     /// `unsynced`: the saved rank was unsynced, so this one is too. Call it
     /// before the first batch.
-    pub fn resume_from(&mut self, last_applied: u64, unsynced: bool) {
+    pub(crate) fn resume_from(&mut self, last_applied: u64, unsynced: bool) {
         self.tracker = SequenceTracker::resumed(last_applied);
         self.catch_up_from = last_applied.checked_add(1);
         if unsynced {
@@ -417,18 +413,21 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
 
     /// Takes back the salts of the rank's salted blocks saved with its
     /// sequence, so chains continued after the resume hash with their salt.
-    pub fn restore_salts(&mut self, salts: impl IntoIterator<Item = (EngineHash, Arc<str>)>) {
+    pub(crate) fn restore_salts(
+        &mut self,
+        salts: impl IntoIterator<Item = (EngineHash, Arc<str>)>,
+    ) {
         self.translator.restore_salts(salts);
     }
 
     /// Marks the rank unsynced (a saved state said so) without a sequence.
-    pub fn mark_unsynced(&mut self, why: Unsynced) {
+    pub(crate) fn mark_unsynced(&mut self, why: Unsynced) {
         self.tracker.mark_unsynced(why);
         self.sync_status();
     }
 
     /// The rank's progress, readable from elsewhere while this runs.
-    pub fn progress(&self) -> &Arc<RankProgress> {
+    pub(crate) fn progress(&self) -> &Arc<RankProgress> {
         &self.progress
     }
 
@@ -459,20 +458,20 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
 
     /// A new connection to the rank's publisher was made (its first live
     /// sequence is judged as such, see [`sequence`]).
-    pub fn on_connected(&mut self) {
+    pub(crate) fn on_connected(&mut self) {
         self.tracker.connected();
     }
 
     /// Once, at the first connection: where to ask the replay socket to
     /// start.
-    pub fn take_catch_up(&mut self) -> Option<u64> {
+    pub(crate) fn take_catch_up(&mut self) -> Option<u64> {
         self.catch_up_from.take()
     }
 
     /// Record a live sequence. Handles a restart (clears the rank) and
     /// returns the missing range when a replay should be requested before
     /// [`Self::apply_batch`] is called for `seq`.
-    pub async fn on_live(&mut self, seq: u64) -> Option<Range<u64>> {
+    pub(crate) async fn on_live(&mut self, seq: u64) -> Option<Range<u64>> {
         let obs = self.tracker.observe_live(seq);
         if let Some(prev) = obs.restarted_from {
             WorkerEventMetrics::inc(&self.metrics.restarts);
@@ -490,13 +489,13 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
     }
 
     /// Count a frame-level decode failure.
-    pub fn count_error(&self, err: &DecodeError) {
+    pub(crate) fn count_error(&self, err: &DecodeError) {
         self.metrics.decode_error(err.reason);
         tracing::debug!(target = %self.target, %err, "skipped malformed engine message");
     }
 
     /// Admit and apply one batch (live or replayed).
-    pub async fn apply_batch(&mut self, seq: u64, payload: &[u8]) {
+    pub(crate) async fn apply_batch(&mut self, seq: u64, payload: &[u8]) {
         match self.tracker.admit(seq) {
             Admit::Duplicate => {
                 WorkerEventMetrics::inc(&self.metrics.skipped_duplicates);

@@ -132,7 +132,7 @@ impl Default for SequenceTracker {
 impl SequenceTracker {
     /// A tracker that has applied nothing: the first batch is expected to
     /// be 0.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             live: None,
             applied: None,
@@ -145,7 +145,7 @@ impl SequenceTracker {
     /// A tracker that already applied everything up to `last_applied` (a
     /// saved state): a first live batch above `last_applied + 1` is a gap,
     /// replayed from `last_applied + 1`.
-    pub fn resumed(last_applied: u64) -> Self {
+    pub(crate) fn resumed(last_applied: u64) -> Self {
         Self {
             applied: Some(last_applied),
             ..Self::new()
@@ -153,40 +153,40 @@ impl SequenceTracker {
     }
 
     /// Last sequence applied, if any.
-    pub fn applied(&self) -> Option<u64> {
+    pub(crate) fn applied(&self) -> Option<u64> {
         self.applied
     }
 
     /// The first sequence not yet applied.
-    pub fn next_expected(&self) -> u64 {
+    pub(crate) fn next_expected(&self) -> u64 {
         self.applied.map_or(0, |a| a.saturating_add(1))
     }
 
     /// Why the rank is unsynced (the first cause since it was last exact),
     /// `None` while it is exact.
-    pub fn unsynced(&self) -> Option<&Unsynced> {
+    pub(crate) fn unsynced(&self) -> Option<&Unsynced> {
         self.unsynced.as_ref()
     }
 
     /// Marks the rank unsynced (keeps an earlier cause).
-    pub fn mark_unsynced(&mut self, why: Unsynced) {
+    pub(crate) fn mark_unsynced(&mut self, why: Unsynced) {
         self.unsynced.get_or_insert(why);
     }
 
     /// The engine reported `AllBlocksCleared` (applied): the rank is exact
     /// again.
-    pub fn cleared(&mut self) {
+    pub(crate) fn cleared(&mut self) {
         self.unsynced = None;
     }
 
     /// A new connection to the publisher was made: its first live sequence
     /// is judged as fresh (rules 1 and 3).
-    pub fn connected(&mut self) {
+    pub(crate) fn connected(&mut self) {
         self.fresh = true;
     }
 
     /// Record a sequence read from the PUB stream (before admitting it).
-    pub fn observe_live(&mut self, seq: u64) -> LiveObservation {
+    pub(crate) fn observe_live(&mut self, seq: u64) -> LiveObservation {
         let mut obs = LiveObservation::default();
         let fresh = std::mem::replace(&mut self.fresh, false);
         let highest = self.live.max(self.applied);
@@ -234,7 +234,7 @@ impl SequenceTracker {
 
     /// Decide on a batch (live or replayed) and, when it applies, record it
     /// as applied.
-    pub fn admit(&mut self, seq: u64) -> Admit {
+    pub(crate) fn admit(&mut self, seq: u64) -> Admit {
         if self.applied.is_some_and(|a| seq <= a) {
             return Admit::Duplicate;
         }
@@ -262,7 +262,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    pub fn new(initial: std::time::Duration, max: std::time::Duration) -> Self {
+    pub(crate) fn new(initial: std::time::Duration, max: std::time::Duration) -> Self {
         Self {
             initial,
             max,
@@ -271,14 +271,14 @@ impl Backoff {
     }
 
     /// The delay to wait now; the next one doubles (up to the cap).
-    pub fn next_delay(&mut self) -> std::time::Duration {
+    pub(crate) fn next_delay(&mut self) -> std::time::Duration {
         let d = self.current;
         self.current = (self.current * 2).min(self.max);
         d
     }
 
     /// Back to the initial delay (after a successful connection).
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.current = self.initial;
     }
 }

@@ -21,7 +21,7 @@ pub struct EngineSource {
 impl EngineSource {
     /// Reads the three `RegisterWorkerRequest` fields: `None` when no events
     /// endpoint is given, an error message naming the field otherwise.
-    pub fn from_fields(
+    pub(crate) fn from_fields(
         endpoint: &str,
         dialect: &str,
         replay: &str,
@@ -52,7 +52,7 @@ impl EngineSource {
     /// The subscriber's configuration for a worker with these ranks; an
     /// error when a rank's endpoint cannot be derived (e.g. `ipc://` with
     /// several ranks) or the layout is unusable.
-    pub fn events_config(
+    pub(crate) fn events_config(
         &self,
         worker_id: WorkerId,
         model: &str,

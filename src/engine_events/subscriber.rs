@@ -52,7 +52,7 @@ pub struct WorkerSubscription {
 }
 
 impl WorkerSubscription {
-    pub fn metrics(&self) -> &Arc<WorkerEventMetrics> {
+    pub(crate) fn metrics(&self) -> &Arc<WorkerEventMetrics> {
         &self.metrics
     }
 
@@ -89,7 +89,7 @@ impl WorkerSubscription {
 
     /// Each dp rank's salted blocks (see [`RankProgress::salts`]), for ranks
     /// that have any.
-    pub fn salts(&self) -> Vec<(DpRank, SavedSalts)> {
+    pub(crate) fn salts(&self) -> Vec<(DpRank, SavedSalts)> {
         self.ranks
             .iter()
             .map(|(r, p)| (*r, p.salts()))

@@ -82,7 +82,7 @@ pub struct Translator {
 pub type Salts = Arc<parking_lot::Mutex<HashMap<EngineHash, Arc<str>>>>;
 
 impl Translator {
-    pub fn new(opts: Arc<TranslateOptions>) -> Self {
+    pub(crate) fn new(opts: Arc<TranslateOptions>) -> Self {
         Self {
             opts,
             salts: Salts::default(),
@@ -90,17 +90,20 @@ impl Translator {
     }
 
     /// The salts, shared with whoever saves them.
-    pub fn salts(&self) -> &Salts {
+    pub(crate) fn salts(&self) -> &Salts {
         &self.salts
     }
 
     /// Takes saved salts back (a resume from a snapshot).
-    pub fn restore_salts(&mut self, saved: impl IntoIterator<Item = (EngineHash, Arc<str>)>) {
+    pub(crate) fn restore_salts(
+        &mut self,
+        saved: impl IntoIterator<Item = (EngineHash, Arc<str>)>,
+    ) {
         self.salts.lock().extend(saved);
     }
 
     /// Forget all per-rank state (engine restart or cache cleared).
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.salts.lock().clear();
     }
 
@@ -119,7 +122,7 @@ impl Translator {
         }
     }
 
-    pub fn translate(&mut self, event: EngineEvent) -> Result<Translated, DecodeError> {
+    pub(crate) fn translate(&mut self, event: EngineEvent) -> Result<Translated, DecodeError> {
         match event {
             EngineEvent::Cleared => {
                 self.salts.lock().clear();

@@ -99,7 +99,7 @@ impl DecodeReason {
     ];
 
     /// Stable snake_case label for metrics.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             DecodeReason::FrameCount => "frame_count",
             DecodeReason::SeqLength => "seq_length",
@@ -117,7 +117,7 @@ impl DecodeReason {
     }
 
     /// Index into a fixed array of counters.
-    pub fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 }
@@ -133,7 +133,7 @@ pub struct DecodeError {
 /// Refuses a message whose frames together are larger than `max` bytes,
 /// before anything in it is decoded: a payload decodes into several times
 /// its size, and an engine's message is untrusted.
-pub fn check_message_size(frames: &[bytes::Bytes], max: usize) -> Result<(), DecodeError> {
+pub(crate) fn check_message_size(frames: &[bytes::Bytes], max: usize) -> Result<(), DecodeError> {
     let size = frames.iter().fold(0usize, |n, f| n.saturating_add(f.len()));
     if size > max {
         return Err(DecodeError::new(
@@ -145,7 +145,7 @@ pub fn check_message_size(frames: &[bytes::Bytes], max: usize) -> Result<(), Dec
 }
 
 impl DecodeError {
-    pub fn new(reason: DecodeReason, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(reason: DecodeReason, detail: impl Into<String>) -> Self {
         Self {
             reason,
             detail: detail.into(),
@@ -182,7 +182,7 @@ fn parse_seq(frame: &[u8]) -> Result<u64, DecodeError> {
 }
 
 /// Parse `[topic, seq, payload]`.
-pub fn parse_live_frames<'a, F: AsRef<[u8]>>(
+pub(crate) fn parse_live_frames<'a, F: AsRef<[u8]>>(
     frames: &'a [F],
 ) -> Result<LiveFrame<'a>, DecodeError> {
     match frames {
@@ -200,7 +200,7 @@ pub fn parse_live_frames<'a, F: AsRef<[u8]>>(
 
 /// Parse a replay reply: optional empty delimiter, then `[seq, payload]` or
 /// `[topic, seq, payload]`; sequence -1 is the end marker.
-pub fn parse_replay_frames<'a, F: AsRef<[u8]>>(
+pub(crate) fn parse_replay_frames<'a, F: AsRef<[u8]>>(
     frames: &'a [F],
 ) -> Result<ReplayFrame<'a>, DecodeError> {
     let rest = match frames.split_first() {
@@ -282,7 +282,7 @@ pub struct EngineBatch {
 }
 
 /// Decode one msgpack payload `[ts, events, dp_rank?]`.
-pub fn decode_batch(payload: &[u8], dialect: Dialect) -> Result<EngineBatch, DecodeError> {
+pub(crate) fn decode_batch(payload: &[u8], dialect: Dialect) -> Result<EngineBatch, DecodeError> {
     let mut cursor = payload;
     let value = rmpv::decode::read_value_with_max_depth(&mut cursor, 32)
         .map_err(|e| DecodeError::new(DecodeReason::Msgpack, e.to_string()))?;
@@ -337,7 +337,7 @@ pub fn decode_batch(payload: &[u8], dialect: Dialect) -> Result<EngineBatch, Dec
 }
 
 /// Decode one event in either encoding.
-pub fn decode_event(value: &Value, dialect: Dialect) -> Result<EngineEvent, DecodeError> {
+pub(crate) fn decode_event(value: &Value, dialect: Dialect) -> Result<EngineEvent, DecodeError> {
     match value {
         Value::Array(items) => decode_positional(items, dialect),
         Value::Map(entries) => decode_map(entries),
@@ -465,7 +465,7 @@ fn decode_map(entries: &[(Value, Value)]) -> Result<EngineEvent, DecodeError> {
 }
 
 /// An engine hash in either representation (see the module docs).
-pub fn engine_hash(v: &Value) -> Result<u64, DecodeError> {
+pub(crate) fn engine_hash(v: &Value) -> Result<u64, DecodeError> {
     match v {
         Value::Integer(i) => i
             .as_u64()
@@ -480,7 +480,7 @@ pub fn engine_hash(v: &Value) -> Result<u64, DecodeError> {
 }
 
 /// The last 8 bytes of `b`, big-endian (zero-extended when shorter).
-pub fn bytes_to_hash(b: &[u8]) -> u64 {
+pub(crate) fn bytes_to_hash(b: &[u8]) -> u64 {
     let tail = &b[b.len().saturating_sub(8)..];
     tail.iter().fold(0u64, |acc, x| (acc << 8) | u64::from(*x))
 }

@@ -137,7 +137,7 @@ impl Drop for Turn<'_> {
 }
 
 impl Fleet {
-    pub fn new(router: Arc<RouterCore>, ingest: IngestHandle) -> Self {
+    pub(crate) fn new(router: Arc<RouterCore>, ingest: IngestHandle) -> Self {
         let subscriptions = Subscriptions::new(ingest.clone(), router.metrics().clone())
             .with_max_message_bytes(router.config().limits.max_engine_message_bytes);
         Self {
@@ -150,14 +150,14 @@ impl Fleet {
         }
     }
 
-    pub fn router(&self) -> &Arc<RouterCore> {
+    pub(crate) fn router(&self) -> &Arc<RouterCore> {
         &self.router
     }
 
     /// Cluster mode: engine subscriptions started from now on send their
     /// batches to `forward` (the shared log) instead of the local writer,
     /// and leases lapse through the log, not by this fleet's own tick.
-    pub fn join_cluster(&self, forward: Arc<dyn subscriptions::EngineForward>) {
+    pub(crate) fn join_cluster(&self, forward: Arc<dyn subscriptions::EngineForward>) {
         self.subscriptions.set_forward(forward);
         self.leases_shared
             .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -165,7 +165,7 @@ impl Fleet {
 
     /// Applies engine events through the index's one writer (cluster mode:
     /// what the shared log carries of an engine subscription).
-    pub async fn apply_engine_events(
+    pub(crate) async fn apply_engine_events(
         &self,
         batch: crate::ingest::EngineBatch,
     ) -> Result<crate::ingest::EngineOutcome, FleetError> {
@@ -174,7 +174,12 @@ impl Fleet {
 
     /// Counts engine events the index refused when they were applied from
     /// the shared log, on the subscription that forwarded them.
-    pub fn count_engine_rejected(&self, worker_id: WorkerId, generation: u64, rejected: u32) {
+    pub(crate) fn count_engine_rejected(
+        &self,
+        worker_id: WorkerId,
+        generation: u64,
+        rejected: u32,
+    ) {
         self.subscriptions
             .count_index_rejected(worker_id, generation, rejected);
     }
@@ -191,7 +196,7 @@ impl Fleet {
 
     /// Registers or updates a worker, and starts, restarts or stops its
     /// engine subscription to match `source`.
-    pub async fn register(
+    pub(crate) async fn register(
         &self,
         registration: Registration,
         source: Option<EngineSource>,
@@ -209,7 +214,7 @@ impl Fleet {
 
     /// The checks [`Self::register`] makes before anything changes (a
     /// replica makes them before it appends a registration to the log).
-    pub fn check_registration(
+    pub(crate) fn check_registration(
         &self,
         registration: &Registration,
         source: Option<&EngineSource>,
@@ -227,7 +232,11 @@ impl Fleet {
 
     /// Removes a worker whose lease lapsed, if `generation` is still its
     /// registration (cluster mode: the lapse comes through the log).
-    pub async fn remove_generation(&self, worker_id: WorkerId, generation: u64) -> Option<u64> {
+    pub(crate) async fn remove_generation(
+        &self,
+        worker_id: WorkerId,
+        generation: u64,
+    ) -> Option<u64> {
         let _turn = self.turn(worker_id).await;
         let current = self.router.worker(worker_id)?;
         if current.generation != generation {
@@ -241,7 +250,7 @@ impl Fleet {
 
     /// Registers every `kvroute serve --engine` as a worker and starts its
     /// subscription; their leases are renewed while kvroute runs.
-    pub async fn start_configured(&self, specs: &[EngineSpec]) -> Result<(), FleetError> {
+    pub(crate) async fn start_configured(&self, specs: &[EngineSpec]) -> Result<(), FleetError> {
         for spec in specs {
             let worker_id = spec.worker_id;
             let registration = Registration {
@@ -308,7 +317,7 @@ impl Fleet {
     }
 
     /// Renews a worker's lease and records its reported load.
-    pub fn heartbeat(
+    pub(crate) fn heartbeat(
         &self,
         worker_id: WorkerId,
         loads: &[(DpRank, RankLoad)],
@@ -319,7 +328,7 @@ impl Fleet {
     }
 
     /// Removes a worker with all its blocks; returns the blocks removed.
-    pub async fn deregister(&self, worker_id: WorkerId) -> Result<u64, FleetError> {
+    pub(crate) async fn deregister(&self, worker_id: WorkerId) -> Result<u64, FleetError> {
         let _turn = self.turn(worker_id).await;
         let record = self.router.deregister_worker(worker_id)?;
         let blocks = self.remove(record).await;
@@ -328,7 +337,7 @@ impl Fleet {
     }
 
     /// Removes every worker whose lease lapsed; returns how many.
-    pub async fn reap_lapsed(&self) -> usize {
+    pub(crate) async fn reap_lapsed(&self) -> usize {
         let mut reaped = 0;
         for worker_id in self.router.lapsed_workers() {
             let _turn = self.turn(worker_id).await;
@@ -357,7 +366,7 @@ impl Fleet {
     }
 
     /// Cordons or uncordons a worker; uncordoning lets queued calls go.
-    pub fn set_cordoned(
+    pub(crate) fn set_cordoned(
         &self,
         worker_id: WorkerId,
         cordoned: bool,
@@ -372,7 +381,7 @@ impl Fleet {
 
     /// Periodic upkeep: configured engines' leases, lapsed leases, expired
     /// bookings and sessions, index gauges.
-    pub async fn tick(&self) {
+    pub(crate) async fn tick(&self) {
         for worker_id in self.subscriptions.configured_ids() {
             if let Err(error) = self.router.heartbeat(worker_id, &[]) {
                 tracing::warn!(worker_id, %error, "configured engine lease not renewed");
@@ -407,17 +416,17 @@ impl Fleet {
     }
 
     /// Sets the subscriptions' last-batch age gauges (before a scrape).
-    pub fn refresh_subscription_ages(&self) {
+    pub(crate) fn refresh_subscription_ages(&self) {
         self.subscriptions.refresh_ages();
     }
 
     /// Stops every subscription and waits for their tasks.
-    pub async fn shutdown(&self) {
+    pub(crate) async fn shutdown(&self) {
         self.subscriptions.shutdown().await;
     }
 
     /// What events for `(worker_id, dp_rank)` are checked against.
-    pub fn event_target(
+    pub(crate) fn event_target(
         &self,
         worker_id: WorkerId,
         dp_rank: DpRank,
@@ -427,18 +436,21 @@ impl Fleet {
 
     /// Counts events of a registered rank rejected before reaching the writer
     /// (a malformed batch), for the Admin API.
-    pub fn count_rejected(&self, target: EventTarget, events: u64) {
+    pub(crate) fn count_rejected(&self, target: EventTarget, events: u64) {
         self.ingest
             .count_rejected(WorkerRank::new(target.worker_id, target.dp_rank), events);
     }
 
     /// Applies a validated batch through the index's one writer.
-    pub async fn apply_events(&self, batch: ValidatedBatch) -> Result<BatchOutcome, FleetError> {
+    pub(crate) async fn apply_events(
+        &self,
+        batch: ValidatedBatch,
+    ) -> Result<BatchOutcome, FleetError> {
         Ok(self.ingest.apply(batch).await?)
     }
 
     /// One worker's view; an error if it is not registered.
-    pub fn worker_view(&self, worker_id: WorkerId) -> Result<WorkerView, FleetError> {
+    pub(crate) fn worker_view(&self, worker_id: WorkerId) -> Result<WorkerView, FleetError> {
         let record = self
             .router
             .worker(worker_id)
@@ -447,7 +459,7 @@ impl Fleet {
     }
 
     /// Views of every worker (of `model`, if given), by id.
-    pub fn worker_views(&self, model: Option<&str>) -> Vec<WorkerView> {
+    pub(crate) fn worker_views(&self, model: Option<&str>) -> Vec<WorkerView> {
         self.router
             .workers(model)
             .into_iter()
@@ -483,7 +495,7 @@ impl Fleet {
     }
 
     /// Index statistics of one model, or of all summed.
-    pub fn index_view(&self, model: Option<&str>) -> IndexView {
+    pub(crate) fn index_view(&self, model: Option<&str>) -> IndexView {
         let (stats, digest) = match model {
             Some(model) => self
                 .router

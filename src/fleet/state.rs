@@ -61,7 +61,7 @@ pub struct FleetState {
 
 impl FleetState {
     /// Cached (target, block) entries.
-    pub fn entries(&self) -> u64 {
+    pub(crate) fn entries(&self) -> u64 {
         self.targets
             .iter()
             .map(|t| t.captured.content.held() as u64)
@@ -85,7 +85,7 @@ pub struct RestoreReport {
 
 impl Fleet {
     /// Takes the fleet's state (see the module docs).
-    pub async fn capture(&self) -> FleetState {
+    pub(crate) async fn capture(&self) -> FleetState {
         let records = self.router.workers(None);
         let (sessions, bookings) = self.router.saved_routing();
         let now = crate::router::now();
@@ -135,7 +135,7 @@ impl Fleet {
     /// workers registered over gRPC (configured engines are started from
     /// the configuration afterwards). What cannot be restored is reported,
     /// never fatal.
-    pub async fn restore(&self, state: FleetState) -> RestoreReport {
+    pub(crate) async fn restore(&self, state: FleetState) -> RestoreReport {
         let mut report = RestoreReport::default();
         let mut generations: HashMap<WorkerId, (u64, String)> = HashMap::new();
         let mut sources = Vec::new();

@@ -137,12 +137,12 @@ impl std::fmt::Debug for Subscriptions {
 
 impl Subscriptions {
     /// Decode engine messages of at most `bytes`.
-    pub fn with_max_message_bytes(mut self, bytes: usize) -> Self {
+    pub(crate) fn with_max_message_bytes(mut self, bytes: usize) -> Self {
         self.max_message_bytes = bytes;
         self
     }
 
-    pub fn new(ingest: IngestHandle, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(ingest: IngestHandle, metrics: Arc<Metrics>) -> Self {
         Self {
             ingest,
             forward: Mutex::new(None),
@@ -156,13 +156,13 @@ impl Subscriptions {
 
     /// Sends the batches of subscriptions started from now on to `forward`
     /// instead of the local writer (cluster mode, set before any starts).
-    pub fn set_forward(&self, forward: Arc<dyn EngineForward>) {
+    pub(crate) fn set_forward(&self, forward: Arc<dyn EngineForward>) {
         *self.forward.lock() = Some(forward);
     }
 
     /// Whether `worker_id` was configured by `kvroute serve --engine` (and
     /// still runs).
-    pub fn is_configured(&self, worker_id: WorkerId) -> bool {
+    pub(crate) fn is_configured(&self, worker_id: WorkerId) -> bool {
         self.running
             .lock()
             .get(&worker_id)
@@ -171,27 +171,17 @@ impl Subscriptions {
 
     /// Makes the worker's subscription match its registration `record` and
     /// `source` (the caller holds the worker's lifecycle turn, so nothing
-    /// else starts or stops this worker's subscription meanwhile): keeps one that already matches, otherwise stops the old one
-    /// (its blocks came from a publisher kvroute no longer follows, so they
-    /// are dropped) and starts the new one. `None` only stops.
-    pub async fn update(
-        &self,
-        record: &WorkerRecord,
-        source: Option<EngineSource>,
-        configured: bool,
-    ) -> Result<(), String> {
-        self.update_resuming(record, source, configured, ResumePoint::default())
-            .await
-    }
-
-    /// [`Self::update`], but a subscription it starts carries on from saved
-    /// state: each dp rank in `resume.sequences` from its last applied engine
+    /// else starts or stops this worker's subscription meanwhile): keeps one
+    /// that already matches, otherwise stops the old one (its blocks came
+    /// from a publisher kvroute no longer follows, so they are dropped) and
+    /// starts the new one; `None` only stops. A subscription it starts
+    /// carries on from saved state: each dp rank in `resume.sequences` from its last applied engine
     /// sequence (the batches after it are replayed from the engine's replay
     /// socket, as any gap is), the ranks in `resume.unsynced` start
     /// unsynced, and salted blocks keep their salts. What
     /// [`Self::resume_point`] returned before a restart. A subscription that already runs and
     /// matches is kept as it is (it is live, and ahead of any saved state).
-    pub async fn update_resuming(
+    pub(crate) async fn update_resuming(
         &self,
         record: &WorkerRecord,
         source: Option<EngineSource>,
@@ -272,7 +262,7 @@ impl Subscriptions {
     /// Counts events of `worker_id`'s subscription (started for
     /// `generation`) that the index refused where they were applied later:
     /// cluster mode applies them from the shared log.
-    pub fn count_index_rejected(&self, worker_id: WorkerId, generation: u64, rejected: u32) {
+    pub(crate) fn count_index_rejected(&self, worker_id: WorkerId, generation: u64, rejected: u32) {
         if let Some(running) = self
             .running
             .lock()
@@ -285,7 +275,7 @@ impl Subscriptions {
 
     /// Stops a worker's subscription and waits for its tasks; returns whether
     /// it had one. Its metric series are removed.
-    pub async fn stop(&self, worker_id: WorkerId) -> bool {
+    pub(crate) async fn stop(&self, worker_id: WorkerId) -> bool {
         let Some(running) = self.running.lock().remove(&worker_id) else {
             return false;
         };
@@ -297,7 +287,7 @@ impl Subscriptions {
 
     /// The engine a worker's subscription follows, and whether it was
     /// started from `kvroute serve --engine`.
-    pub fn source_of(&self, worker_id: WorkerId) -> Option<(EngineSource, bool)> {
+    pub(crate) fn source_of(&self, worker_id: WorkerId) -> Option<(EngineSource, bool)> {
         self.running
             .lock()
             .get(&worker_id)
@@ -306,7 +296,7 @@ impl Subscriptions {
 
     /// The workers started from `kvroute serve --engine`: they have no one
     /// to heartbeat for them, so the fleet renews their leases.
-    pub fn configured_ids(&self) -> Vec<WorkerId> {
+    pub(crate) fn configured_ids(&self) -> Vec<WorkerId> {
         self.running
             .lock()
             .iter()
@@ -319,7 +309,7 @@ impl Subscriptions {
     /// e.g. `vllm tcp://10.0.0.5:5557 connected, last seq 812, 3 gaps,
     /// 2 replays, last event 0.4s ago`; ranks whose blocks may differ from
     /// the engine's cache show as `unsynced [0, 2]`.
-    pub fn summary(&self, worker_id: WorkerId) -> String {
+    pub(crate) fn summary(&self, worker_id: WorkerId) -> String {
         let running = self.running.lock();
         let Some(r) = running.get(&worker_id) else {
             return String::new();
@@ -331,13 +321,14 @@ impl Subscriptions {
         )
     }
 
+    #[cfg(test)]
     /// Each dp rank's last applied engine sequence in a worker's
     /// subscription, ascending by rank (ranks with nothing applied left
     /// out); `None` when the worker has no subscription. A snapshot saves
     /// it, read before the index (see
     /// [`WorkerSubscription::last_sequences`]), and gives it back to
     /// [`Self::update_resuming`] after a restart.
-    pub fn last_sequences(&self, worker_id: WorkerId) -> Option<Vec<(DpRank, u64)>> {
+    pub(crate) fn last_sequences(&self, worker_id: WorkerId) -> Option<Vec<(DpRank, u64)>> {
         self.running
             .lock()
             .get(&worker_id)
@@ -348,7 +339,7 @@ impl Subscriptions {
     /// each rank's last applied sequence, its unsynced ranks and the salts
     /// of its salted blocks. Read before the index (see
     /// [`WorkerSubscription::last_sequences`]).
-    pub fn resume_point(&self, worker_id: WorkerId) -> ResumePoint {
+    pub(crate) fn resume_point(&self, worker_id: WorkerId) -> ResumePoint {
         let running = self.running.lock();
         let Some(r) = running.get(&worker_id) else {
             return ResumePoint::default();
@@ -360,10 +351,11 @@ impl Subscriptions {
         }
     }
 
+    #[cfg(test)]
     /// The dp ranks of a worker's subscription whose blocks may differ from
     /// the engine's cache (see `engine_events::sequence`), ascending; empty
     /// when it has no subscription.
-    pub fn unsynced_ranks(&self, worker_id: WorkerId) -> Vec<DpRank> {
+    pub(crate) fn unsynced_ranks(&self, worker_id: WorkerId) -> Vec<DpRank> {
         self.running
             .lock()
             .get(&worker_id)
@@ -373,7 +365,7 @@ impl Subscriptions {
 
     /// Each subscribed worker's stream health: whether every rank is
     /// connected, and its ranks whose events were lost for good (unsynced).
-    pub fn stream_health(&self) -> Vec<(WorkerId, bool, Vec<DpRank>)> {
+    pub(crate) fn stream_health(&self) -> Vec<(WorkerId, bool, Vec<DpRank>)> {
         self.running
             .lock()
             .iter()
@@ -387,7 +379,7 @@ impl Subscriptions {
 
     /// Sets each subscription's last-batch age gauge from the clock (the
     /// counters need nothing: they count into Prometheus directly).
-    pub fn refresh_ages(&self) {
+    pub(crate) fn refresh_ages(&self) {
         for r in self.running.lock().values() {
             r.subscription.metrics().refresh_age();
         }
@@ -400,7 +392,7 @@ impl Subscriptions {
     }
 
     /// Stops every subscription and waits for all their tasks.
-    pub async fn shutdown(&self) {
+    pub(crate) async fn shutdown(&self) {
         self.stop_all.cancel();
         let ids: Vec<WorkerId> = self.running.lock().keys().copied().collect();
         for id in ids {

@@ -143,7 +143,7 @@ mod seeds {
         ])
     }
 
-    pub fn zmq() -> Seeds {
+    pub(crate) fn zmq() -> Seeds {
         let vllm = msgpack(&vllm_positional());
         let vllm_full = msgpack(&arr(vec![
             Value::F64(2.0),
@@ -334,7 +334,7 @@ mod seeds {
         batches.into_iter().flat_map(Batch::bytes).collect()
     }
 
-    pub fn publish() -> Seeds {
+    pub(crate) fn publish() -> Seeds {
         let in_order = || {
             Batch::new(0, 0)
                 .store(0, None, &[(1, 0), (2, 1)])
@@ -420,7 +420,7 @@ mod seeds {
         }
     }
 
-    pub fn select() -> Seeds {
+    pub(crate) fn select() -> Seeds {
         let base = pb::SelectWorkerRequest {
             request_id: "r1".into(),
             model: "m".into(),
@@ -513,7 +513,7 @@ mod seeds {
         ]
     }
 
-    pub fn config() -> Seeds {
+    pub(crate) fn config() -> Seeds {
         let full = r#"# every kind of setting
 grpc-addr = "0.0.0.0:50051"
 metrics_addr = "127.0.0.1:9464"

@@ -28,7 +28,7 @@ pub struct AdminService {
 type Res<T> = Result<Response<T>, Status>;
 
 impl AdminService {
-    pub fn new(
+    pub(crate) fn new(
         fleet: Arc<Fleet>,
         changes: Arc<dyn FleetChanges>,
         snapshots: Option<Arc<dyn WriteSnapshot>>,

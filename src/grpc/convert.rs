@@ -45,7 +45,7 @@ fn mm_hashes_within_limit(info: &pb::BlockMultimodalInfo) -> Result<(), String> 
 }
 
 /// Checks a string field's length.
-pub fn name(field: &str, value: &str) -> Result<(), InvalidInput> {
+pub(crate) fn name(field: &str, value: &str) -> Result<(), InvalidInput> {
     if value.len() > MAX_NAME_BYTES {
         return Err(InvalidInput::new(
             field,
@@ -58,7 +58,7 @@ pub fn name(field: &str, value: &str) -> Result<(), InvalidInput> {
     Ok(())
 }
 
-pub fn role_from_pb(value: i32) -> Result<WorkerRole, InvalidInput> {
+pub(crate) fn role_from_pb(value: i32) -> Result<WorkerRole, InvalidInput> {
     match pb::WorkerRole::try_from(value) {
         Ok(pb::WorkerRole::Aggregated) => Ok(WorkerRole::Aggregated),
         Ok(pb::WorkerRole::Prefill) => Ok(WorkerRole::Prefill),
@@ -67,12 +67,12 @@ pub fn role_from_pb(value: i32) -> Result<WorkerRole, InvalidInput> {
     }
 }
 
-pub fn kv_events_from_pb(value: i32) -> Result<KvEventsMode, InvalidInput> {
+pub(crate) fn kv_events_from_pb(value: i32) -> Result<KvEventsMode, InvalidInput> {
     pb::KvEventsMode::to_domain(value)
         .ok_or_else(|| InvalidInput::new("kv_events", format!("unknown KV events mode {value}")))
 }
 
-pub fn cache_view_to_pb(view: CacheView) -> pb::CacheView {
+pub(crate) fn cache_view_to_pb(view: CacheView) -> pb::CacheView {
     match view {
         CacheView::Exact => pb::CacheView::Exact,
         CacheView::Predicted(_) => pb::CacheView::Predicted,
@@ -80,7 +80,7 @@ pub fn cache_view_to_pb(view: CacheView) -> pb::CacheView {
     }
 }
 
-pub fn role_to_pb(role: WorkerRole) -> pb::WorkerRole {
+pub(crate) fn role_to_pb(role: WorkerRole) -> pb::WorkerRole {
     match role {
         WorkerRole::Aggregated => pb::WorkerRole::Aggregated,
         WorkerRole::Prefill => pb::WorkerRole::Prefill,
@@ -90,7 +90,7 @@ pub fn role_to_pb(role: WorkerRole) -> pb::WorkerRole {
 
 /// Converts a RegisterWorker request: the registration, and where the
 /// worker's engine publishes its KV events if it named an endpoint.
-pub fn registration_from_pb(
+pub(crate) fn registration_from_pb(
     request: pb::RegisterWorkerRequest,
 ) -> Result<(Registration, Option<EngineSource>), InvalidInput> {
     let worker_id = request.worker_id;
@@ -141,7 +141,7 @@ pub fn registration_from_pb(
 /// The RegisterWorker request that [`registration_from_pb`] reads back as
 /// `registration` and `source`: cluster mode appends registrations to the
 /// shared log in this form, which every replica reads the same way.
-pub fn registration_to_pb(
+pub(crate) fn registration_to_pb(
     registration: &Registration,
     source: Option<&EngineSource>,
 ) -> pb::RegisterWorkerRequest {
@@ -169,7 +169,7 @@ pub fn registration_to_pb(
     }
 }
 
-pub fn rank_load_from_pb(load: &pb::RankLoad) -> (u32, RankLoad) {
+pub(crate) fn rank_load_from_pb(load: &pb::RankLoad) -> (u32, RankLoad) {
     (
         load.dp_rank,
         RankLoad {
@@ -180,7 +180,7 @@ pub fn rank_load_from_pb(load: &pb::RankLoad) -> (u32, RankLoad) {
     )
 }
 
-pub fn rank_load_to_pb(dp_rank: u32, load: RankLoad) -> pb::RankLoad {
+pub(crate) fn rank_load_to_pb(dp_rank: u32, load: RankLoad) -> pb::RankLoad {
     pb::RankLoad {
         dp_rank,
         running_requests: load.running_requests,
@@ -244,7 +244,7 @@ pub fn batch_from_pb(
 }
 
 /// The reply to one `PublishEvents` batch (see `PublishEventsReply`).
-pub fn publish_reply_to_pb(outcome: &BatchOutcome) -> pb::PublishEventsReply {
+pub(crate) fn publish_reply_to_pb(outcome: &BatchOutcome) -> pb::PublishEventsReply {
     pb::PublishEventsReply {
         dp_rank: outcome.dp_rank,
         last_applied_event_id: outcome.last_applied.unwrap_or(0),
@@ -407,7 +407,7 @@ pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
 /// The inverse of [`kv_event_to_pb`]: an event whose blocks are all given
 /// by local hash (cluster mode's log carries events in this form). `None`
 /// for anything else.
-pub fn index_event_from_pb(event: pb::KvEvent) -> Option<KvEvent> {
+pub(crate) fn index_event_from_pb(event: pb::KvEvent) -> Option<KvEvent> {
     Some(match event.kind? {
         pb::kv_event::Kind::Stored(stored) => {
             let mut blocks = Vec::with_capacity(stored.blocks.len());
@@ -716,7 +716,7 @@ fn overrides_from_pb(
     })
 }
 
-pub fn booked_load_to_pb(load: kvroute_core::types::BookedLoad) -> pb::BookedLoad {
+pub(crate) fn booked_load_to_pb(load: kvroute_core::types::BookedLoad) -> pb::BookedLoad {
     pb::BookedLoad {
         prefill_tokens: load.prefill_tokens,
         prefill_blocks: load.prefill_blocks,
@@ -726,7 +726,7 @@ pub fn booked_load_to_pb(load: kvroute_core::types::BookedLoad) -> pb::BookedLoa
 }
 
 /// The response fields of a selection.
-pub fn selection_to_pb(
+pub(crate) fn selection_to_pb(
     selection: &kvroute_core::select::Selection,
     admitted: Admitted,
     advisory: bool,
@@ -755,7 +755,7 @@ pub fn selection_to_pb(
 }
 
 /// What the Admin API reports of one worker.
-pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
+pub(crate) fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
     let (record, r) = (&view.record, &view.record.registration);
     let ranks = view
         .ranks
@@ -801,7 +801,7 @@ pub fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
 }
 
 /// What the Admin API reports of the index.
-pub fn index_view_to_pb(view: &IndexView) -> pb::IndexStats {
+pub(crate) fn index_view_to_pb(view: &IndexView) -> pb::IndexStats {
     pb::IndexStats {
         blocks: view.stats.blocks,
         nodes: view.stats.nodes,

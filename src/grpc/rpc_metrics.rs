@@ -28,7 +28,7 @@ pub struct RpcMetricsLayer {
 }
 
 impl RpcMetricsLayer {
-    pub fn new(metrics: Arc<Metrics>, known_paths: HashSet<String>) -> Self {
+    pub(crate) fn new(metrics: Arc<Metrics>, known_paths: HashSet<String>) -> Self {
         Self {
             metrics,
             known_paths: Arc::new(known_paths),
@@ -118,7 +118,7 @@ pub fn code_name(code: tonic::Code) -> &'static str {
 
 /// Every RPC path in the given encoded file descriptor sets
 /// (`/package.Service/Method`).
-pub fn rpc_paths(descriptor_sets: &[&[u8]]) -> HashSet<String> {
+pub(crate) fn rpc_paths(descriptor_sets: &[&[u8]]) -> HashSet<String> {
     let mut paths = HashSet::new();
     for bytes in descriptor_sets {
         let Ok(set) = <prost_types::FileDescriptorSet as prost::Message>::decode(*bytes) else {

@@ -18,12 +18,12 @@ pub struct StartupGate {
 }
 
 impl StartupGate {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Lets every call through from now on.
-    pub fn open(&self) {
+    pub(crate) fn open(&self) {
         self.open.store(true, Ordering::Release);
     }
 

@@ -22,7 +22,7 @@ pub struct InvalidInput {
 }
 
 impl InvalidInput {
-    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             field: field.into(),
             message: message.into(),
@@ -38,7 +38,7 @@ impl From<InvalidInput> for Status {
 
 /// The status of a registry refusal (the domain's error type lives in
 /// `kvroute_core`, which knows nothing of gRPC).
-pub fn registry_status(error: RegistryError) -> Status {
+pub(crate) fn registry_status(error: RegistryError) -> Status {
     {
         let code = match &error {
             RegistryError::Invalid { .. } => Code::InvalidArgument,
@@ -88,7 +88,7 @@ impl From<FleetError> for Status {
 }
 
 /// A short, fixed label for a status code, for the rejection counter.
-pub fn reason_label(status: &Status) -> &'static str {
+pub(crate) fn reason_label(status: &Status) -> &'static str {
     super::rpc_metrics::code_name(status.code())
 }
 

@@ -33,7 +33,7 @@ pub struct WorkersService {
 }
 
 impl WorkersService {
-    pub fn new(fleet: Arc<Fleet>, changes: Arc<dyn FleetChanges>) -> Self {
+    pub(crate) fn new(fleet: Arc<Fleet>, changes: Arc<dyn FleetChanges>) -> Self {
         Self {
             fleet,
             changes,
@@ -42,7 +42,7 @@ impl WorkersService {
     }
 
     /// Checks registrations' events endpoints against `allow`.
-    pub fn with_endpoint_allow(self, allow: EndpointAllow) -> Self {
+    pub(crate) fn with_endpoint_allow(self, allow: EndpointAllow) -> Self {
         Self {
             endpoint_allow: Arc::new(allow),
             ..self

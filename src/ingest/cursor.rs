@@ -92,7 +92,7 @@ impl SkipReason {
     pub const ALL: [SkipReason; 3] = [Self::Duplicate, Self::Superseded, Self::Resync];
 
     /// The `reason` label of `kv_events_total{outcome="skipped"}`.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Self::Duplicate => "duplicate",
             Self::Superseded => "superseded",
@@ -114,12 +114,12 @@ pub struct Receipt {
 }
 
 impl Receipt {
-    pub fn skipped(&self, reason: SkipReason) -> u32 {
+    pub(crate) fn skipped(&self, reason: SkipReason) -> u32 {
         self.skipped[reason as usize]
     }
 
     /// Skipped events of every reason.
-    pub fn skipped_total(&self) -> u32 {
+    pub(crate) fn skipped_total(&self) -> u32 {
         self.skipped.iter().sum()
     }
 
@@ -171,7 +171,7 @@ impl EventCursor {
     /// A cursor restored from a snapshot: the next expected id is
     /// `last_applied + 1`, nothing held, nothing missing. `None`: nothing
     /// was applied yet, so the next batch sets the start.
-    pub fn resumed(last_applied: Option<u64>) -> EventCursor {
+    pub(crate) fn resumed(last_applied: Option<u64>) -> EventCursor {
         let next = match last_applied {
             None => Next::Unstarted,
             Some(last) => last.checked_add(1).map_or(Next::Exhausted, Next::At),
@@ -185,7 +185,7 @@ impl EventCursor {
 
     /// The last id passed in order: every event up to it was applied or
     /// rejected (None before the first).
-    pub fn last_applied(&self) -> Option<u64> {
+    pub(crate) fn last_applied(&self) -> Option<u64> {
         self.last_applied
     }
 
@@ -205,7 +205,7 @@ impl EventCursor {
 
     /// While a resync is asked for: the lowest id its answer's `cleared`
     /// may carry (see the module docs).
-    pub fn resync_floor(&self) -> Option<u64> {
+    pub(crate) fn resync_floor(&self) -> Option<u64> {
         self.resync_required
             .then(|| self.seen_max.map_or(0, |m| m.saturating_add(1)))
     }
@@ -215,15 +215,16 @@ impl EventCursor {
         self.held.len()
     }
 
+    #[cfg(test)]
     /// Blocks of the events held behind a gap.
-    pub fn held_blocks(&self) -> usize {
+    pub(crate) fn held_blocks(&self) -> usize {
         self.held_blocks
     }
 
     /// Runs one batch through the cursor. `apply` is called for every
     /// event that is due, in id order (this batch's and held ones), and
     /// returns false when the index rejected it.
-    pub fn receive<F>(&mut self, events: Vec<IngestEvent>, mut apply: F) -> Receipt
+    pub(crate) fn receive<F>(&mut self, events: Vec<IngestEvent>, mut apply: F) -> Receipt
     where
         F: FnMut(KvEvent) -> bool,
     {

@@ -171,22 +171,22 @@ pub struct IngestHandle {
 
 impl IngestHandle {
     /// The cursor of one (worker, rank), if it has seen events.
-    pub fn cursor(&self, target: WorkerRank) -> Option<EventCursor> {
+    pub(crate) fn cursor(&self, target: WorkerRank) -> Option<EventCursor> {
         self.writer.cursor(target)
     }
 
     /// Events skipped and rejected by every cursor: `(skipped, rejected)`.
-    pub fn cursor_totals(&self) -> (u64, u64) {
+    pub(crate) fn cursor_totals(&self) -> (u64, u64) {
         self.writer.cursor_totals()
     }
 
     /// See [`EventWriter::count_rejected`].
-    pub fn count_rejected(&self, target: WorkerRank, n: u64) {
+    pub(crate) fn count_rejected(&self, target: WorkerRank, n: u64) {
         self.writer.count_rejected(target, n);
     }
 
     /// Queues a batch and waits for the writer's verdict.
-    pub async fn apply(&self, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
+    pub(crate) async fn apply(&self, batch: ValidatedBatch) -> Result<BatchOutcome, IngestError> {
         let (reply, answer) = oneshot::channel();
         self.tx
             .send(Job::Batch { batch, reply })
@@ -197,7 +197,10 @@ impl IngestHandle {
 
     /// Queues engine-native events (see [`EngineBatch`]) and waits for the
     /// writer's verdict.
-    pub async fn apply_engine(&self, batch: EngineBatch) -> Result<EngineOutcome, IngestError> {
+    pub(crate) async fn apply_engine(
+        &self,
+        batch: EngineBatch,
+    ) -> Result<EngineOutcome, IngestError> {
         let (reply, answer) = oneshot::channel();
         self.tx
             .send(Job::Engine { batch, reply })
@@ -210,7 +213,7 @@ impl IngestHandle {
     /// index (declared, or the registry's default; see
     /// [`KvIndex::limit_capacity`]) and sizes their tables for a declared
     /// one (see [`KvIndex::reserve`]), in order with the jobs queued before.
-    pub async fn reserve(&self, worker: &WorkerSnapshot) {
+    pub(crate) async fn reserve(&self, worker: &WorkerSnapshot) {
         let job = Job::Reserve {
             worker: worker.clone(),
         };
@@ -220,7 +223,7 @@ impl IngestHandle {
     /// A target's blocks and cursor, taken between two jobs (so they agree
     /// with each other); `None` if its registration changed or the writer
     /// stopped.
-    pub async fn capture(&self, target: RankRegistration) -> Option<CapturedTarget> {
+    pub(crate) async fn capture(&self, target: RankRegistration) -> Option<CapturedTarget> {
         let (reply, answer) = oneshot::channel();
         self.tx.send(Job::Capture { target, reply }).await.ok()?;
         answer.await.ok().flatten()
@@ -228,7 +231,7 @@ impl IngestHandle {
 
     /// Rebuilds a target that holds nothing from a capture, in order with
     /// the jobs queued before.
-    pub async fn restore(
+    pub(crate) async fn restore(
         &self,
         target: RankRegistration,
         captured: CapturedTarget,
@@ -250,7 +253,7 @@ impl IngestHandle {
 
     /// Drops every block of a worker (after the registry forgot it), in order
     /// with the batches queued before; returns the blocks dropped.
-    pub async fn remove_worker(&self, worker_id: WorkerId, model: String) -> u64 {
+    pub(crate) async fn remove_worker(&self, worker_id: WorkerId, model: String) -> u64 {
         let (reply, answer) = oneshot::channel();
         if self
             .tx
@@ -269,7 +272,7 @@ impl IngestHandle {
 }
 
 /// Starts the writer thread; it stops when every handle is dropped.
-pub fn start_writer(writer: Arc<EventWriter>) -> std::io::Result<IngestHandle> {
+pub(crate) fn start_writer(writer: Arc<EventWriter>) -> std::io::Result<IngestHandle> {
     let (tx, mut rx) = mpsc::channel::<Job>(WRITE_QUEUE_CAPACITY);
     let thread_writer = writer.clone();
     std::thread::Builder::new()
@@ -333,7 +336,7 @@ impl EventWriter {
     /// Counts `n` events of a registered (worker, rank) rejected outside its
     /// cursor (a malformed batch, an engine event the index refused), so
     /// `GetWorker` and `GetIndexStats` report what the metrics count.
-    pub fn count_rejected(&self, target: WorkerRank, n: u64) {
+    pub(crate) fn count_rejected(&self, target: WorkerRank, n: u64) {
         if n > 0 {
             self.cursors.lock().entry(target).or_default().rejected += n;
         }
@@ -367,7 +370,7 @@ impl EventWriter {
 
     /// A target's blocks and last applied event id, if its registration is
     /// still `target`'s.
-    pub fn capture(&self, target: &RankRegistration) -> Option<CapturedTarget> {
+    pub(crate) fn capture(&self, target: &RankRegistration) -> Option<CapturedTarget> {
         let w = target.target;
         let index = self
             .router
@@ -379,7 +382,7 @@ impl EventWriter {
     }
 
     /// Rebuilds a captured target (holding nothing yet) and its cursor.
-    pub fn restore(
+    pub(crate) fn restore(
         &self,
         target: &RankRegistration,
         captured: CapturedTarget,
@@ -400,7 +403,7 @@ impl EventWriter {
 
     /// Drops every block and cursor of a worker; returns the blocks dropped.
     /// Events its cursors still held are counted as rejected (worker gone).
-    pub fn remove_worker(&self, worker_id: WorkerId, model: &str) -> u64 {
+    pub(crate) fn remove_worker(&self, worker_id: WorkerId, model: &str) -> u64 {
         let mut held = 0;
         self.cursors.lock().retain(|rank, cursor| {
             let keep = rank.worker_id != worker_id;

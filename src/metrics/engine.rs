@@ -71,7 +71,7 @@ pub const DEFAULT_ENGINE_SERIES_WORKERS: usize = 64;
 
 impl EngineEventFamilies {
     /// Most workers with series of their own.
-    pub fn set_series_cap(&self, cap: usize) {
+    pub(crate) fn set_series_cap(&self, cap: usize) {
         if let Some(series) = &self.series {
             series.cap.store(cap, std::sync::atomic::Ordering::Relaxed);
         }
@@ -79,7 +79,10 @@ impl EngineEventFamilies {
 
     /// The families `worker_id`'s counters go to: these while it has (or
     /// can get) series of its own, the unscraped shadow past the cap.
-    pub fn families_for(&self, worker_id: kvroute_core::types::WorkerId) -> &EngineEventFamilies {
+    pub(crate) fn families_for(
+        &self,
+        worker_id: kvroute_core::types::WorkerId,
+    ) -> &EngineEventFamilies {
         let Some(series) = &self.series else {
             return self;
         };
@@ -96,7 +99,7 @@ impl EngineEventFamilies {
 
     /// Forgets `worker_id` (its subscription stopped): the families its
     /// series were in, so the caller removes them there.
-    pub fn release(&self, worker_id: kvroute_core::types::WorkerId) -> &EngineEventFamilies {
+    pub(crate) fn release(&self, worker_id: kvroute_core::types::WorkerId) -> &EngineEventFamilies {
         let Some(series) = &self.series else {
             return self;
         };

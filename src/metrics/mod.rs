@@ -134,7 +134,7 @@ impl Metrics {
 
     /// The text exposition of every family, then the process's resident
     /// memory under its conventional (unprefixed) name.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut buffer = Vec::new();
         let encoder = TextEncoder::new();
         if let Err(error) = encoder.encode(&self.registry.gather(), &mut buffer) {
@@ -146,7 +146,7 @@ impl Metrics {
     }
 
     /// Records one finished RPC.
-    pub fn observe_rpc(&self, method: &str, code: &str, elapsed: Duration) {
+    pub(crate) fn observe_rpc(&self, method: &str, code: &str, elapsed: Duration) {
         self.rpc_requests.with_label_values(&[method, code]).inc();
         self.rpc_duration
             .with_label_values(&[method, code])

@@ -8,7 +8,7 @@ use super::KvEventsMode;
 impl KvEventsMode {
     /// The domain mode of a wire value (unset: EXACT); `None` for an
     /// unknown one.
-    pub fn to_domain(value: i32) -> Option<Mode> {
+    pub(crate) fn to_domain(value: i32) -> Option<Mode> {
         match KvEventsMode::try_from(value).ok()? {
             KvEventsMode::Unspecified | KvEventsMode::Exact => Some(Mode::Exact),
             KvEventsMode::Approximate => Some(Mode::Approximate),

@@ -10,7 +10,7 @@ use x509_cert::{
 
 /// The URI and DNS-name SANs of a DER certificate, URIs first; empty when
 /// the certificate has none or cannot be read.
-pub fn subject_alt_names(der: &[u8]) -> Vec<String> {
+pub(crate) fn subject_alt_names(der: &[u8]) -> Vec<String> {
     let Ok(certificate) = Certificate::from_der(der) else {
         return Vec::new();
     };

@@ -31,7 +31,7 @@ pub const REFUSED: &str = "events_endpoint host is not in --engine-endpoint-allo
 impl EndpointAllow {
     /// Parses the flag's entries (each may hold several, comma-separated);
     /// no entries is the default rule.
-    pub fn parse(entries: &[String]) -> Result<Self, String> {
+    pub(crate) fn parse(entries: &[String]) -> Result<Self, String> {
         let mut list = AllowList::default();
         let mut any = false;
         for entry in entries.iter().flat_map(|e| e.split(',')) {
@@ -64,7 +64,7 @@ impl EndpointAllow {
     /// Whether kvroute may connect to `endpoint` (`tcp://HOST:PORT` or
     /// `ipc://PATH`, already checked for form) for a worker registering
     /// from `peer`.
-    pub fn permits(&self, endpoint: &str, peer: Option<IpAddr>) -> bool {
+    pub(crate) fn permits(&self, endpoint: &str, peer: Option<IpAddr>) -> bool {
         let peer = peer.map(|p| p.to_canonical());
         let peer_is_loopback = peer.is_some_and(|p| p.is_loopback());
         if endpoint.starts_with("ipc://") {

@@ -54,7 +54,7 @@ impl Access {
 
 /// The roles each method needs. Every Admin method not listed as a read is
 /// a change, so a method added later is guarded as operator-write.
-pub fn access(path: &str) -> Access {
+pub(crate) fn access(path: &str) -> Access {
     const ADMIN_READS: [&str; 4] = [
         "ListWorkers",
         "GetWorker",
@@ -86,13 +86,13 @@ pub fn access(path: &str) -> Access {
 pub struct Caller(pub Arc<Identity>);
 
 /// The caller of a request, if authentication is on.
-pub fn caller(extensions: &http::Extensions) -> Option<&Arc<Identity>> {
+pub(crate) fn caller(extensions: &http::Extensions) -> Option<&Arc<Identity>> {
     extensions.get::<Caller>().map(|c| &c.0)
 }
 
 /// Refuses a Workers call for `worker_id` by a `worker` identity whose list
 /// does not hold it. Without authentication (no caller) every id is allowed.
-pub fn check_worker_id(caller: Option<&Identity>, worker_id: u64) -> Result<(), Status> {
+pub(crate) fn check_worker_id(caller: Option<&Identity>, worker_id: u64) -> Result<(), Status> {
     let Some(identity) = caller else {
         return Ok(());
     };
@@ -136,7 +136,7 @@ type Identified = Result<Arc<Identity>, Status>;
 const MAX_REMEMBERED_CERTIFICATES: usize = 4096;
 
 impl Guard {
-    pub fn new(
+    pub(crate) fn new(
         policy: Option<Arc<Policy>>,
         client_certificates: bool,
         decisions: IntCounterVec,
@@ -154,13 +154,13 @@ impl Guard {
     }
 
     /// Whether calls are authenticated at all.
-    pub fn enforcing(&self) -> bool {
+    pub(crate) fn enforcing(&self) -> bool {
         self.inner.policy.is_some() || self.inner.client_certificates
     }
 
     /// The caller's identity, or the error to answer; `Ok(None)` when
     /// nothing is enforced or the method is open.
-    pub fn authorize(
+    pub(crate) fn authorize(
         &self,
         path: &str,
         headers: &http::HeaderMap,
@@ -272,7 +272,7 @@ fn permitted(access: Access, path: &str, identity: Arc<Identity>) -> Result<Arc<
 
 /// Protected mode: refuses to listen beyond loopback with nothing that
 /// authenticates callers, unless told to on purpose.
-pub fn protected_mode(
+pub(crate) fn protected_mode(
     grpc_addr: SocketAddr,
     client_certificates: bool,
     policy: bool,

@@ -25,7 +25,7 @@ pub enum Role {
 }
 
 impl Role {
-    pub const fn label(self) -> &'static str {
+    pub(crate) const fn label(self) -> &'static str {
         match self {
             Self::Frontend => "frontend",
             Self::Worker => "worker",
@@ -50,7 +50,7 @@ pub enum WorkerIds {
 }
 
 impl WorkerIds {
-    pub fn contains(&self, id: WorkerId) -> bool {
+    pub(crate) fn contains(&self, id: WorkerId) -> bool {
         match self {
             Self::Any => true,
             Self::Ranges(ranges) => ranges.iter().any(|&(lo, hi)| (lo..=hi).contains(&id)),
@@ -95,13 +95,13 @@ pub struct Identity {
 }
 
 impl Identity {
-    pub fn has(&self, role: Role) -> bool {
+    pub(crate) fn has(&self, role: Role) -> bool {
         self.roles.contains(&role)
     }
 
     /// The identity a certificate-authenticated client has when no policy
     /// is loaded: every role, every worker id (etcd's client-cert-auth alone).
-    pub fn trusted_client(name: &str) -> Self {
+    pub(crate) fn trusted_client(name: &str) -> Self {
         Self {
             name: name.into(),
             roles: vec![
@@ -147,14 +147,14 @@ struct IdentityEntry {
 
 impl Policy {
     /// Reads and checks a policy file.
-    pub fn load(path: &Path) -> Result<Self, String> {
+    pub(crate) fn load(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
     /// Parses a policy from its TOML text.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub(crate) fn parse(text: &str) -> Result<Self, String> {
         let file: PolicyFile = toml::from_str(text).map_err(|e| e.message().to_owned())?;
         let mut policy = Self {
             reflection: file.reflection,
@@ -219,18 +219,22 @@ impl Policy {
     }
 
     /// The identity a bearer token belongs to.
-    pub fn by_token(&self, token: &str) -> Option<Arc<Identity>> {
+    pub(crate) fn by_token(&self, token: &str) -> Option<Arc<Identity>> {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         self.by_token.get(&digest).cloned()
     }
 
     /// The identity of the first of a certificate's SANs the policy lists.
-    pub fn by_sans<'a>(&self, sans: impl IntoIterator<Item = &'a str>) -> Option<Arc<Identity>> {
+    pub(crate) fn by_sans<'a>(
+        &self,
+        sans: impl IntoIterator<Item = &'a str>,
+    ) -> Option<Arc<Identity>> {
         sans.into_iter()
             .find_map(|san| self.by_san.get(san).cloned())
     }
 
-    pub fn identities(&self) -> &[Arc<Identity>] {
+    #[cfg(test)]
+    pub(crate) fn identities(&self) -> &[Arc<Identity>] {
         &self.identities
     }
 }

@@ -54,7 +54,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 impl ServerTls {
     /// Loads the files; `alpn` is what the port speaks (`h2` for gRPC).
     /// `reloads` is `tls_reloads_total{outcome}`.
-    pub fn load(
+    pub(crate) fn load(
         files: TlsFiles,
         alpn: &[&[u8]],
         reloads: IntCounterVec,
@@ -72,7 +72,7 @@ impl ServerTls {
     }
 
     /// Whether clients must present a certificate.
-    pub fn requires_client_certificates(&self) -> bool {
+    pub(crate) fn requires_client_certificates(&self) -> bool {
         self.files.client_ca.is_some()
     }
 
@@ -82,7 +82,7 @@ impl ServerTls {
 
     /// Re-reads the files and swaps in a new configuration if they changed;
     /// `None` when nothing changed since the last try.
-    pub fn reload(&self) -> Option<Result<(), String>> {
+    pub(crate) fn reload(&self) -> Option<Result<(), String>> {
         let (contents, fingerprint) = match read(&self.files) {
             Ok(read) => read,
             Err(error) => return self.tried(0, Err(error.to_string())),
@@ -111,7 +111,7 @@ impl ServerTls {
     }
 
     /// Reloads every `interval` until `stop`, logging each change once.
-    pub async fn watch(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
+    pub(crate) async fn watch(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
@@ -138,7 +138,7 @@ impl ServerTls {
     /// TLS connections over the TCP connections of `tcp`, handshaken
     /// concurrently; failed handshakes are counted in `failures`
     /// (`tls_handshake_failures_total{port}` for this port) and dropped.
-    pub fn incoming<S>(
+    pub(crate) fn incoming<S>(
         self: Arc<Self>,
         tcp: S,
         failures: prometheus::IntCounter,

@@ -39,7 +39,7 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-pub fn state_to_pb(state: &FleetState, taken_unix_ms: u64) -> pb::SnapshotState {
+pub(crate) fn state_to_pb(state: &FleetState, taken_unix_ms: u64) -> pb::SnapshotState {
     pb::SnapshotState {
         taken_unix_ms,
         workers: state.workers.iter().map(worker_to_pb).collect(),
@@ -50,7 +50,7 @@ pub fn state_to_pb(state: &FleetState, taken_unix_ms: u64) -> pb::SnapshotState 
 }
 
 /// A session binding in wire form (snapshots, and cluster mode's bucket).
-pub fn session_to_pb(s: &SavedSession) -> pb::SnapshotSession {
+pub(crate) fn session_to_pb(s: &SavedSession) -> pb::SnapshotSession {
     pb::SnapshotSession {
         session_id: s.session_id.clone(),
         worker_id: s.target.worker_id,
@@ -59,7 +59,7 @@ pub fn session_to_pb(s: &SavedSession) -> pb::SnapshotSession {
     }
 }
 
-pub fn session_from_pb(s: pb::SnapshotSession) -> SavedSession {
+pub(crate) fn session_from_pb(s: pb::SnapshotSession) -> SavedSession {
     SavedSession {
         session_id: s.session_id,
         target: PinTarget::new(s.worker_id, s.dp_rank),
@@ -68,7 +68,7 @@ pub fn session_from_pb(s: pb::SnapshotSession) -> SavedSession {
 }
 
 /// An open booking in wire form (snapshots, and cluster mode's changes).
-pub fn booking_to_pb(b: &SavedBooking) -> pb::SnapshotBooking {
+pub(crate) fn booking_to_pb(b: &SavedBooking) -> pb::SnapshotBooking {
     pb::SnapshotBooking {
         request_id: b.request_id.clone(),
         worker_id: b.target.worker_id,
@@ -82,7 +82,7 @@ pub fn booking_to_pb(b: &SavedBooking) -> pb::SnapshotBooking {
     }
 }
 
-pub fn booking_from_pb(b: pb::SnapshotBooking) -> SavedBooking {
+pub(crate) fn booking_from_pb(b: pb::SnapshotBooking) -> SavedBooking {
     SavedBooking {
         request_id: b.request_id,
         target: WorkerRank::new(b.worker_id, b.dp_rank),
@@ -169,7 +169,7 @@ fn target_to_pb(t: &FleetTarget) -> pb::SnapshotTarget {
     out
 }
 
-pub fn state_from_pb(state: pb::SnapshotState) -> Result<FleetState, InvalidState> {
+pub(crate) fn state_from_pb(state: pb::SnapshotState) -> Result<FleetState, InvalidState> {
     Ok(FleetState {
         workers: state
             .workers

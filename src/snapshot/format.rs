@@ -36,7 +36,7 @@ pub enum FormatError {
 }
 
 /// The file bytes of `state`.
-pub fn encode(state: &pb::SnapshotState) -> Vec<u8> {
+pub(crate) fn encode(state: &pb::SnapshotState) -> Vec<u8> {
     let payload = state.encode_to_vec();
     let mut bytes = Vec::with_capacity(HEADER_BYTES + payload.len());
     bytes.extend_from_slice(MAGIC);
@@ -48,7 +48,7 @@ pub fn encode(state: &pb::SnapshotState) -> Vec<u8> {
 }
 
 /// The state in a file's bytes, if the header, length and checksum agree.
-pub fn decode(bytes: &[u8]) -> Result<pb::SnapshotState, FormatError> {
+pub(crate) fn decode(bytes: &[u8]) -> Result<pb::SnapshotState, FormatError> {
     let (header, payload) = bytes
         .split_at_checked(HEADER_BYTES)
         .ok_or(FormatError::Truncated { len: bytes.len() })?;

@@ -115,7 +115,7 @@ fn unix_ms() -> u64 {
 
 impl Snapshots {
     /// Snapshots of `fleet` in `dir`, created if missing.
-    pub fn open(
+    pub(crate) fn open(
         dir: &Path,
         fleet: Arc<Fleet>,
         metrics: Arc<Metrics>,
@@ -133,7 +133,7 @@ impl Snapshots {
     }
 
     /// Takes the fleet's state and writes it (see the module docs).
-    pub async fn write(&self) -> Result<Written, SnapshotError> {
+    pub(crate) async fn write(&self) -> Result<Written, SnapshotError> {
         let mut last = self.last.lock().await;
         let started = Instant::now();
         let state = self.fleet.capture().await;
@@ -182,7 +182,7 @@ impl Snapshots {
     /// and nothing of it is restored: moved aside ([`SnapshotError::SetAside`])
     /// or, when `required`, left in place ([`SnapshotError::Unusable`]) so
     /// that every start refuses until an operator looks.
-    pub async fn load(&self, required: bool) -> Result<Option<Loaded>, SnapshotError> {
+    pub(crate) async fn load(&self, required: bool) -> Result<Option<Loaded>, SnapshotError> {
         let mut last = self.last.lock().await;
         let Some(path) = newest(&self.dir)? else {
             return Ok(None);
@@ -235,7 +235,7 @@ impl Snapshots {
     }
 
     /// Sets the age gauge (before a scrape).
-    pub fn refresh_age(&self) {
+    pub(crate) fn refresh_age(&self) {
         if let Ok(last) = self.last.try_lock()
             && let Some(at) = *last
         {
@@ -244,7 +244,11 @@ impl Snapshots {
     }
 
     /// Writes a snapshot every `interval` until `stop`.
-    pub async fn every(&self, interval: Duration, stop: tokio_util::sync::CancellationToken) {
+    pub(crate) async fn every(
+        &self,
+        interval: Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -279,7 +283,7 @@ fn snapshot_files(dir: &Path) -> Result<Vec<PathBuf>, SnapshotError> {
 }
 
 /// The newest snapshot in `dir`, if any.
-pub fn newest(dir: &Path) -> Result<Option<PathBuf>, SnapshotError> {
+pub(crate) fn newest(dir: &Path) -> Result<Option<PathBuf>, SnapshotError> {
     Ok(snapshot_files(dir)?.pop())
 }
 
