@@ -149,3 +149,66 @@ impl Members {
         self.indexes.get(model).cloned()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use kvroute_core::{
+        registry::Registration,
+        types::{KvEventsMode, WorkerRole},
+    };
+
+    fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registration {
+        Registration {
+            worker_id,
+            model: model.into(),
+            role: WorkerRole::Aggregated,
+            endpoint: String::new(),
+            block_size,
+            dp_start_rank: 0,
+            dp_size: 2,
+            total_kv_blocks: 1000,
+            max_num_batched_tokens: 8192,
+            taints: Vec::new(),
+            lease_ttl: None,
+            kv_events: KvEventsMode::Exact,
+        }
+    }
+
+    #[test]
+    fn a_model_view_holds_the_block_size_workers_and_index_of_one_read() {
+        let mut members = Members::new(RegistryLimits::default());
+        let unknown = members.model_view("m", 16);
+        assert_eq!(unknown.block_size(), 16, "the default without workers");
+        assert!(unknown.workers().is_empty());
+        assert!(unknown.index.is_none());
+
+        let now = crate::router::now();
+        for (worker_id, model) in [(1, "m"), (2, "m"), (3, "other")] {
+            members
+                .admit(|r| {
+                    r.register(
+                        registration(worker_id, model, 32),
+                        Duration::from_secs(10),
+                        now,
+                    )
+                })
+                .expect("registers");
+        }
+        let view = members.model_view("m", 16);
+        assert_eq!(view.block_size(), 32, "the workers' block size");
+        let ids: Vec<WorkerId> = view.workers().iter().map(|w| w.worker_id).collect();
+        assert_eq!(ids, [1, 2], "the model's workers only");
+        let index = members.index_of("m").expect("an index");
+        assert!(view.index.as_ref().is_some_and(|i| Arc::ptr_eq(i, &index)));
+        assert_eq!(index.block_size(), 32);
+
+        // An empty index: every rank counted, none overlapping.
+        let (overlaps, cached) = view.index_overlaps(&[7, 8]);
+        assert!(overlaps.is_empty());
+        assert_eq!(cached.len(), 4, "two workers of two ranks");
+        assert!(cached.values().all(|&blocks| blocks == 0));
+    }
+}

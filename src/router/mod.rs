@@ -13,8 +13,9 @@
 //!   lapse, which the fleet (`crate::fleet`) serialises per worker. Each
 //!   model's `KvIndex` contents are written only by the ingest writer
 //!   (`crate::ingest`), through the `Arc<KvIndex>` it gets from
-//!   [`RouterCore::index_of`]; routing reads them. A decision reads the
-//!   lock once, for the [`ModelView`] of its model.
+//!   [`RouterCore::index_of`]; routing reads them. A SelectWorker call
+//!   reads the lock once, for the [`ModelView`] (block size, workers,
+//!   index) its prompt is hashed with and its decision made on.
 //! * `routing` (`routing_state.rs`): bookings, sessions, the WAIT queue,
 //!   peer estimates and prefill times under the `routing` lock, and the
 //!   `feed` and `released` mutexes only it takes. Its operations (decide

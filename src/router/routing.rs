@@ -81,14 +81,16 @@ impl RouterCore {
         Ok(self.record(selection, admitted, "admitted"))
     }
 
-    /// Routes a request; WAIT admission queues until `deadline`.
+    /// Routes a request prepared on `model`, the view of its model from
+    /// [`Self::model_view`] it was hashed with; WAIT admission queues until
+    /// `deadline`.
     pub async fn route(
         &self,
+        model: &ModelView,
         prepared: PreparedRequest,
         deadline: tokio::time::Instant,
     ) -> Result<RouteOutcome, RouteError> {
-        let model = self.model_view(&prepared.request.model);
-        let inputs = self.inputs(&model, &prepared);
+        let inputs = self.inputs(model, &prepared);
         let request_id = prepared.request.request_id.clone();
         let query_only = prepared.request.mode == SelectMode::QueryOnly;
         if query_only || prepared.admission == AdmissionMode::Advisory {
