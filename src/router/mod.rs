@@ -29,7 +29,8 @@
 //! Lock order where two meet (docs/ARCHITECTURE.md names every lock):
 //! `routing` → `members` → an index's own lock; `routing` → `feed`,
 //! `released`; `routing` → the views' locks, which are taken last
-//! (`predictions` → `trust` for a read, `predictions` → `events_seen`).
+//! (`predictions` → `trust` for a read → `events_seen`, and `predictions`
+//! → `events_seen`).
 //! No path takes `routing` while holding `members`, and none takes
 //! `members` while holding an index lock or a view's lock.
 

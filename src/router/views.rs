@@ -16,9 +16,10 @@
 //! and `events_seen` (a `DashSet`, whose shards lock). Where they meet
 //! here: `predictions` → `events_seen` (a first event is marked under the
 //! predictions lock, so a racing booking sees the mark or its prediction
-//! forgotten) and `predictions` → `trust` (a read, to check the view of a
-//! booking's target). Nothing here takes `members` or `routing`; callers
-//! that hold those take these after them (docs/ARCHITECTURE.md).
+//! forgotten), `predictions` → `trust` (a read, to check the view of a
+//! booking's target) and `trust` → `events_seen` (a worker's view is read
+//! under the trust read lock). Nothing here takes `members` or `routing`;
+//! the routing side takes these under `routing` (docs/ARCHITECTURE.md).
 
 use std::sync::Arc;
 
