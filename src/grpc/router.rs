@@ -7,7 +7,7 @@ use tonic::{Request, Response, Status};
 use crate::{
     grpc::{convert, status::reason_label},
     pb,
-    router::{Admitted, PreparedRequest, RouterCore},
+    router::{Admitted, ModelView, PreparedRequest, RouterCore},
     security::{self, Identity, Role},
 };
 use kvroute_core::admission::AdmissionMode;
@@ -68,15 +68,26 @@ impl RouterService {
     }
 }
 
-/// Converts a SelectWorker request with the model's block size.
+/// Converts a SelectWorker request with its model's block size, read for
+/// the purpose (ExplainSelection, the fuzzers); SelectWorker itself
+/// converts with [`prepare_on`] and routes on the same view.
 pub fn prepare(
     core: &RouterCore,
     request: pb::SelectWorkerRequest,
 ) -> Result<PreparedRequest, Status> {
-    let block_size = core.model_block_size(&request.model);
+    prepare_on(core, &core.model_view(&request.model), request)
+}
+
+/// Converts a SelectWorker request, hashing its prompt at the block size
+/// of `model`, the view of the request's model the call is decided on.
+pub fn prepare_on(
+    core: &RouterCore,
+    model: &ModelView,
+    request: pb::SelectWorkerRequest,
+) -> Result<PreparedRequest, Status> {
     convert::select_request_from_pb(
         request,
-        block_size,
+        model.block_size(),
         core.config().limits.max_blocks_per_event as usize,
     )
     .map_err(Status::from)
@@ -122,13 +133,17 @@ impl pb::router_server::Router for RouterService {
     ) -> Result<Response<pb::SelectWorkerResponse>, Status> {
         let deadline = deadline(&request, self.request_timeout);
         let owner = security::caller(request.extensions()).map(|c| c.name.clone());
-        let mut prepared = prepare(&self.core, request.into_inner()).map_err(|s| self.fail(s))?;
+        // One read of the members lock: the prompt is hashed at this
+        // view's block size and decided on its workers and index.
+        let model = self.core.model_view(&request.get_ref().model);
+        let mut prepared =
+            prepare_on(&self.core, &model, request.into_inner()).map_err(|s| self.fail(s))?;
         prepared.owner = owner;
         let advisory = prepared.admission == AdmissionMode::Advisory;
         let request_id = prepared.request.request_id.clone();
         let outcome = self
             .core
-            .route(prepared, deadline)
+            .route(&model, prepared, deadline)
             .await
             .map_err(|e| self.fail(e.into()))?;
         let selection = &outcome.selection;

@@ -1,16 +1,16 @@
 //! Routing state shared between replicas (cluster mode): the changes this
 //! core makes to booked load and sessions go out on a feed, and the
 //! changes other replicas made come back in through
-//! [`RouterCore::apply_remote`], which does not feed them out again.
+//! [`RouterCore::apply_remote`](super::RouterCore::apply_remote), which
+//! does not feed them out again. The routing side (`routing_state.rs`)
+//! holds the feed and the releases remembered; this file is their
+//! vocabulary.
 //!
 //! Why a feed and not a shared store: a RESERVE decides under the routing
 //! lock in microseconds; it cannot wait for a network round trip. Each
 //! replica books locally at once and the others learn of it within
 //! milliseconds (`crate::cluster::routing_sync` carries the feed).
 
-use tokio::sync::mpsc;
-
-use super::RouterCore;
 use kvroute_core::{admission::bookings::SavedBooking, select::affinity::SavedSession};
 
 /// Changes a feed holds before they are dropped (and counted); the
@@ -31,7 +31,7 @@ pub(super) struct RecentReleases {
 }
 
 impl RecentReleases {
-    fn insert(&mut self, request_id: &str) {
+    pub(super) fn insert(&mut self, request_id: &str) {
         if self.ids.insert(request_id.to_owned()) {
             self.order.push_back(request_id.to_owned());
             if self.order.len() > RELEASES_REMEMBERED
@@ -42,7 +42,7 @@ impl RecentReleases {
         }
     }
 
-    fn take(&mut self, request_id: &str) -> bool {
+    pub(super) fn take(&mut self, request_id: &str) -> bool {
         self.ids.remove(request_id)
     }
 }
@@ -56,86 +56,18 @@ pub enum RoutingChange {
     SessionBound(SavedSession),
 }
 
-impl RouterCore {
-    /// Sends this core's own routing changes to `feed` from now on.
-    pub fn set_change_feed(&self, feed: mpsc::Sender<RoutingChange>) {
-        *self.feed.lock() = Some(feed);
-    }
-
-    /// Sends a change on the feed, if there is one; a full feed drops it.
-    pub(super) fn feed(&self, change: RoutingChange) {
-        let feed = self.feed.lock();
-        if let Some(feed) = feed.as_ref()
-            && feed.try_send(change).is_err()
-        {
-            self.metrics.cluster.changes_dropped.inc();
-        }
-    }
-
-    /// Remembers the release of a booking this core does not know.
-    pub(super) fn remember_release(&self, request_id: &str) {
-        self.released.lock().insert(request_id);
-    }
-
-    /// Whether changes are fed out (cluster mode).
-    pub(super) fn feeding(&self) -> bool {
-        self.feed.lock().is_some()
-    }
-
-    /// Makes a change another replica made. Bookings of workers not
-    /// registered here are dropped (the worker left meanwhile).
-    pub fn apply_remote(&self, change: RoutingChange) {
-        let now_ms = self.now_ms();
-        let known = |worker_id| self.worker(worker_id).is_some();
-        let changed = {
-            let mut state = self.routing.write();
-            let changed = match change {
-                RoutingChange::Booked(booking) => {
-                    let released = self.released.lock().take(&booking.request_id);
-                    let booked = !released
-                        && known(booking.target.worker_id)
-                        && state.ledger.restore(booking.clone(), now_ms).is_ok();
-                    if booked {
-                        self.predict_restored(&booking, now_ms);
-                    }
-                    booked
-                }
-                RoutingChange::PrefillComplete(request_id) => {
-                    self.predictions.write().settle(&request_id, now_ms);
-                    state.ledger.mark_prefill_complete(&request_id)
-                }
-                RoutingChange::Released(request_id) => {
-                    self.predictions.write().settle(&request_id, now_ms);
-                    let changed = state.ledger.release(&request_id);
-                    if !changed {
-                        self.remember_release(&request_id);
-                    }
-                    changed
-                }
-                RoutingChange::SessionBound(session) => {
-                    if known(session.target.worker_id) {
-                        state.sessions.restore(session, now_ms);
-                    }
-                    false
-                }
-            };
-            self.metrics.bookings_active.set(state.ledger.len() as i64);
-            changed
-        };
-        if changed {
-            self.drain_queue();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{metrics::Metrics, router::RouterConfig};
+    use crate::{
+        metrics::Metrics,
+        router::{RouterConfig, RouterCore},
+    };
     use kvroute_core::{
         registry::Registration,
         types::{WorkerRank, WorkerRole},
     };
+    use tokio::sync::mpsc;
 
     fn core() -> RouterCore {
         let core = RouterCore::new(RouterConfig::default(), Metrics::new().expect("metrics"));
