@@ -108,7 +108,7 @@ async fn a_block_size_change_races_no_other_registration_into_a_stale_index() {
     }
     let router = fleet.router();
     let index = router.index_of("m").unwrap_or_else(|| panic!("no index"));
-    assert_eq!(index.block_size(), router.model_block_size("m"));
+    assert_eq!(index.block_size(), router.model_view("m").block_size());
 }
 
 #[tokio::test]

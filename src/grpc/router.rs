@@ -21,7 +21,7 @@ pub struct RouterService {
 }
 
 impl RouterService {
-    pub fn new(core: Arc<RouterCore>, request_timeout: Duration) -> Self {
+    pub(crate) fn new(core: Arc<RouterCore>, request_timeout: Duration) -> Self {
         Self {
             core,
             request_timeout,
@@ -71,7 +71,7 @@ impl RouterService {
 /// Converts a SelectWorker request with its model's block size, read for
 /// the purpose (ExplainSelection, the fuzzers); SelectWorker itself
 /// converts with [`prepare_on`] and routes on the same view.
-pub fn prepare(
+pub(crate) fn prepare(
     core: &RouterCore,
     request: pb::SelectWorkerRequest,
 ) -> Result<PreparedRequest, Status> {
@@ -80,7 +80,7 @@ pub fn prepare(
 
 /// Converts a SelectWorker request, hashing its prompt at the block size
 /// of `model`, the view of the request's model the call is decided on.
-pub fn prepare_on(
+pub(crate) fn prepare_on(
     core: &RouterCore,
     model: &ModelView,
     request: pb::SelectWorkerRequest,

@@ -77,13 +77,13 @@ impl Default for ReplicaSettings {
 impl ReplicaSettings {
     /// Whether decisions estimate peer load: several replicas, learning of
     /// each other late.
-    pub fn estimates_peers(&self) -> bool {
+    pub(crate) fn estimates_peers(&self) -> bool {
         self.count > 1 && !self.sync_delay.is_zero()
     }
 
     /// How long an estimate counts: the sync delay in whole milliseconds
     /// of the routing clock, rounded up; 0 when the estimate is off.
-    pub fn horizon_ms(&self) -> u64 {
+    pub(crate) fn horizon_ms(&self) -> u64 {
         if self.estimates_peers() {
             u64::try_from(self.sync_delay.as_micros().div_ceil(1000)).unwrap_or(u64::MAX)
         } else {

@@ -61,7 +61,7 @@ pub struct WorkerFeedback {
 }
 
 impl WorkerFeedback {
-    pub fn mean_error(&self) -> f64 {
+    pub(crate) fn mean_error(&self) -> f64 {
         if self.reports == 0 {
             0.0
         } else {
@@ -69,7 +69,7 @@ impl WorkerFeedback {
         }
     }
 
-    pub fn mean_abs_error(&self) -> f64 {
+    pub(crate) fn mean_abs_error(&self) -> f64 {
         if self.reports == 0 {
             0.0
         } else {
@@ -78,7 +78,7 @@ impl WorkerFeedback {
     }
 
     /// Mean absolute index error over the window, in blocks.
-    pub fn window_error_blocks(&self) -> f64 {
+    pub(crate) fn window_error_blocks(&self) -> f64 {
         if self.window.is_empty() {
             0.0
         } else {
@@ -115,12 +115,12 @@ pub struct FeedbackBook {
 }
 
 impl FeedbackBook {
-    pub fn expect(&mut self, request_id: &str, expectation: Expectation) {
+    pub(crate) fn expect(&mut self, request_id: &str, expectation: Expectation) {
         self.expected.insert(request_id.to_owned(), expectation);
     }
 
     /// Compares an engine's report with the request's expectation.
-    pub fn report(&mut self, request_id: &str, cached_tokens: u64) -> ReportOutcome {
+    pub(crate) fn report(&mut self, request_id: &str, cached_tokens: u64) -> ReportOutcome {
         let Some(expected) = self.expected.get(request_id).copied() else {
             return ReportOutcome::Unknown;
         };
@@ -158,7 +158,7 @@ impl FeedbackBook {
 
     /// The histogram's `worker` label for `worker_id`: its id while fewer
     /// than [`SERIES_WORKERS`] have one, else `other`.
-    pub fn series_label(&mut self, worker_id: WorkerId) -> String {
+    pub(crate) fn series_label(&mut self, worker_id: WorkerId) -> String {
         if self.series.contains(&worker_id) || self.series.len() < SERIES_WORKERS {
             self.series.insert(worker_id);
             worker_id.to_string()
@@ -168,22 +168,22 @@ impl FeedbackBook {
     }
 
     /// Drops a request's expectation (released without a report).
-    pub fn forget(&mut self, request_id: &str) {
+    pub(crate) fn forget(&mut self, request_id: &str) {
         self.expected.remove(request_id);
     }
 
     /// Drops expectations of bookings made before `cutoff_ms`.
-    pub fn expire(&mut self, cutoff_ms: u64) {
+    pub(crate) fn expire(&mut self, cutoff_ms: u64) {
         self.expected.retain(|_, e| e.booked_ms >= cutoff_ms);
     }
 
-    pub fn worker(&self, worker_id: WorkerId) -> Option<&WorkerFeedback> {
+    pub(crate) fn worker(&self, worker_id: WorkerId) -> Option<&WorkerFeedback> {
         self.workers.get(&worker_id)
     }
 
     /// Forgets a worker that left (or re-registered with another layout);
     /// true when it had histogram series, which the caller removes.
-    pub fn forget_worker(&mut self, worker_id: WorkerId) -> bool {
+    pub(crate) fn forget_worker(&mut self, worker_id: WorkerId) -> bool {
         self.workers.remove(&worker_id);
         self.expected.retain(|_, e| e.target.worker_id != worker_id);
         self.series.remove(&worker_id)

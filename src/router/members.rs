@@ -47,7 +47,7 @@ impl std::fmt::Debug for ModelView {
 impl ModelView {
     /// The block size the model's requests are hashed at: its workers', or
     /// the configured default when it has none.
-    pub fn block_size(&self) -> u32 {
+    pub(crate) fn block_size(&self) -> u32 {
         self.block_size
     }
 

@@ -93,7 +93,7 @@ impl std::fmt::Debug for RouterCore {
 
 /// The clock every lease, booking and queue wait uses: tokio's, so tests
 /// can pause it.
-pub fn now() -> std::time::Instant {
+pub(crate) fn now() -> std::time::Instant {
     tokio::time::Instant::now().into_std()
 }
 
@@ -129,7 +129,7 @@ impl RouterCore {
         &self.config
     }
 
-    pub fn metrics(&self) -> &Arc<Metrics> {
+    pub(crate) fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
 
@@ -142,20 +142,10 @@ impl RouterCore {
     /// is decided on: the model's block size (its workers', or the
     /// configured default when it has none), worker snapshots and index,
     /// read together under one hold of the members lock.
-    pub fn model_view(&self, model: &str) -> ModelView {
+    pub(crate) fn model_view(&self, model: &str) -> ModelView {
         self.members
             .read()
             .model_view(model, self.config.default_block_size)
-    }
-
-    /// The block size requests of `model` are hashed at: its workers', or
-    /// the configured default when it has none.
-    pub fn model_block_size(&self, model: &str) -> u32 {
-        self.members
-            .read()
-            .registry
-            .model_block_size(model)
-            .unwrap_or(self.config.default_block_size)
     }
 
     /// Registers or updates a worker and gives its model an index of the
@@ -171,7 +161,7 @@ impl RouterCore {
     }
 
     /// See `Registry::set_next_generation`.
-    pub fn set_next_generation(&self, generation: u64) {
+    pub(crate) fn set_next_generation(&self, generation: u64) {
         self.members
             .write()
             .registry
@@ -179,7 +169,10 @@ impl RouterCore {
     }
 
     /// Registers a worker saved by a snapshot (see `Registry::restore`).
-    pub fn restore_worker(&self, saved: SavedWorker) -> Result<RegisterOutcome, RegistryError> {
+    pub(crate) fn restore_worker(
+        &self,
+        saved: SavedWorker,
+    ) -> Result<RegisterOutcome, RegistryError> {
         self.admit_worker(|registry| registry.restore(saved, now()))
     }
 
@@ -211,20 +204,23 @@ impl RouterCore {
 
     /// Forgets a worker in the registry (the fleet drops its blocks,
     /// subscription and bookings).
-    pub fn deregister_worker(&self, worker_id: WorkerId) -> Result<WorkerRecord, RegistryError> {
+    pub(crate) fn deregister_worker(
+        &self,
+        worker_id: WorkerId,
+    ) -> Result<WorkerRecord, RegistryError> {
         let record = self.members.write().registry.deregister(worker_id)?;
         self.refresh_worker_gauges();
         Ok(record)
     }
 
     /// Workers whose lease has lapsed by now.
-    pub fn lapsed_workers(&self) -> Vec<WorkerId> {
+    pub(crate) fn lapsed_workers(&self) -> Vec<WorkerId> {
         self.members.read().registry.lapsed(now())
     }
 
     /// Forgets `worker_id` if its lease has lapsed by now (it may have been
     /// renewed or re-registered since [`Self::lapsed_workers`] named it).
-    pub fn remove_if_lapsed(&self, worker_id: WorkerId) -> Option<WorkerRecord> {
+    pub(crate) fn remove_if_lapsed(&self, worker_id: WorkerId) -> Option<WorkerRecord> {
         let record = self
             .members
             .write()
@@ -235,7 +231,7 @@ impl RouterCore {
         Some(record)
     }
 
-    pub fn set_cordoned(
+    pub(crate) fn set_cordoned(
         &self,
         worker_id: WorkerId,
         cordoned: bool,
@@ -250,7 +246,7 @@ impl RouterCore {
     }
 
     /// A copy of one worker's record.
-    pub fn worker(&self, worker_id: WorkerId) -> Option<WorkerRecord> {
+    pub(crate) fn worker(&self, worker_id: WorkerId) -> Option<WorkerRecord> {
         self.members.read().registry.get(worker_id).cloned()
     }
 
@@ -260,7 +256,7 @@ impl RouterCore {
     }
 
     /// Copies of the records of every worker (of `model`, if given), by id.
-    pub fn workers(&self, model: Option<&str>) -> Vec<WorkerRecord> {
+    pub(crate) fn workers(&self, model: Option<&str>) -> Vec<WorkerRecord> {
         self.members
             .read()
             .registry
@@ -287,7 +283,7 @@ impl RouterCore {
     /// The index a batch validated against registration `generation` of
     /// `worker_id` may write: `None` when the worker has since been
     /// deregistered or re-registered (or moved to another model).
-    pub fn current_index(
+    pub(crate) fn current_index(
         &self,
         worker_id: WorkerId,
         generation: u64,
@@ -299,14 +295,14 @@ impl RouterCore {
     }
 
     /// Blocks the index holds for one (worker, rank).
-    pub fn cached_blocks(&self, model: &str, target: WorkerRank) -> u64 {
+    pub(crate) fn cached_blocks(&self, model: &str, target: WorkerRank) -> u64 {
         self.index_of(model)
             .map(|index| index.worker_blocks(target))
             .unwrap_or(0)
     }
 
     /// Every model's index statistics, summed.
-    pub fn index_totals(&self) -> IndexStats {
+    pub(crate) fn index_totals(&self) -> IndexStats {
         let indexes = self.members.read().indexes();
         let mut total = IndexStats::default();
         for index in indexes {
@@ -323,7 +319,7 @@ impl RouterCore {
     }
 
     /// Every model's index digest, summed (a wrapping sum, as each is).
-    pub fn index_digest(&self) -> IndexDigest {
+    pub(crate) fn index_digest(&self) -> IndexDigest {
         let indexes = self.members.read().indexes();
         let mut total = IndexDigest::default();
         for index in indexes {
@@ -332,7 +328,7 @@ impl RouterCore {
         total
     }
 
-    pub fn refresh_index_gauges(&self) {
+    pub(crate) fn refresh_index_gauges(&self) {
         let totals = self.index_totals();
         self.metrics
             .index_blocks
@@ -363,18 +359,18 @@ impl RouterCore {
     /// Notes that events of `worker_id` arrived (the ingest writer): an
     /// AUTO worker is scored on the exact index from now on, its
     /// predictions dropped, and trust learns the worker is not behind.
-    pub fn note_events(&self, worker_id: WorkerId) {
+    pub(crate) fn note_events(&self, worker_id: WorkerId) {
         self.views.note_events(worker_id);
     }
 
     /// Which view of its cache `worker` is scored on now, and why.
-    pub fn cache_view(&self, worker: &WorkerSnapshot) -> CacheView {
+    pub(crate) fn cache_view(&self, worker: &WorkerSnapshot) -> CacheView {
         self.views.view_of(worker)
     }
 
     /// Notes whether a rank's PublishEvents stream has an unhealed gap
     /// (the ingest writer, after each batch).
-    pub fn note_stream_gap(&self, target: WorkerRank, open: bool) {
+    pub(crate) fn note_stream_gap(&self, target: WorkerRank, open: bool) {
         self.views.note_gap(target, open);
     }
 
@@ -391,7 +387,7 @@ impl RouterCore {
     }
 
     /// Notes whether a worker's engine subscription is connected.
-    pub fn note_subscription(&self, worker_id: WorkerId, connected: bool) {
+    pub(crate) fn note_subscription(&self, worker_id: WorkerId, connected: bool) {
         self.views.note_subscription(worker_id, connected);
     }
 
@@ -407,7 +403,10 @@ impl RouterCore {
     }
 
     /// A worker's cached-token reports so far, if any.
-    pub fn cached_tokens_feedback(&self, worker_id: WorkerId) -> Option<feedback::WorkerFeedback> {
+    pub(crate) fn cached_tokens_feedback(
+        &self,
+        worker_id: WorkerId,
+    ) -> Option<feedback::WorkerFeedback> {
         self.views.feedback_of(worker_id)
     }
 
@@ -420,7 +419,7 @@ impl RouterCore {
     }
 
     /// Blocks `target` is predicted to hold (0 for targets scored exactly).
-    pub fn predicted_blocks(&self, target: WorkerRank) -> u64 {
+    pub(crate) fn predicted_blocks(&self, target: WorkerRank) -> u64 {
         self.views.predicted_blocks(target)
     }
 }

@@ -56,7 +56,7 @@ impl RouterCore {
     }
 
     /// Scores a request without changing anything (ExplainSelection).
-    pub fn explain(&self, prepared: &PreparedRequest) -> Result<Selection, RouteError> {
+    pub(crate) fn explain(&self, prepared: &PreparedRequest) -> Result<Selection, RouteError> {
         let model = self.model_view(&prepared.request.model);
         let inputs = self.inputs(&model, prepared);
         let mut selection = self.routing.preview(prepared, &inputs)?;
@@ -84,7 +84,7 @@ impl RouterCore {
     /// Routes a request prepared on `model`, the view of its model from
     /// [`Self::model_view`] it was hashed with; WAIT admission queues until
     /// `deadline`.
-    pub async fn route(
+    pub(crate) async fn route(
         &self,
         model: &ModelView,
         prepared: PreparedRequest,
@@ -184,12 +184,12 @@ impl RouterCore {
 
     /// Whether an open booking was made by another identity than `caller`
     /// (bookings made without authentication belong to no one).
-    pub fn booked_by_other(&self, request_id: &str, caller: &str) -> bool {
+    pub(crate) fn booked_by_other(&self, request_id: &str, caller: &str) -> bool {
         self.routing.booked_by_other(request_id, caller)
     }
 
     /// Load booked on one (worker, rank) and not yet released.
-    pub fn booked_load(&self, target: WorkerRank) -> BookedLoad {
+    pub(crate) fn booked_load(&self, target: WorkerRank) -> BookedLoad {
         self.routing.booked_load(target)
     }
 
@@ -216,7 +216,7 @@ impl RouterCore {
     }
 
     /// Drops bookings, sessions and cache views of a worker that left.
-    pub fn forget_worker(&self, worker_id: WorkerId) {
+    pub(crate) fn forget_worker(&self, worker_id: WorkerId) {
         self.routing.forget_worker(worker_id);
         self.views.forget_worker(worker_id);
         self.drain_queue();
@@ -224,7 +224,7 @@ impl RouterCore {
 
     /// Expires bookings never released and sessions unused; returns the
     /// bookings expired.
-    pub fn expire_bookings(&self) -> usize {
+    pub(crate) fn expire_bookings(&self) -> usize {
         let expired = self.routing.expire(&self.views);
         if expired > 0 {
             self.drain_queue();
@@ -233,20 +233,20 @@ impl RouterCore {
     }
 
     /// Admits queued calls, head first, while their choice is not busy.
-    pub fn drain_queue(&self) {
+    pub(crate) fn drain_queue(&self) {
         self.routing.drain(&self.views, |prepared| {
             self.inputs(&self.model_view(&prepared.request.model), prepared)
         });
     }
 
     /// Fails every queued call (shutdown).
-    pub fn fail_queue(&self) {
+    pub(crate) fn fail_queue(&self) {
         self.routing.fail_queue();
     }
 
     /// Live sessions and open bookings, as a snapshot keeps them (one hold
     /// of the routing read lock).
-    pub fn saved_routing(&self) -> (Vec<SavedSession>, Vec<SavedBooking>) {
+    pub(crate) fn saved_routing(&self) -> (Vec<SavedSession>, Vec<SavedBooking>) {
         self.routing.export()
     }
 
@@ -272,14 +272,14 @@ impl RouterCore {
 
     /// Sends this core's own routing changes to `feed` from now on
     /// (cluster mode, `sync.rs`).
-    pub fn set_change_feed(&self, feed: mpsc::Sender<RoutingChange>) {
+    pub(crate) fn set_change_feed(&self, feed: mpsc::Sender<RoutingChange>) {
         self.routing.set_feed(feed);
     }
 
     /// Makes a change another replica made, without feeding it out again.
     /// Bookings of workers not registered here are dropped (the worker left
     /// meanwhile).
-    pub fn apply_remote(&self, change: RoutingChange) {
+    pub(crate) fn apply_remote(&self, change: RoutingChange) {
         let changed = self.routing.apply_remote(&self.views, change, |worker_id| {
             self.worker_snapshot(worker_id)
         });

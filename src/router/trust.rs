@@ -80,12 +80,12 @@ pub struct TrustBook {
 impl TrustBook {
     /// Whether recording `open` for `target` would change anything (so the
     /// caller takes the write lock only then).
-    pub fn gap_changes(&self, target: WorkerRank, open: bool) -> bool {
+    pub(crate) fn gap_changes(&self, target: WorkerRank, open: bool) -> bool {
         self.gaps.contains_key(&target) != open
     }
 
     /// A rank's stream has (`open`) or has not an unhealed gap.
-    pub fn note_gap(&mut self, target: WorkerRank, open: bool, now_ms: u64) {
+    pub(crate) fn note_gap(&mut self, target: WorkerRank, open: bool, now_ms: u64) {
         if open {
             self.gaps.entry(target).or_insert(now_ms);
         } else {
@@ -94,7 +94,7 @@ impl TrustBook {
     }
 
     /// A worker's engine subscription is (or is not) connected.
-    pub fn note_subscription(&mut self, worker_id: WorkerId, connected: bool, now_ms: u64) {
+    pub(crate) fn note_subscription(&mut self, worker_id: WorkerId, connected: bool, now_ms: u64) {
         if connected {
             self.down.remove(&worker_id);
         } else {
@@ -105,12 +105,12 @@ impl TrustBook {
     /// Whether recording events of `worker_id` at `now_ms` would change
     /// anything (so the caller takes the write lock only then, at most
     /// once a millisecond per worker).
-    pub fn events_change(&self, worker_id: WorkerId, now_ms: u64) -> bool {
+    pub(crate) fn events_change(&self, worker_id: WorkerId, now_ms: u64) -> bool {
         self.awaiting.contains_key(&worker_id) || self.last_events.get(&worker_id) != Some(&now_ms)
     }
 
     /// Events of `worker_id` arrived.
-    pub fn note_events(&mut self, worker_id: WorkerId, now_ms: u64) {
+    pub(crate) fn note_events(&mut self, worker_id: WorkerId, now_ms: u64) {
         self.last_events.insert(worker_id, now_ms);
         self.awaiting.remove(&worker_id);
     }
@@ -118,7 +118,12 @@ impl TrustBook {
     /// A prefill booked at `booked_ms` that computed new blocks completed
     /// on `worker_id`: unless events came since the booking, the worker
     /// owes some.
-    pub fn note_prefill_completed(&mut self, worker_id: WorkerId, booked_ms: u64, now_ms: u64) {
+    pub(crate) fn note_prefill_completed(
+        &mut self,
+        worker_id: WorkerId,
+        booked_ms: u64,
+        now_ms: u64,
+    ) {
         let since_booking = self
             .last_events
             .get(&worker_id)
@@ -129,7 +134,7 @@ impl TrustBook {
     }
 
     /// Whether the engine's reports contradict a worker's index now.
-    pub fn note_contradiction(&mut self, worker_id: WorkerId, contradicted: bool) {
+    pub(crate) fn note_contradiction(&mut self, worker_id: WorkerId, contradicted: bool) {
         if contradicted {
             self.contradicted.insert(worker_id);
         } else {
@@ -138,12 +143,12 @@ impl TrustBook {
     }
 
     /// Why `worker_id` is untrusted now, if it is.
-    pub fn distrust(&self, worker_id: WorkerId) -> Option<Distrust> {
+    pub(crate) fn distrust(&self, worker_id: WorkerId) -> Option<Distrust> {
         self.untrusted.get(&worker_id).copied()
     }
 
     /// Workers untrusted now.
-    pub fn untrusted_count(&self) -> usize {
+    pub(crate) fn untrusted_count(&self) -> usize {
         self.untrusted.len()
     }
 
@@ -182,7 +187,7 @@ impl TrustBook {
 
     /// Downgrades workers in trouble past a deadline and recovers those no
     /// longer in trouble; returns what changed, once per change.
-    pub fn evaluate(&mut self, settings: &TrustSettings, now_ms: u64) -> Vec<TrustChange> {
+    pub(crate) fn evaluate(&mut self, settings: &TrustSettings, now_ms: u64) -> Vec<TrustChange> {
         if !settings.enabled {
             return self
                 .untrusted
@@ -229,7 +234,7 @@ impl TrustBook {
     }
 
     /// Forgets a worker that left (or re-registered with another layout).
-    pub fn forget_worker(&mut self, worker_id: WorkerId) {
+    pub(crate) fn forget_worker(&mut self, worker_id: WorkerId) {
         self.gaps.retain(|t, _| t.worker_id != worker_id);
         self.down.remove(&worker_id);
         self.contradicted.remove(&worker_id);
