@@ -1,5 +1,5 @@
 //! SelectWorker: the bytes are a protobuf `SelectWorkerRequest`, converted
-//! and validated as the handler does (`grpc::router::prepare`), then scored
+//! and validated as the handler does (`grpc::router::prepare_on`), then scored
 //! (`explain`) and routed with a booking (`route_unqueued`, which waits for
 //! nothing) over a small fleet whose index holds a few blocks, and
 //! released. Every step may refuse the request; none may panic.
@@ -7,7 +7,7 @@
 use prost::Message;
 
 use crate::{
-    grpc::router::prepare,
+    grpc::router::prepare_on,
     metrics::Metrics,
     pb,
     router::{RouterConfig, RouterCore},
@@ -29,11 +29,12 @@ pub fn select_worker(data: &[u8]) {
     let Some(core) = fleet() else {
         return;
     };
-    let Ok(prepared) = prepare(&core, request) else {
+    let model = core.model_view(&request.model);
+    let Ok(prepared) = prepare_on(&core, &model, request) else {
         return;
     };
     let request_id = prepared.request.request_id.clone();
-    let _ = core.explain(&prepared);
+    let _ = core.explain(&model, &prepared);
     if core.route_unqueued(prepared).is_ok() {
         core.mark_prefill_complete(&request_id);
         core.release_request(&request_id);

@@ -6,7 +6,7 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     fleet::{Fleet, changes::FleetChanges},
-    grpc::{convert, router::prepare, status::reason_label},
+    grpc::{convert, router::prepare_on, status::reason_label},
     pb,
     router::Admitted,
     snapshot::{SnapshotError, WriteSnapshot},
@@ -106,8 +106,14 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::SelectWorkerRequest>,
     ) -> Res<pb::ExplainSelectionResponse> {
         let router = self.fleet.router();
-        let prepared = prepare(router, request.into_inner()).map_err(|s| self.fail(s))?;
-        let selection = router.explain(&prepared).map_err(|e| self.fail(e.into()))?;
+        let request = request.into_inner();
+        // One read of the model's view: the prompt is hashed at its block
+        // size and the decision explained on its workers and index.
+        let model = router.model_view(&request.model);
+        let prepared = prepare_on(router, &model, request).map_err(|s| self.fail(s))?;
+        let selection = router
+            .explain(&model, &prepared)
+            .map_err(|e| self.fail(e.into()))?;
         let candidates = selection
             .candidates
             .iter()

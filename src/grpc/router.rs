@@ -68,16 +68,6 @@ impl RouterService {
     }
 }
 
-/// Converts a SelectWorker request with its model's block size, read for
-/// the purpose (ExplainSelection, the fuzzers); SelectWorker itself
-/// converts with [`prepare_on`] and routes on the same view.
-pub(crate) fn prepare(
-    core: &RouterCore,
-    request: pb::SelectWorkerRequest,
-) -> Result<PreparedRequest, Status> {
-    prepare_on(core, &core.model_view(&request.model), request)
-}
-
 /// Converts a SelectWorker request, hashing its prompt at the block size
 /// of `model`, the view of the request's model the call is decided on.
 pub(crate) fn prepare_on(

@@ -9,7 +9,7 @@ use crate::metrics::Metrics;
 use kvroute_core::{
     admission::{AdmissionMode, bookings::SavedBooking},
     registry::Registration,
-    select::{SelectMode, SelectRequest},
+    select::{SelectMode, SelectRequest, Selection},
     types::{WorkerId, WorkerRank, WorkerRole},
 };
 
@@ -133,9 +133,7 @@ fn estimates_count_until_the_sync_delay_has_passed() {
     assert_eq!(route(&blind, 0), first, "place 0 is one router's choice");
     let loaded_at = |ms: u64| {
         replica.set_clock_ms(ms);
-        let preview = replica
-            .explain(&request(1, SelectMode::QueryOnly))
-            .expect("explains");
+        let preview = explain(&replica, &request(1, SelectMode::QueryOnly));
         let loaded: BTreeSet<WorkerId> = preview
             .candidates
             .iter()
@@ -157,9 +155,7 @@ fn estimates_count_until_the_sync_delay_has_passed() {
     );
     assert_eq!(loaded_at(2), BTreeSet::from([first]), "the copies aged out");
     // A RESERVE decides as its preview did.
-    let preview = replica
-        .explain(&request(1, SelectMode::QueryOnly))
-        .expect("explains");
+    let preview = explain(&replica, &request(1, SelectMode::QueryOnly));
     assert_eq!(route(&replica, 1), preview.target.worker_id);
 }
 
@@ -185,4 +181,10 @@ fn the_horizon_rounds_the_delay_up_to_whole_milliseconds() {
     assert_eq!(replica(0, Duration::from_micros(300)).horizon_ms(), 1);
     assert_eq!(replica(0, Duration::from_millis(2)).horizon_ms(), 2);
     assert_eq!(replica(0, Duration::from_micros(2001)).horizon_ms(), 3);
+}
+
+/// The decision `core` would make for `prepared`, explained.
+fn explain(core: &RouterCore, prepared: &PreparedRequest) -> Selection {
+    core.explain(&core.model_view(&prepared.request.model), prepared)
+        .expect("explains")
 }

@@ -56,9 +56,12 @@ impl RouterCore {
     }
 
     /// Scores a request without changing anything (ExplainSelection).
-    pub(crate) fn explain(&self, prepared: &PreparedRequest) -> Result<Selection, RouteError> {
-        let model = self.model_view(&prepared.request.model);
-        let inputs = self.inputs(&model, prepared);
+    pub(crate) fn explain(
+        &self,
+        model: &ModelView,
+        prepared: &PreparedRequest,
+    ) -> Result<Selection, RouteError> {
+        let inputs = self.inputs(model, prepared);
         let mut selection = self.routing.preview(prepared, &inputs)?;
         for candidate in &mut selection.candidates {
             candidate.view = inputs.view(candidate.target);
