@@ -43,7 +43,7 @@ impl<'a> HashOptions<'a> {
     }
 
     /// The XXH3 seed these options select (see the module docs).
-    pub fn seed(&self) -> u64 {
+    pub(crate) fn seed(&self) -> u64 {
         let mut seed = BASE_SEED;
         if let Some(lora) = self.lora_name.filter(|s| !s.is_empty()) {
             seed = seed.wrapping_add(xxh3_64_with_seed(lora.as_bytes(), 0));

@@ -59,7 +59,7 @@ pub enum RequestPhase {
 
 impl WorkerRole {
     /// Whether a worker of this role may serve a request in `phase`.
-    pub fn serves(self, phase: RequestPhase) -> bool {
+    pub(crate) fn serves(self, phase: RequestPhase) -> bool {
         matches!(
             (self, phase),
             (WorkerRole::Aggregated, _)
@@ -214,7 +214,7 @@ impl WorkerSnapshot {
         (self.dp_size == 1).then_some(self.dp_start_rank)
     }
 
-    pub fn has_rank(&self, dp_rank: DpRank) -> bool {
+    pub(crate) fn has_rank(&self, dp_rank: DpRank) -> bool {
         dp_rank >= self.dp_start_rank && dp_rank - self.dp_start_rank < self.dp_size
     }
 

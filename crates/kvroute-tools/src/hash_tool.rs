@@ -19,7 +19,7 @@ pub enum ToolError {
 }
 
 /// Parses token ids given as whitespace-separated integers or as a JSON array.
-pub fn parse_tokens(text: &str) -> Result<Vec<u32>, ToolError> {
+pub(crate) fn parse_tokens(text: &str) -> Result<Vec<u32>, ToolError> {
     let trimmed = text.trim();
     let inner = trimmed
         .strip_prefix('[')

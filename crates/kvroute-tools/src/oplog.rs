@@ -87,7 +87,7 @@ pub enum Op {
 
 impl Op {
     /// Blocks this op carries (see the module docs).
-    pub fn blocks(&self) -> u64 {
+    pub(crate) fn blocks(&self) -> u64 {
         match self {
             Op::Match(q) => q.len() as u64,
             Op::Event { event, .. } => match event {
@@ -108,7 +108,7 @@ pub struct OpLog {
 
 impl OpLog {
     /// Parse a log from any reader.
-    pub fn parse<R: BufRead>(reader: R) -> Result<Self, OplogError> {
+    pub(crate) fn parse<R: BufRead>(reader: R) -> Result<Self, OplogError> {
         let mut header = None;
         let mut ops = Vec::new();
         for (i, line) in reader.lines().enumerate() {
@@ -146,7 +146,7 @@ impl OpLog {
     }
 
     /// Blocks in the whole log.
-    pub fn blocks(&self) -> u64 {
+    pub(crate) fn blocks(&self) -> u64 {
         self.ops.iter().map(Op::blocks).sum()
     }
 }
@@ -264,7 +264,7 @@ fn percentile_us(sorted_ns: &[u64], p: f64) -> f64 {
 
 /// Replay prepared ops in order (the timed part); see the module docs.
 /// `prepared[i]` is `log.ops[i]` prepared for `index`.
-pub fn replay_prepared<I: ReplayIndex>(
+pub(crate) fn replay_prepared<I: ReplayIndex>(
     index: &mut I,
     prepared: Vec<I::Prepared>,
     log: &OpLog,
@@ -325,7 +325,7 @@ pub fn replay_prepared<I: ReplayIndex>(
 }
 
 /// Prepare every op (untimed), then replay them in order.
-pub fn replay<I: ReplayIndex>(index: &mut I, log: &OpLog) -> ReplayReport {
+pub(crate) fn replay<I: ReplayIndex>(index: &mut I, log: &OpLog) -> ReplayReport {
     let prepared: Vec<I::Prepared> = log.ops.iter().map(|op| index.prepare(op)).collect();
     replay_prepared(index, prepared, log)
 }
@@ -337,7 +337,7 @@ pub struct KvRouteReplay {
 }
 
 impl KvRouteReplay {
-    pub fn new(block_size: u32) -> Self {
+    pub(crate) fn new(block_size: u32) -> Self {
         Self {
             index: KvIndex::new(block_size),
             scratch: OverlapScores::default(),

@@ -59,7 +59,7 @@ impl TraceRequest {
 
     /// The prompt's 512-token blocks as (prefix-chained key, tokens in the
     /// block): equal keys mean equal prompts up to the end of that block.
-    pub fn chained_blocks(&self) -> Vec<(u64, usize)> {
+    pub(crate) fn chained_blocks(&self) -> Vec<(u64, usize)> {
         let n = self.input_length.div_ceil(TRACE_BLOCK_TOKENS);
         let mut chain = 0x5eed_u64;
         self.hash_ids
@@ -121,7 +121,7 @@ impl Trace {
     /// Parse JSONL from a reader; `path` names it in errors. Blank lines are
     /// skipped. Every request must have the hash_ids its `input_length`
     /// needs, and timestamps must not go back.
-    pub fn from_reader(reader: impl BufRead, path: &str) -> Result<Self, TraceError> {
+    pub(crate) fn from_reader(reader: impl BufRead, path: &str) -> Result<Self, TraceError> {
         let mut records = Vec::new();
         for (idx, line) in reader.lines().enumerate() {
             let line = line.map_err(|source| TraceError::Read {
@@ -166,7 +166,7 @@ impl Trace {
     }
 
     /// Parse JSONL text.
-    pub fn parse(text: &str) -> Result<Self, TraceError> {
+    pub(crate) fn parse(text: &str) -> Result<Self, TraceError> {
         Self::from_reader(text.as_bytes(), "(text)")
     }
 
@@ -181,7 +181,7 @@ impl Trace {
     }
 
     /// Keep only the first `n` records.
-    pub fn truncated(mut self, n: usize) -> Self {
+    pub(crate) fn truncated(mut self, n: usize) -> Self {
         self.records.truncate(n);
         self
     }
@@ -255,7 +255,7 @@ pub fn tokens_for(hash_ids: &[u64], input_length: usize) -> Vec<u32> {
 /// The simulator's synthetic output token at `position` of request
 /// `request_id`: unique per request and position, so generated blocks never
 /// collide with prompt blocks.
-pub fn output_token(request_id: u64, position: usize) -> u32 {
+pub(crate) fn output_token(request_id: u64, position: usize) -> u32 {
     let x = mix64(request_id ^ 0xA5A5_0000_0000_0000 ^ ((position as u64) << 20));
     (x >> 32) as u32 % OUTPUT_TOKEN_VOCAB
 }
@@ -263,7 +263,7 @@ pub fn output_token(request_id: u64, position: usize) -> u32 {
 /// A splitmix64 finaliser applied to `a` and `b` combined: a stable,
 /// well-spread 64-bit value per pair. The same pairing as the oplog generator
 /// (shared/bench/make_oplog.py), so both sides agree on what a pair maps to.
-pub fn mix(a: u64, b: u64) -> u64 {
+pub(crate) fn mix(a: u64, b: u64) -> u64 {
     let mut z = a
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         .wrapping_add(b)
@@ -276,7 +276,7 @@ pub fn mix(a: u64, b: u64) -> u64 {
 /// SplitMix64 of one word (increment, then finaliser): a fast, well-mixed,
 /// seedless 64-bit hash. The simulator's hashes and random numbers are built
 /// on it too.
-pub fn mix64(mut x: u64) -> u64 {
+pub(crate) fn mix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

@@ -31,7 +31,7 @@ use crate::types::{BookedLoad, WorkerRank};
 use super::bookings::BookingLedger;
 
 /// The sum of two loads (saturating).
-pub fn plus(a: BookedLoad, b: BookedLoad) -> BookedLoad {
+pub(crate) fn plus(a: BookedLoad, b: BookedLoad) -> BookedLoad {
     BookedLoad {
         prefill_tokens: a.prefill_tokens.saturating_add(b.prefill_tokens),
         prefill_blocks: a.prefill_blocks.saturating_add(b.prefill_blocks),
@@ -83,7 +83,7 @@ impl PeerEstimates {
     }
 
     /// Forgets the estimates that no longer count at `now_ms`.
-    pub fn expire(&mut self, now_ms: u64) {
+    pub(crate) fn expire(&mut self, now_ms: u64) {
         while let Some(oldest) = self.live.front() {
             if self.counts(oldest, now_ms) {
                 break;
@@ -93,7 +93,7 @@ impl PeerEstimates {
     }
 
     /// The estimated load on `target` at `now_ms`.
-    pub fn load(&self, target: WorkerRank, now_ms: u64) -> BookedLoad {
+    pub(crate) fn load(&self, target: WorkerRank, now_ms: u64) -> BookedLoad {
         self.live
             .iter()
             .filter(|e| e.target == target && self.counts(e, now_ms))
@@ -101,11 +101,11 @@ impl PeerEstimates {
     }
 
     /// Estimates held (some may no longer count until the next `expire`).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.live.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.live.is_empty()
     }
 }

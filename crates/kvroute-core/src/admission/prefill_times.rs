@@ -182,7 +182,7 @@ impl PrefillTimes {
     }
 
     /// The learned scale of `target` and how many measurements made it.
-    pub fn learned(&self, target: WorkerRank) -> Option<(f64, u64)> {
+    pub(crate) fn learned(&self, target: WorkerRank) -> Option<(f64, u64)> {
         self.targets
             .get(&target)
             .filter(|t| t.samples > 0)
@@ -190,12 +190,12 @@ impl PrefillTimes {
     }
 
     /// The last measured predictions, oldest first.
-    pub fn errors(&self) -> impl Iterator<Item = &PredictionError> {
+    pub(crate) fn errors(&self) -> impl Iterator<Item = &PredictionError> {
         self.errors.iter()
     }
 
     /// Predictions awaiting their measurement.
-    pub fn pending(&self) -> usize {
+    pub(crate) fn pending(&self) -> usize {
         self.pending.len()
     }
 }

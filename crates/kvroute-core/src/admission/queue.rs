@@ -73,7 +73,7 @@ impl<T> WaitQueue<T> {
         }
     }
 
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
 
@@ -81,11 +81,11 @@ impl<T> WaitQueue<T> {
         self.order.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.order.is_empty()
     }
 
-    pub fn contains(&self, request_id: &str) -> bool {
+    pub(crate) fn contains(&self, request_id: &str) -> bool {
         self.keys.contains_key(request_id)
     }
 
@@ -149,7 +149,7 @@ impl<T> WaitQueue<T> {
     }
 
     /// The entry that would leave next.
-    pub fn peek(&self) -> Option<&QueuedRequest<T>> {
+    pub(crate) fn peek(&self) -> Option<&QueuedRequest<T>> {
         self.order.values().next()
     }
 
@@ -167,13 +167,13 @@ impl<T> WaitQueue<T> {
     }
 
     /// 0-based place of `request_id` in leaving order (O(n)).
-    pub fn position(&self, request_id: &str) -> Option<usize> {
+    pub(crate) fn position(&self, request_id: &str) -> Option<usize> {
         let key = self.keys.get(request_id)?;
         Some(self.order.range(..key).count())
     }
 
     /// Entries in leaving order.
-    pub fn iter(&self) -> impl Iterator<Item = &QueuedRequest<T>> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &QueuedRequest<T>> {
         self.order.values()
     }
 }

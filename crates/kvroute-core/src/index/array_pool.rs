@@ -23,7 +23,7 @@ pub struct ArrayPool<T> {
 
 impl<T> ArrayPool<T> {
     /// A pool keeping at most `limit` bytes of arrays.
-    pub fn new(limit: usize) -> Self {
+    pub(crate) fn new(limit: usize) -> Self {
         Self {
             classes: Vec::new(),
             bytes: 0,
@@ -33,7 +33,7 @@ impl<T> ArrayPool<T> {
 
     /// An empty array with room for at least `n` elements: a pooled one if
     /// the pool has one that big, else a new one of exactly `n`.
-    pub fn take(&mut self, n: usize) -> Vec<T> {
+    pub(crate) fn take(&mut self, n: usize) -> Vec<T> {
         if n == 0 {
             return Vec::new();
         }
@@ -47,7 +47,7 @@ impl<T> ArrayPool<T> {
 
     /// Keep `v`'s memory for a later [`Self::take`]; it is freed instead if
     /// the pool is full.
-    pub fn give(&mut self, mut v: Vec<T>) {
+    pub(crate) fn give(&mut self, mut v: Vec<T>) {
         let size = v.capacity() * size_of::<T>();
         if v.capacity() == 0 || self.bytes + size > self.limit {
             return;
@@ -64,7 +64,7 @@ impl<T> ArrayPool<T> {
     }
 
     /// Bytes of pooled arrays (their capacity) and of the pool's own lists.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.bytes
             + self
                 .classes

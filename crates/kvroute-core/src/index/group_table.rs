@@ -188,7 +188,7 @@ impl GroupTable {
     }
 
     /// Heap bytes.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.groups.capacity() * size_of::<Group>()
     }
 
@@ -208,7 +208,7 @@ impl GroupTable {
     /// the line of the key [`PREFETCH_AHEAD`] places ahead of the one it
     /// probes, so that the misses overlap with the probes' work.
     #[inline(always)]
-    pub fn prefetch(&self, hash: u64) {
+    pub(crate) fn prefetch(&self, hash: u64) {
         prefetch_line(self.groups.get(self.home(hash)));
     }
 
@@ -249,13 +249,13 @@ impl GroupTable {
 
     /// The value for `hash` that `eq` accepts.
     #[inline(always)]
-    pub fn find(&self, hash: u64, eq: impl FnMut(u64) -> bool) -> Option<u64> {
+    pub(crate) fn find(&self, hash: u64, eq: impl FnMut(u64) -> bool) -> Option<u64> {
         let (g, i) = self.locate(hash, eq)?;
         self.groups.get(g)?.vals.get(i).map(|&v| v & !CHECK_BITS)
     }
 
     /// Replace the value for `hash` that `eq` accepts; false if none.
-    pub fn replace(&mut self, hash: u64, eq: impl FnMut(u64) -> bool, value: u64) -> bool {
+    pub(crate) fn replace(&mut self, hash: u64, eq: impl FnMut(u64) -> bool, value: u64) -> bool {
         let Some((g, i)) = self.locate(hash, eq) else {
             return false;
         };
@@ -330,7 +330,7 @@ impl GroupTable {
 
     /// Add `value` for `hash`, known to be absent.
     #[inline(always)]
-    pub fn insert_new(&mut self, hash: u64, value: u64, rehash: impl Fn(u64) -> u64) {
+    pub(crate) fn insert_new(&mut self, hash: u64, value: u64, rehash: impl Fn(u64) -> u64) {
         if (self.len + 1) > self.groups.len() * MAX_PER_GROUP {
             self.grow(&rehash);
         }
@@ -380,7 +380,7 @@ impl GroupTable {
     }
 
     /// Every value, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u64> + '_ {
         self.groups.iter().flat_map(|g| {
             (0..SLOTS)
                 .filter(|&i| g.tag(i) != 0)
@@ -390,7 +390,7 @@ impl GroupTable {
 
     /// Check the layout invariants against the true hashes of the values.
     #[cfg(test)]
-    pub fn check(&self, hash_of: impl Fn(u64) -> u64) -> Result<(), String> {
+    pub(crate) fn check(&self, hash_of: impl Fn(u64) -> u64) -> Result<(), String> {
         let n = self.groups.len();
         let mut passed = vec![0u32; n];
         let mut count = 0;

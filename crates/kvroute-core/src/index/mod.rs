@@ -131,7 +131,7 @@ impl OverlapScores {
     }
 
     /// The largest prefix of any target.
-    pub fn max_blocks(&self) -> u32 {
+    pub(crate) fn max_blocks(&self) -> u32 {
         self.scores.iter().map(|s| s.blocks).max().unwrap_or(0)
     }
 
@@ -293,12 +293,12 @@ mod test_events {
     use crate::types::WorkerRank;
 
     /// Target `id`, dp rank 0.
-    pub fn w(id: u64) -> WorkerRank {
+    pub(crate) fn w(id: u64) -> WorkerRank {
         WorkerRank::new(id, 0)
     }
 
     /// A store of `(engine hash, local hash)` blocks under parent `p`.
-    pub fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
+    pub(crate) fn store(p: Option<u64>, b: &[(u64, u64)]) -> KvEvent {
         KvEvent::Stored {
             parent: p,
             blocks: b.to_vec(),
@@ -306,7 +306,7 @@ mod test_events {
     }
 
     /// A remove of engine hashes `b`.
-    pub fn rm(b: &[u64]) -> KvEvent {
+    pub(crate) fn rm(b: &[u64]) -> KvEvent {
         KvEvent::Removed { blocks: b.to_vec() }
     }
 }

@@ -141,7 +141,7 @@ impl PredictedCaches {
 
     /// Records that `target` now holds the prefixes in `chain`, keeping at
     /// most `capacity` blocks (at least 1) by LRU.
-    pub fn record(&mut self, target: WorkerRank, chain: &[u64], capacity: u64, now_ms: u64) {
+    pub(crate) fn record(&mut self, target: WorkerRank, chain: &[u64], capacity: u64, now_ms: u64) {
         if chain.is_empty() {
             return;
         }
@@ -237,7 +237,7 @@ impl PredictedCaches {
     }
 
     /// Forgets one target's predictions (its capacity changed, or it left).
-    pub fn forget_target(&mut self, target: WorkerRank) {
+    pub(crate) fn forget_target(&mut self, target: WorkerRank) {
         self.targets.remove(&target);
     }
 

@@ -61,7 +61,7 @@ impl RegistryLimits {
     }
 
     /// Blocks every rank's capacity may add up to under the budget.
-    pub fn budget_blocks(&self) -> u64 {
+    pub(crate) fn budget_blocks(&self) -> u64 {
         self.index_memory_budget / INDEX_BYTES_PER_BLOCK
     }
 }

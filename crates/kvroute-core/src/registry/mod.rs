@@ -97,7 +97,7 @@ impl WorkerRecord {
         }
     }
 
-    pub fn has_rank(&self, dp_rank: DpRank) -> bool {
+    pub(crate) fn has_rank(&self, dp_rank: DpRank) -> bool {
         let r = &self.registration;
         dp_rank >= r.dp_start_rank && dp_rank - r.dp_start_rank < r.dp_size
     }
@@ -200,7 +200,7 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 

@@ -80,7 +80,7 @@ impl SessionTable {
         }
     }
 
-    pub fn ttl_ms(&self) -> u64 {
+    pub(crate) fn ttl_ms(&self) -> u64 {
         self.ttl_ms
     }
 
@@ -126,7 +126,12 @@ impl SessionTable {
 
     /// Binds (or rebinds) `session_id` to `target` and refreshes its TTL.
     /// Returns the previous live target, if any.
-    pub fn bind(&mut self, session_id: &str, target: PinTarget, now_ms: u64) -> Option<PinTarget> {
+    pub(crate) fn bind(
+        &mut self,
+        session_id: &str,
+        target: PinTarget,
+        now_ms: u64,
+    ) -> Option<PinTarget> {
         let previous = self.lookup(session_id, now_ms);
         self.entries.insert(
             session_id.to_owned(),
@@ -143,7 +148,7 @@ impl SessionTable {
     /// target and has its TTL refreshed; a live binding that does not cover
     /// it (a SOFT session that went elsewhere, whose newest cache is now on
     /// `routed`) is moved to `routed`. Returns the target now bound.
-    pub fn record_routing(
+    pub(crate) fn record_routing(
         &mut self,
         session_id: &str,
         routed: WorkerRank,
@@ -158,7 +163,7 @@ impl SessionTable {
     }
 
     /// Refreshes a live binding's TTL. Returns whether one was refreshed.
-    pub fn touch(&mut self, session_id: &str, now_ms: u64) -> bool {
+    pub(crate) fn touch(&mut self, session_id: &str, now_ms: u64) -> bool {
         let ttl = self.ttl_ms;
         match self.entries.get_mut(session_id) {
             Some(e) if now_ms.saturating_sub(e.last_used_ms) <= ttl => {
@@ -170,7 +175,7 @@ impl SessionTable {
     }
 
     /// Forgets a session. Returns whether it was present (live or not).
-    pub fn remove(&mut self, session_id: &str) -> bool {
+    pub(crate) fn remove(&mut self, session_id: &str) -> bool {
         self.entries.remove(session_id).is_some()
     }
 
@@ -192,11 +197,11 @@ impl SessionTable {
     }
 
     /// Number of stored entries (dead ones included until `expire`).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 }

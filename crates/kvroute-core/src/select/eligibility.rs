@@ -92,7 +92,7 @@ pub struct Eligibility<'a> {
 
 impl Eligibility<'_> {
     /// Checks the worker as a whole (every rank shares the result).
-    pub fn check_worker(&self, w: &WorkerSnapshot) -> Result<(), Ineligible> {
+    pub(crate) fn check_worker(&self, w: &WorkerSnapshot) -> Result<(), Ineligible> {
         if w.model != self.model {
             return Err(Ineligible::ModelMismatch {
                 worker_model: w.model.clone(),
@@ -124,7 +124,7 @@ impl Eligibility<'_> {
 
     /// Checks one rank of the worker: the rank must exist, then the worker
     /// checks apply.
-    pub fn check_rank(&self, w: &WorkerSnapshot, dp_rank: DpRank) -> Result<(), Ineligible> {
+    pub(crate) fn check_rank(&self, w: &WorkerSnapshot, dp_rank: DpRank) -> Result<(), Ineligible> {
         if !w.has_rank(dp_rank) {
             return Err(Ineligible::NoSuchRank {
                 dp_rank,
@@ -189,7 +189,12 @@ impl fmt::Display for Busy {
 
 impl BusyThresholds {
     /// Whether rank `dp_rank` of `w` is busy, and why.
-    pub fn check(&self, w: &WorkerSnapshot, dp_rank: DpRank, booked: &BookedLoad) -> Option<Busy> {
+    pub(crate) fn check(
+        &self,
+        w: &WorkerSnapshot,
+        dp_rank: DpRank,
+        booked: &BookedLoad,
+    ) -> Option<Busy> {
         if w.max_num_batched_tokens > 0 {
             let limit = self.prefill_factor * w.max_num_batched_tokens as f64;
             if booked.prefill_tokens as f64 > limit {

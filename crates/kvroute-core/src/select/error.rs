@@ -138,7 +138,7 @@ impl SelectError {
     }
 
     /// The request the error is about.
-    pub fn request_id(&self) -> &str {
+    pub(crate) fn request_id(&self) -> &str {
         match self {
             Self::InvalidArgument { request_id, .. }
             | Self::BlockSizeMismatch { request_id, .. }

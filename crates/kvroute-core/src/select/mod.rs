@@ -141,7 +141,7 @@ pub struct SelectRequest {
 
 impl SelectRequest {
     /// Blocks of the prompt, the partial last one included.
-    pub fn total_blocks(&self) -> u64 {
+    pub(crate) fn total_blocks(&self) -> u64 {
         if self.block_size == 0 {
             0
         } else {
@@ -187,7 +187,7 @@ fn non_negative(name: &str, v: f64) -> Result<(), String> {
 
 impl SelectConfig {
     /// Checks the settings; call once when loading configuration.
-    pub fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         non_negative("overlap_weight", self.overlap_weight)?;
         non_negative("temperature", self.temperature)?;
         non_negative("overlap_credit", self.overlap_credit)?;

@@ -32,7 +32,7 @@ impl PinTarget {
     }
 
     /// Whether `rank` is (one of) the target's routing targets.
-    pub fn covers(&self, rank: WorkerRank) -> bool {
+    pub(crate) fn covers(&self, rank: WorkerRank) -> bool {
         self.worker_id == rank.worker_id && self.dp_rank.is_none_or(|r| r == rank.dp_rank)
     }
 }
@@ -44,7 +44,7 @@ impl From<WorkerRank> for PinTarget {
 }
 
 /// The pin the routing hints ask for in `phase`, if any.
-pub fn pinned_worker_hint(phase: RequestPhase, hints: &RoutingHints) -> Option<PinTarget> {
+pub(crate) fn pinned_worker_hint(phase: RequestPhase, hints: &RoutingHints) -> Option<PinTarget> {
     match phase {
         RequestPhase::Prefill => {
             let worker_id = hints.prefill_worker_id.or(hints.backend_instance_id)?;
@@ -64,7 +64,7 @@ pub fn pinned_worker_hint(phase: RequestPhase, hints: &RoutingHints) -> Option<P
 /// pin of the affinity's worker without a rank borrows the affinity's rank;
 /// any other explicit pin wins as it is; without an explicit pin the affinity
 /// pin applies.
-pub fn merge_affinity_pin(
+pub(crate) fn merge_affinity_pin(
     explicit: Option<PinTarget>,
     affinity: Option<PinTarget>,
 ) -> Option<PinTarget> {
@@ -80,7 +80,7 @@ pub fn merge_affinity_pin(
 /// Turns a pin into a routing target: the requested rank if given (0
 /// included), else the worker's only rank, else an error.
 /// `dp_size` is only used to say why no rank could be chosen.
-pub fn resolve_pinned_worker_rank(
+pub(crate) fn resolve_pinned_worker_rank(
     request_id: &str,
     worker_id: WorkerId,
     requested_dp_rank: Option<DpRank>,

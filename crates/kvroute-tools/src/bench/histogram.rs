@@ -38,13 +38,13 @@ pub struct ServerLatency {
 impl Histogram {
     /// The time RPC `method` took (every status code together), from a
     /// Prometheus text exposition.
-    pub fn rpc(text: &str, method: &str) -> Self {
+    pub(crate) fn rpc(text: &str, method: &str) -> Self {
         Self::parse(text, RPC_DURATION, Some(&format!("method=\"{method}\"")))
     }
 
     /// `family`'s series that carry `label` (all of them for `None`),
     /// summed, from a Prometheus text exposition.
-    pub fn parse(text: &str, family: &str, label: Option<&str>) -> Self {
+    pub(crate) fn parse(text: &str, family: &str, label: Option<&str>) -> Self {
         let mut out = Self::default();
         for line in text.lines() {
             let Some(rest) = line.strip_prefix(family) else {
@@ -79,7 +79,7 @@ impl Histogram {
     }
 
     /// Adds `other`'s observations (another replica's, say).
-    pub fn add(&mut self, other: &Histogram) {
+    pub(crate) fn add(&mut self, other: &Histogram) {
         for &(bound, n) in &other.buckets {
             self.add_bucket(bound, n);
         }
@@ -99,7 +99,7 @@ impl Histogram {
 
     /// The calls between `earlier` and this scrape (a restarted server's
     /// counters count from zero: nothing is negative).
-    pub fn since(&self, earlier: &Histogram) -> Histogram {
+    pub(crate) fn since(&self, earlier: &Histogram) -> Histogram {
         let before = |bound: f64| {
             earlier
                 .buckets
@@ -119,7 +119,7 @@ impl Histogram {
     }
 
     /// Calls, mean and p99; `None` without calls.
-    pub fn summary(&self) -> Option<ServerLatency> {
+    pub(crate) fn summary(&self) -> Option<ServerLatency> {
         (self.count > 0).then(|| ServerLatency {
             calls: self.count,
             mean_us: self.sum_s / self.count as f64 * 1e6,
@@ -129,7 +129,7 @@ impl Histogram {
 
     /// The `q` quantile in seconds, linear within its bucket; a rank in
     /// the open top bucket answers the last finite bound (0 when empty).
-    pub fn quantile_s(&self, q: f64) -> f64 {
+    pub(crate) fn quantile_s(&self, q: f64) -> f64 {
         let total = self.buckets.last().map_or(0, |&(_, n)| n);
         if total == 0 {
             return 0.0;

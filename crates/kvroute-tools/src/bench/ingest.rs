@@ -142,7 +142,7 @@ pub(super) struct Workload {
 impl Workload {
     /// Loads the op log's events (worker ids offset by `worker_offset`)
     /// and replays them into an index in this process for reference.
-    pub fn load(
+    pub(crate) fn load(
         oplog: &std::path::Path,
         batch: usize,
         worker_offset: u64,
@@ -242,7 +242,7 @@ impl Round<'_> {
 
     /// Registers every worker afresh (deregistered first, so event ids
     /// start again at 0 and nothing is skipped as a duplicate).
-    pub async fn register(&self) -> Result<(), BenchError> {
+    pub(crate) async fn register(&self) -> Result<(), BenchError> {
         let mut workers = WorkersClient::new(self.channel.clone());
         for (&worker_id, &dp_size) in self.ranks {
             // Ignore NOT_FOUND: the worker may not exist yet.
@@ -267,7 +267,7 @@ impl Round<'_> {
 
     /// Sends every worker's batches on its own stream, each after the
     /// previous one's reply, and waits for the last replies.
-    pub async fn stream(self) -> Result<Streamed, BenchError> {
+    pub(crate) async fn stream(self) -> Result<Streamed, BenchError> {
         let started = Instant::now();
         let mut tasks = Vec::new();
         for (worker_id, batches) in self.per_worker {

@@ -47,13 +47,13 @@ pub struct LocalServer {
 }
 
 impl LocalServer {
-    pub async fn start(config: ServeConfig) -> Result<Self, BenchError> {
+    pub(crate) async fn start(config: ServeConfig) -> Result<Self, BenchError> {
         Self::start_with_client(config, &ClientCredentials::default()).await
     }
 
     /// Starts a server that a client with `credentials` can reach (a TLS
     /// one, for `bench select --tls`).
-    pub async fn start_with_client(
+    pub(crate) async fn start_with_client(
         config: ServeConfig,
         credentials: &ClientCredentials,
     ) -> Result<Self, BenchError> {
@@ -107,11 +107,11 @@ impl LocalServer {
     }
 
     /// The text of its `GET /metrics`, if it answers.
-    pub async fn scrape(&self) -> Option<String> {
+    pub(crate) async fn scrape(&self) -> Option<String> {
         scrape_metrics(&self.metrics_addr.to_string()).await
     }
 
-    pub async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -121,7 +121,7 @@ impl LocalServer {
 
 /// The server a benchmark talks to: `addr` when given, else one started
 /// here with `config` (returned so the caller can stop it).
-pub async fn target(
+pub(crate) async fn target(
     addr: Option<&str>,
     config: ServeConfig,
 ) -> Result<(String, Option<LocalServer>), BenchError> {
@@ -135,7 +135,7 @@ pub async fn target(
 }
 
 /// The text of `GET /metrics` at `addr` (host:port, plaintext), if it answers.
-pub async fn scrape_metrics(addr: &str) -> Option<String> {
+pub(crate) async fn scrape_metrics(addr: &str) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
     stream
@@ -150,12 +150,12 @@ pub async fn scrape_metrics(addr: &str) -> Option<String> {
 }
 
 /// Connects to `addr` (host:port or a URL) in plaintext.
-pub async fn connect(addr: &str) -> Result<Channel, BenchError> {
+pub(crate) async fn connect(addr: &str) -> Result<Channel, BenchError> {
     connect_as(&ClientCredentials::default(), addr).await
 }
 
 /// Connects to `addr` with `credentials` (TLS when they name a CA).
-pub async fn connect_as(
+pub(crate) async fn connect_as(
     credentials: &ClientCredentials,
     addr: &str,
 ) -> Result<Channel, BenchError> {
@@ -176,7 +176,7 @@ pub struct Latency {
 }
 
 impl Latency {
-    pub fn of(samples: &mut [Duration]) -> Self {
+    pub(crate) fn of(samples: &mut [Duration]) -> Self {
         if samples.is_empty() {
             return Self::default();
         }

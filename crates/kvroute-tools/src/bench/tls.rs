@@ -20,7 +20,7 @@ const CLIENT_SAN: &str = "spiffe://bench/frontend";
 
 impl Fixture {
     /// Makes the files and points `config` at them.
-    pub fn make(config: &mut ServeConfig) -> Result<Self, BenchError> {
+    pub(crate) fn make(config: &mut ServeConfig) -> Result<Self, BenchError> {
         let failed = |e: &dyn std::fmt::Display| BenchError::Setup(format!("bench TLS files: {e}"));
         let dir = std::env::temp_dir().join(format!("kvroute-bench-tls-{}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| failed(&e))?;
@@ -70,7 +70,7 @@ impl Fixture {
     }
 
     /// The client's certificate and the CA it trusts.
-    pub fn credentials(&self) -> &ClientCredentials {
+    pub(crate) fn credentials(&self) -> &ClientCredentials {
         &self.client
     }
 }

@@ -49,7 +49,7 @@ pub fn run(args: CtlArgs) -> Result<(), CtlError> {
 }
 
 /// Connects, makes the call and writes its output.
-pub async fn execute(args: CtlArgs, out: &mut dyn Write) -> Result<(), CtlError> {
+pub(crate) async fn execute(args: CtlArgs, out: &mut dyn Write) -> Result<(), CtlError> {
     // Read the prompt before connecting: a bad file is not a network problem.
     let prompt = match &args.command {
         CtlCommand::Explain(explain) => Some(explain::request(explain)?),

@@ -43,7 +43,7 @@ impl CacheModel {
         CacheModel::FleetFurthestNextUse,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             CacheModel::Infinite => "infinite cache",
             CacheModel::FleetLru => "fleet LRU cache",
@@ -79,7 +79,7 @@ fn prompts(trace: &Trace) -> Vec<Prompt> {
 }
 
 /// ms to prefill `tokens` uncached prompt tokens alone on an idle engine.
-pub fn solo_prefill_ms(engine: &EngineConfig, tokens: usize) -> f64 {
+pub(crate) fn solo_prefill_ms(engine: &EngineConfig, tokens: usize) -> f64 {
     if !engine.enable_chunked_prefill {
         return engine.prefill_ms(tokens);
     }
@@ -89,7 +89,7 @@ pub fn solo_prefill_ms(engine: &EngineConfig, tokens: usize) -> f64 {
 }
 
 /// The floors of `trace` for `workers` engines configured as `engine`.
-pub fn ttft_floors(trace: &Trace, engine: &EngineConfig, workers: usize) -> Vec<TtftFloor> {
+pub(crate) fn ttft_floors(trace: &Trace, engine: &EngineConfig, workers: usize) -> Vec<TtftFloor> {
     let prompts = prompts(trace);
     // Flags set these; a product past usize means room for everything.
     let capacity_tokens = workers
@@ -188,7 +188,7 @@ fn next_uses(prompts: &[Prompt]) -> Vec<usize> {
 }
 
 /// The floors as text lines under the replay table.
-pub fn table(floors: &[TtftFloor], workers: usize) -> String {
+pub(crate) fn table(floors: &[TtftFloor], workers: usize) -> String {
     let mut out = format!(
         "TTFT floors, from the trace alone ({workers} engines' cache; no queueing, no decode in the steps):\n"
     );

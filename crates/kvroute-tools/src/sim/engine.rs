@@ -86,7 +86,7 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     /// Prefill step time in ms for `new_tokens` newly computed tokens.
-    pub fn prefill_ms(&self, new_tokens: usize) -> f64 {
+    pub(crate) fn prefill_ms(&self, new_tokens: usize) -> f64 {
         if new_tokens == 0 {
             return 0.0;
         }
@@ -95,14 +95,14 @@ impl EngineConfig {
     }
 
     /// Decode step time in ms at KV utilisation `u` (clamped to 0..=1).
-    pub fn decode_ms(&self, u: f64) -> f64 {
+    pub(crate) fn decode_ms(&self, u: f64) -> f64 {
         let u = u.clamp(0.0, 1.0);
         (self.decode_quadratic * u * u + self.decode_linear * u + self.decode_constant)
             .max(self.decode_min_ms)
     }
 
     /// Check the parameters can run a simulation.
-    pub fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         if self.num_blocks == 0 || self.block_size == 0 {
             return Err("num_blocks and block_size must be positive".into());
         }
@@ -132,7 +132,7 @@ pub enum EngineKvEvent {
 
 /// Chained hash of one full block: depends on the parent block's hash and
 /// on this block's tokens.
-pub fn chain_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
+pub(crate) fn chain_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
     let mut h = parent.map_or(0x0123_4567_89AB_CDEF, |p| p ^ 0xC2B2_AE3D_27D4_EB4F);
     for pair in tokens.chunks(2) {
         let word = u64::from(pair[0]) | (pair.get(1).map_or(0, |&t| u64::from(t)) << 32);
@@ -461,7 +461,7 @@ pub struct SimEngine {
 }
 
 impl SimEngine {
-    pub fn new(cfg: EngineConfig) -> Self {
+    pub(crate) fn new(cfg: EngineConfig) -> Self {
         let pool = BlockPool::new(cfg.num_blocks);
         SimEngine {
             cfg,
@@ -475,12 +475,12 @@ impl SimEngine {
         }
     }
 
-    pub fn config(&self) -> &EngineConfig {
+    pub(crate) fn config(&self) -> &EngineConfig {
         &self.cfg
     }
 
     /// Queue a request (it is considered at the next step).
-    pub fn enqueue(&mut self, req: EngineRequest) {
+    pub(crate) fn enqueue(&mut self, req: EngineRequest) {
         let seq = Seq {
             id: req.id,
             prompt_len: req.tokens.len(),
@@ -506,11 +506,11 @@ impl SimEngine {
         self.waiting.push_back(key);
     }
 
-    pub fn has_work(&self) -> bool {
+    pub(crate) fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
-    pub fn load(&self) -> EngineLoad {
+    pub(crate) fn load(&self) -> EngineLoad {
         let queued = |k: &usize| {
             self.slots[*k]
                 .as_ref()
@@ -527,7 +527,7 @@ impl SimEngine {
     }
 
     /// Whether the engine's cache holds `hash` (test and oracle helper).
-    pub fn is_cached(&self, hash: u64) -> bool {
+    pub(crate) fn is_cached(&self, hash: u64) -> bool {
         self.pool.map.contains_key(&hash)
     }
 
@@ -744,7 +744,7 @@ impl SimEngine {
 
     /// Run one step. The caller owns the clock: the step starts when called
     /// and its effects become visible `duration_ms` later.
-    pub fn step(&mut self) -> PassOutcome {
+    pub(crate) fn step(&mut self) -> PassOutcome {
         self.pass += 1;
         let mut out = PassOutcome::default();
         let mut acc = StepAcc {

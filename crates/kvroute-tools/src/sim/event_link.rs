@@ -36,7 +36,7 @@ pub struct EventLink {
 }
 
 impl EventLink {
-    pub fn new(impairment: LinkImpairment, engines: usize, seed: u64) -> Self {
+    pub(crate) fn new(impairment: LinkImpairment, engines: usize, seed: u64) -> Self {
         Self {
             impairment,
             engines,
@@ -47,14 +47,14 @@ impl EventLink {
     }
 
     /// Whether `engine` loses events.
-    pub fn is_lossy(&self, engine: usize) -> bool {
+    pub(crate) fn is_lossy(&self, engine: usize) -> bool {
         self.impairment.loss > 0.0
             && engine + self.impairment.lossy_engines >= self.engines
             && engine < self.engines
     }
 
     /// Sends one engine's batch at `now_ms` (its events numbered already).
-    pub fn send(&mut self, engine: usize, mut events: Vec<pb::KvEvent>, now_ms: f64) {
+    pub(crate) fn send(&mut self, engine: usize, mut events: Vec<pb::KvEvent>, now_ms: f64) {
         if self.is_lossy(engine) {
             let loss = self.impairment.loss.clamp(0.0, 1.0);
             let before = events.len();
@@ -69,7 +69,7 @@ impl EventLink {
     }
 
     /// The next batch due by `now_ms`, in sending order.
-    pub fn arrive(&mut self, now_ms: f64) -> Option<(usize, Vec<pb::KvEvent>)> {
+    pub(crate) fn arrive(&mut self, now_ms: f64) -> Option<(usize, Vec<pb::KvEvent>)> {
         if self.in_flight.front()?.0 > now_ms {
             return None;
         }

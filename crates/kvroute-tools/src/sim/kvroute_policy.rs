@@ -103,7 +103,7 @@ impl KvRoutePolicy {
 
     /// One of several router replicas (`super::replicas`), told what the
     /// service's cluster mode tells its core.
-    pub fn replica(
+    pub(crate) fn replica(
         knobs: KvRouteKnobs,
         replicas: ReplicaSettings,
     ) -> Result<Self, prometheus::Error> {

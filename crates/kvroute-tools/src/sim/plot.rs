@@ -26,7 +26,7 @@ const PALETTE: [RGBColor; 6] = [
 
 /// Writes the comparison chart of `reports` to `path`: PNG when the path
 /// ends in `.png`, SVG otherwise.
-pub fn write_chart(path: &Path, reports: &[Report]) -> Result<(), String> {
+pub(crate) fn write_chart(path: &Path, reports: &[Report]) -> Result<(), String> {
     let mut svg = String::new();
     draw(&mut svg, reports)?;
     if path.extension().and_then(|e| e.to_str()) == Some("png") {

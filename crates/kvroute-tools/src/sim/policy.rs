@@ -89,7 +89,7 @@ pub struct RandomRouter {
 }
 
 impl RandomRouter {
-    pub fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         RandomRouter {
             rng: SimRng::new(seed),
         }
@@ -149,7 +149,7 @@ pub struct PrefixOnly {
 impl PrefixOnly {
     /// Leading blocks of `hashes` cached on `engine`, as far as the events
     /// received so far tell.
-    pub fn overlap(&self, engine: usize, hashes: &[u64]) -> usize {
+    pub(crate) fn overlap(&self, engine: usize, hashes: &[u64]) -> usize {
         self.cached.get(engine).map_or(0, |set| {
             hashes.iter().take_while(|h| set.contains(*h)).count()
         })

@@ -82,7 +82,7 @@ pub struct ReplicatedKvRoute {
 
 impl ReplicatedKvRoute {
     /// `setup.count` replicas (at least one) with the same `knobs`.
-    pub fn new(knobs: KvRouteKnobs, setup: ReplicaSetup) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(knobs: KvRouteKnobs, setup: ReplicaSetup) -> Result<Self, prometheus::Error> {
         let count = setup.count.max(1);
         let replicas = (0..count)
             .map(|index| KvRoutePolicy::replica(knobs, replica_settings(setup, count, index)))
@@ -95,7 +95,7 @@ impl ReplicatedKvRoute {
     }
 
     /// Routing or ingest failures over every replica (none are expected).
-    pub fn errors(&self) -> u64 {
+    pub(crate) fn errors(&self) -> u64 {
         self.replicas.iter().map(|r| r.errors).sum()
     }
 

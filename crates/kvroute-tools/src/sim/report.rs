@@ -33,7 +33,7 @@ pub struct Distribution {
 
 impl Distribution {
     /// Mean and nearest-rank percentiles (rank rounded from `(n-1)*p`).
-    pub fn of(mut values: Vec<f64>) -> Self {
+    pub(crate) fn of(mut values: Vec<f64>) -> Self {
         if values.is_empty() {
             return Distribution::default();
         }
@@ -131,7 +131,7 @@ pub struct PredictionErrors {
 
 impl PredictionErrors {
     /// Over `(predicted, actual)` pairs.
-    pub fn of(pairs: &[(f64, f64)]) -> Self {
+    pub(crate) fn of(pairs: &[(f64, f64)]) -> Self {
         if pairs.is_empty() {
             return Self::default();
         }
@@ -159,7 +159,7 @@ pub struct PredictionAccuracy {
 }
 
 impl PredictionAccuracy {
-    pub fn of(pairs: &[(f64, f64)]) -> Self {
+    pub(crate) fn of(pairs: &[(f64, f64)]) -> Self {
         let tenth = pairs.len().div_ceil(10);
         Self {
             all: PredictionErrors::of(pairs),
@@ -320,7 +320,7 @@ impl Report {
 
     /// A fixed-width text table, one row per report, after a line per
     /// report that ran as several router replicas saying how.
-    pub fn table(reports: &[Report]) -> String {
+    pub(crate) fn table(reports: &[Report]) -> String {
         let mut out = String::new();
         for r in reports {
             if let Some(setup) = r.replicas {

@@ -94,7 +94,7 @@ impl FleetView<'_> {
     /// The fleet as kvroute's registry would describe it (one aggregated,
     /// single-rank worker per engine, ids as in [`worker_rank`]), so the real
     /// selection code can consume it.
-    pub fn snapshots(&self, model: &str) -> Vec<WorkerSnapshot> {
+    pub(crate) fn snapshots(&self, model: &str) -> Vec<WorkerSnapshot> {
         self.engines
             .iter()
             .enumerate()
@@ -126,7 +126,7 @@ impl FleetView<'_> {
         self.engines.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.engines.is_empty()
     }
 }

@@ -13,7 +13,7 @@ use crate::types::WorkerRank;
 use std::borrow::Cow;
 
 impl IndexCore {
-    pub fn apply(
+    pub(crate) fn apply(
         &mut self,
         worker: WorkerRank,
         event: &KvEvent,
@@ -39,7 +39,7 @@ impl IndexCore {
     /// its blocks under a new segment keeps the event's array as that
     /// segment's (no allocation or copy, and the memory is warm from the
     /// caller's use).
-    pub fn apply_owned(
+    pub(crate) fn apply_owned(
         &mut self,
         worker: WorkerRank,
         event: KvEvent,

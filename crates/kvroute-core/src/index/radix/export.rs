@@ -15,7 +15,7 @@ use crate::types::{EngineHash, LocalHash, WorkerRank};
 
 impl IndexCore {
     /// The targets with a slot, holding blocks or not.
-    pub fn targets(&self) -> Vec<WorkerRank> {
+    pub(crate) fn targets(&self) -> Vec<WorkerRank> {
         let mut targets: Vec<WorkerRank> = self
             .slots
             .iter()
@@ -27,7 +27,7 @@ impl IndexCore {
     }
 
     /// Everything `worker` holds; empty when it holds nothing.
-    pub fn export_target(&self, worker: WorkerRank) -> TargetContent {
+    pub(crate) fn export_target(&self, worker: WorkerRank) -> TargetContent {
         let Some(slot) = self
             .slot_of
             .get(&worker)

@@ -223,7 +223,7 @@ fn engine_hash(e: EngineHash) -> u64 {
 }
 
 impl IndexCore {
-    pub fn new(block_size: u32) -> Self {
+    pub(crate) fn new(block_size: u32) -> Self {
         Self {
             block_size,
             segs: vec![Seg::empty(NIL)],
@@ -252,7 +252,7 @@ impl IndexCore {
         }
     }
 
-    pub fn block_size(&self) -> u32 {
+    pub(crate) fn block_size(&self) -> u32 {
         self.block_size
     }
 }

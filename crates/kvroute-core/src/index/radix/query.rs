@@ -41,7 +41,7 @@ impl IndexCore {
         }
     }
 
-    pub fn find_matches_into(&self, query: &[LocalHash], out: &mut OverlapScores) {
+    pub(crate) fn find_matches_into(&self, query: &[LocalHash], out: &mut OverlapScores) {
         out.scores.clear();
         if self.slots.len() > INLINE_SLOTS as usize {
             return self.find_matches_wide(query, out);

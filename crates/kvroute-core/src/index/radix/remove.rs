@@ -282,7 +282,7 @@ impl IndexCore {
         n
     }
 
-    pub fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
+    pub(crate) fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
         self.reserved.remove(&worker);
         self.capacity.remove(&worker);
         match self.slot_of.get(&worker).copied() {
@@ -295,7 +295,7 @@ impl IndexCore {
         }
     }
 
-    pub fn remove_worker(&mut self, worker: WorkerId) -> u64 {
+    pub(crate) fn remove_worker(&mut self, worker: WorkerId) -> u64 {
         self.reserved.retain(|r, _| r.worker_id != worker);
         self.capacity.retain(|r, _| r.worker_id != worker);
         let ranks: Vec<WorkerRank> = self

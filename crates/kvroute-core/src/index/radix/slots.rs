@@ -127,7 +127,7 @@ impl IndexCore {
     /// [`MAX_RESERVED_BLOCKS`]) now: a registration comes before the
     /// target's events, so its table is built (and its pages touched) then,
     /// not by the first store on the event path.
-    pub fn reserve(&mut self, worker: WorkerRank, blocks: u64) {
+    pub(crate) fn reserve(&mut self, worker: WorkerRank, blocks: u64) {
         let blocks = blocks.min(MAX_RESERVED_BLOCKS);
         self.reserved.insert(worker, blocks);
         match self.slot_of.get(&worker) {
@@ -141,7 +141,7 @@ impl IndexCore {
 
     /// Hold target `worker` to `blocks` engine hashes (its KV capacity):
     /// stores past it are rejected. Forgotten with the target.
-    pub fn limit_capacity(&mut self, worker: WorkerRank, blocks: u64) {
+    pub(crate) fn limit_capacity(&mut self, worker: WorkerRank, blocks: u64) {
         self.capacity.insert(worker, blocks);
     }
 

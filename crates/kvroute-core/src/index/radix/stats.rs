@@ -15,14 +15,14 @@ use crate::index::IndexStats;
 use crate::types::WorkerRank;
 
 impl IndexCore {
-    pub fn worker_blocks(&self, worker: WorkerRank) -> u64 {
+    pub(crate) fn worker_blocks(&self, worker: WorkerRank) -> u64 {
         self.slot_of
             .get(&worker)
             .and_then(|&s| self.slots.get(s as usize))
             .map_or(0, |slot| slot.count)
     }
 
-    pub fn stats(&self) -> IndexStats {
+    pub(crate) fn stats(&self) -> IndexStats {
         let mut per_worker: Vec<(WorkerRank, u64)> = self
             .slots
             .iter()
@@ -44,7 +44,7 @@ impl IndexCore {
 
     /// Heap bytes estimated from capacities (hash tables: buckets times
     /// entry size plus one control byte each).
-    pub fn bytes_used(&self) -> u64 {
+    pub(crate) fn bytes_used(&self) -> u64 {
         fn table_bytes(capacity: usize, entry: usize) -> u64 {
             if capacity == 0 {
                 return 0;

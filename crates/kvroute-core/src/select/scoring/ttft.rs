@@ -64,7 +64,7 @@ impl Default for PrefillModel {
 
 impl PrefillModel {
     /// ms of one step computing `tokens` new prompt tokens.
-    pub fn step_prefill_ms(&self, tokens: u64) -> f64 {
+    pub(crate) fn step_prefill_ms(&self, tokens: u64) -> f64 {
         if tokens == 0 {
             return 0.0;
         }
@@ -75,7 +75,7 @@ impl PrefillModel {
     /// ms decoding adds to each of the target's steps: none while it holds
     /// no sequence, else by its KV utilisation (the larger of what it
     /// reported and what the router booked on it).
-    pub fn decode_step_ms(&self, c: &ScoreInput) -> f64 {
+    pub(crate) fn decode_step_ms(&self, c: &ScoreInput) -> f64 {
         if c.booked.active_requests == 0 && c.reported.running_requests == 0 {
             return 0.0;
         }
@@ -92,7 +92,7 @@ impl PrefillModel {
     /// target whose prefills run `scale` times the prior's time. The queue
     /// ahead is the router's tracked queue when it has one (already in real
     /// ms), else the booked prefill tokens run through the prior.
-    pub fn predict(&self, c: &ScoreInput, scale: f64) -> TtftParts {
+    pub(crate) fn predict(&self, c: &ScoreInput, scale: f64) -> TtftParts {
         let step = if c.step_tokens > 0 {
             c.step_tokens
         } else {
