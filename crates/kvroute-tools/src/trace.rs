@@ -165,6 +165,7 @@ impl Trace {
         Ok(Trace { records })
     }
 
+    #[cfg(test)]
     /// Parse JSONL text.
     pub(crate) fn parse(text: &str) -> Result<Self, TraceError> {
         Self::from_reader(text.as_bytes(), "(text)")

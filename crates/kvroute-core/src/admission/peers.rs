@@ -100,11 +100,13 @@ impl PeerEstimates {
             .fold(BookedLoad::default(), |sum, e| plus(sum, e.load))
     }
 
+    #[cfg(test)]
     /// Estimates held (some may no longer count until the next `expire`).
     pub(crate) fn len(&self) -> usize {
         self.live.len()
     }
 
+    #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {
         self.live.is_empty()
     }

@@ -181,6 +181,7 @@ impl PrefillTimes {
         self.pending.retain(|_, p| p.target.worker_id != worker_id);
     }
 
+    #[cfg(test)]
     /// The learned scale of `target` and how many measurements made it.
     pub(crate) fn learned(&self, target: WorkerRank) -> Option<(f64, u64)> {
         self.targets
@@ -189,11 +190,13 @@ impl PrefillTimes {
             .map(|t| (t.log_scale.exp(), t.samples))
     }
 
+    #[cfg(test)]
     /// The last measured predictions, oldest first.
     pub(crate) fn errors(&self) -> impl Iterator<Item = &PredictionError> {
         self.errors.iter()
     }
 
+    #[cfg(test)]
     /// Predictions awaiting their measurement.
     pub(crate) fn pending(&self) -> usize {
         self.pending.len()

@@ -73,15 +73,11 @@ impl<T> WaitQueue<T> {
         }
     }
 
-    pub(crate) fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     pub fn len(&self) -> usize {
         self.order.len()
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.order.is_empty()
     }
 
@@ -148,6 +144,7 @@ impl<T> WaitQueue<T> {
         Ok(())
     }
 
+    #[cfg(test)]
     /// The entry that would leave next.
     pub(crate) fn peek(&self) -> Option<&QueuedRequest<T>> {
         self.order.values().next()
@@ -166,12 +163,14 @@ impl<T> WaitQueue<T> {
         self.order.remove(&key)
     }
 
+    #[cfg(test)]
     /// 0-based place of `request_id` in leaving order (O(n)).
     pub(crate) fn position(&self, request_id: &str) -> Option<usize> {
         let key = self.keys.get(request_id)?;
         Some(self.order.range(..key).count())
     }
 
+    #[cfg(test)]
     /// Entries in leaving order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = &QueuedRequest<T>> {
         self.order.values()

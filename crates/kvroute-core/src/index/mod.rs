@@ -130,11 +130,6 @@ impl OverlapScores {
         self.scores.iter().find(|s| s.worker == worker)
     }
 
-    /// The largest prefix of any target.
-    pub(crate) fn max_blocks(&self) -> u32 {
-        self.scores.iter().map(|s| s.blocks).max().unwrap_or(0)
-    }
-
     /// Scores sorted by target, for comparisons.
     pub fn sorted(mut self) -> Self {
         self.scores.sort_by_key(|s| s.worker);

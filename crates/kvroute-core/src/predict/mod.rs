@@ -236,11 +236,6 @@ impl PredictedCaches {
         dropped
     }
 
-    /// Forgets one target's predictions (its capacity changed, or it left).
-    pub(crate) fn forget_target(&mut self, target: WorkerRank) {
-        self.targets.remove(&target);
-    }
-
     /// Forgets every rank of a worker.
     pub fn forget_worker(&mut self, worker_id: WorkerId) {
         self.targets.retain(|t, _| t.worker_id != worker_id);

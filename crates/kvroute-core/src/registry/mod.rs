@@ -200,6 +200,7 @@ pub struct Registry {
 }
 
 impl Registry {
+    #[cfg(test)]
     pub(crate) fn new() -> Self {
         Self::default()
     }

@@ -80,6 +80,7 @@ impl SessionTable {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn ttl_ms(&self) -> u64 {
         self.ttl_ms
     }
@@ -162,6 +163,7 @@ impl SessionTable {
         target
     }
 
+    #[cfg(test)]
     /// Refreshes a live binding's TTL. Returns whether one was refreshed.
     pub(crate) fn touch(&mut self, session_id: &str, now_ms: u64) -> bool {
         let ttl = self.ttl_ms;
@@ -174,6 +176,7 @@ impl SessionTable {
         }
     }
 
+    #[cfg(test)]
     /// Forgets a session. Returns whether it was present (live or not).
     pub(crate) fn remove(&mut self, session_id: &str) -> bool {
         self.entries.remove(session_id).is_some()
@@ -196,11 +199,13 @@ impl SessionTable {
         before - self.entries.len()
     }
 
+    #[cfg(test)]
     /// Number of stored entries (dead ones included until `expire`).
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
+    #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }

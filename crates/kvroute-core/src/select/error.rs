@@ -137,6 +137,7 @@ impl SelectError {
         }
     }
 
+    #[cfg(test)]
     /// The request the error is about.
     pub(crate) fn request_id(&self) -> &str {
         match self {

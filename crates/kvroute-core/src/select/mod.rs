@@ -186,6 +186,7 @@ fn non_negative(name: &str, v: f64) -> Result<(), String> {
 }
 
 impl SelectConfig {
+    #[cfg(test)]
     /// Checks the settings; call once when loading configuration.
     pub(crate) fn validate(&self) -> Result<(), String> {
         non_negative("overlap_weight", self.overlap_weight)?;

@@ -475,10 +475,6 @@ impl SimEngine {
         }
     }
 
-    pub(crate) fn config(&self) -> &EngineConfig {
-        &self.cfg
-    }
-
     /// Queue a request (it is considered at the next step).
     pub(crate) fn enqueue(&mut self, req: EngineRequest) {
         let seq = Seq {
@@ -526,6 +522,7 @@ impl SimEngine {
         }
     }
 
+    #[cfg(test)]
     /// Whether the engine's cache holds `hash` (test and oracle helper).
     pub(crate) fn is_cached(&self, hash: u64) -> bool {
         self.pool.map.contains_key(&hash)

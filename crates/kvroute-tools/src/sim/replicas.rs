@@ -94,6 +94,7 @@ impl ReplicatedKvRoute {
         })
     }
 
+    #[cfg(test)]
     /// Routing or ingest failures over every replica (none are expected).
     pub(crate) fn errors(&self) -> u64 {
         self.replicas.iter().map(|r| r.errors).sum()

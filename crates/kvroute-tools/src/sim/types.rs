@@ -7,7 +7,7 @@
 //! without importing each other.
 
 use super::engine::{EngineConfig, EngineLoad};
-use kvroute_core::types::{RankLoad, WorkerRank, WorkerRole, WorkerSnapshot};
+use kvroute_core::types::WorkerRank;
 
 /// Fleet and run parameters.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -91,10 +91,12 @@ pub fn worker_rank(engine: usize) -> WorkerRank {
 }
 
 impl FleetView<'_> {
+    #[cfg(test)]
     /// The fleet as kvroute's registry would describe it (one aggregated,
     /// single-rank worker per engine, ids as in [`worker_rank`]), so the real
     /// selection code can consume it.
-    pub(crate) fn snapshots(&self, model: &str) -> Vec<WorkerSnapshot> {
+    pub(crate) fn snapshots(&self, model: &str) -> Vec<kvroute_core::types::WorkerSnapshot> {
+        use kvroute_core::types::{RankLoad, WorkerRole, WorkerSnapshot};
         self.engines
             .iter()
             .enumerate()
@@ -126,7 +128,7 @@ impl FleetView<'_> {
         self.engines.len()
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.engines.is_empty()
     }
 }

@@ -251,10 +251,6 @@ impl IndexCore {
             blocks_skipped: 0,
         }
     }
-
-    pub(crate) fn block_size(&self) -> u32 {
-        self.block_size
-    }
 }
 
 #[cfg(test)]
