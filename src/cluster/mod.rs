@@ -44,7 +44,7 @@ use crate::{
     grpc::convert,
     ingest::{BatchOutcome, ValidatedBatch},
     pb::{self, log_record::Body},
-    router::sync::FEED_CAPACITY,
+    router::sync::{FEED_CAPACITY, RoutingChange},
     snapshot::{SnapshotError, WriteSnapshot, Written},
 };
 pub use error::ClusterError;
@@ -119,10 +119,14 @@ impl Cluster {
             metrics.clone(),
             client.server_info().max_payload,
         ));
-        fleet.join_cluster(Arc::new(LogForward {
-            log: log.clone(),
-            stop: stop.clone(),
-        }));
+        let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
+        fleet.join_cluster(
+            Arc::new(LogForward {
+                log: log.clone(),
+                stop: stop.clone(),
+            }),
+            feed_tx,
+        );
         let snapshots = Arc::new(ClusterSnapshots {
             store: made.store,
             control: made.control,
@@ -143,7 +147,7 @@ impl Cluster {
             replica: replica.clone(),
             router: fleet.router().clone(),
         });
-        share_routing(&fleet, sync, connected.clone(), tasks, &stop);
+        share_routing(sync, feed_rx, connected.clone(), tasks, &stop);
         tasks.spawn(
             snapshots
                 .clone()
@@ -264,18 +268,17 @@ async fn catch_up(
     Ok(end)
 }
 
-/// Feeds this replica's bookings and sessions to the others, and theirs
-/// to this replica's router, on `tasks` until `stop`.
+/// Sends this replica's bookings and sessions (its router's `feed`) to
+/// the others, and theirs to this replica's router, on `tasks` until
+/// `stop`.
 fn share_routing(
-    fleet: &Fleet,
     sync: Arc<RoutingSync>,
+    feed: mpsc::Receiver<RoutingChange>,
     connected: watch::Receiver<bool>,
     tasks: &TaskTracker,
     stop: &CancellationToken,
 ) {
-    let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
-    fleet.router().set_change_feed(feed_tx);
-    tasks.spawn(sync.clone().publish(feed_rx, connected));
+    tasks.spawn(sync.clone().publish(feed, connected));
     tasks.spawn(sync.clone().receive(stop.clone()));
     tasks.spawn(sync.watch_sessions(stop.clone()));
 }

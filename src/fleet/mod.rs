@@ -154,13 +154,22 @@ impl Fleet {
         &self.router
     }
 
-    /// Cluster mode: engine subscriptions started from now on send their
-    /// batches to `forward` (the shared log) instead of the local writer,
-    /// and leases lapse through the log, not by this fleet's own tick.
-    pub(crate) fn join_cluster(&self, forward: Arc<dyn subscriptions::EngineForward>) {
+    /// Cluster mode, in one place: engine subscriptions started from now
+    /// on send their batches to `forward` (the shared log) instead of the
+    /// local writer, leases lapse through the log, not by this fleet's own
+    /// tick, and the router's own booking changes go to `feed`, for the
+    /// other replicas. The fleet exists (and answers health) before its
+    /// replica has joined, so this is how the replica attaches; nothing
+    /// books before it, the Router service being gated until then.
+    pub(crate) fn join_cluster(
+        &self,
+        forward: Arc<dyn subscriptions::EngineForward>,
+        feed: tokio::sync::mpsc::Sender<crate::router::sync::RoutingChange>,
+    ) {
         self.subscriptions.set_forward(forward);
         self.leases_shared
             .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.router.set_change_feed(feed);
     }
 
     /// Applies engine events through the index's one writer (cluster mode:
