@@ -197,18 +197,9 @@ impl Guard {
     ) -> Result<Arc<Identity>, Status> {
         let policy = self.inner.policy.as_ref();
         if let Some(value) = headers.get(http::header::AUTHORIZATION) {
-            let token = value
-                .to_str()
-                .ok()
-                .and_then(|v| {
-                    v.strip_prefix("Bearer ")
-                        .or_else(|| v.strip_prefix("bearer "))
-                })
-                .map(str::trim)
-                .filter(|t| !t.is_empty())
-                .ok_or_else(|| {
-                    Status::unauthenticated("authorization metadata must be `Bearer <token>`")
-                })?;
+            let token = value.to_str().ok().and_then(bearer_token).ok_or_else(|| {
+                Status::unauthenticated("authorization metadata must be `Bearer <token>`")
+            })?;
             return policy.and_then(|p| p.by_token(token)).ok_or_else(|| {
                 Status::unauthenticated("the bearer token matches no identity of the auth policy")
             });
@@ -358,5 +349,29 @@ mod tests {
         assert!(protected_mode(any, true, false, false).is_ok());
         assert!(protected_mode(any, false, true, false).is_ok());
         assert!(protected_mode(any, false, false, true).is_ok());
+    }
+}
+
+/// The token of an `authorization` value `Bearer <token>`; the scheme is
+/// compared without regard to case, as RFC 7235 has it.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+#[cfg(test)]
+mod bearer_tests {
+    use super::bearer_token;
+
+    /// #38: the scheme is case-insensitive (RFC 7235); `BEARER` was refused.
+    #[test]
+    fn the_bearer_scheme_is_read_without_regard_to_case() {
+        for value in ["Bearer t0k", "bearer t0k", "BEARER t0k", "bEaReR   t0k "] {
+            assert_eq!(bearer_token(value), Some("t0k"), "{value}");
+        }
+        for value in ["Basic t0k", "Bearert0k", "Bearer ", "Bearer", "", " t0k"] {
+            assert_eq!(bearer_token(value), None, "{value}");
+        }
     }
 }

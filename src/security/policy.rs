@@ -3,7 +3,12 @@
 //! and which roles it holds. Read once at start; a mistake in the file stops
 //! the start with the entry and key named.
 
-use std::{collections::HashMap, fmt, path::Path, sync::Arc};
+use std::{
+    collections::{HashMap, HashSet},
+    fmt,
+    path::Path,
+    sync::Arc,
+};
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -57,16 +62,33 @@ impl WorkerIds {
         }
     }
 
+    /// Reads `worker_ids`: `["*"]` alone, or ids and inclusive `lo-hi`
+    /// ranges of decimal digits. Whatever else (a sign, a `*` beside ids,
+    /// an empty list) is refused rather than read as more than it says.
     fn parse(entries: &[String]) -> Result<Self, String> {
         if entries.iter().any(|e| e.trim() == "*") {
-            return Ok(Self::Any);
+            return if entries.len() == 1 {
+                Ok(Self::Any)
+            } else {
+                Err("worker_ids: `*` must stand alone (it means every id)".into())
+            };
+        }
+        if entries.is_empty() {
+            return Err(
+                "worker_ids names no worker id (give ids, `lo-hi` ranges, or [\"*\"])".into(),
+            );
         }
         let mut ranges = Vec::with_capacity(entries.len());
         for entry in entries {
             let number = |text: &str| {
-                text.trim().parse::<WorkerId>().map_err(|_| {
-                    format!("worker_ids: `{entry}` is not an id, a range `lo-hi` or `*`")
-                })
+                let text = text.trim();
+                let digits = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+                digits
+                    .then(|| text.parse::<WorkerId>().ok())
+                    .flatten()
+                    .ok_or_else(|| {
+                        format!("worker_ids: `{entry}` is not an id, a range `lo-hi` or `*`")
+                    })
             };
             let range = match entry.split_once('-') {
                 Some((lo, hi)) => (number(lo)?, number(hi)?),
@@ -121,6 +143,9 @@ pub struct Policy {
     by_san: HashMap<String, Arc<Identity>>,
     by_token: HashMap<[u8; 32], Arc<Identity>>,
     identities: Vec<Arc<Identity>>,
+    /// The identities' names, for the one-name-each check: a set, so a
+    /// policy of many identities loads in linear time (it was quadratic).
+    names: HashSet<Arc<str>>,
     /// The file's `reflection` key, if it has one.
     pub reflection: Option<bool>,
 }
@@ -174,7 +199,7 @@ impl Policy {
         if entry.name.trim().is_empty() || entry.name.chars().any(char::is_control) {
             return Err("name must be non-empty printable text".into());
         }
-        if self.identities.iter().any(|i| *i.name == *entry.name) {
+        if self.names.contains(entry.name.as_str()) {
             return Err("another identity has this name".into());
         }
         if entry.roles.is_empty() {
@@ -214,6 +239,7 @@ impl Policy {
         {
             return Err(format!("the same token digest is also {:?}'s", other.name));
         }
+        self.names.insert(identity.name.clone());
         self.identities.push(identity);
         Ok(())
     }
@@ -333,6 +359,42 @@ mod tests {
             let error = policy(text).unwrap_err();
             assert!(error.contains(expected), "{text:?}: {error}");
         }
+    }
+
+    /// #38: worker_ids meant more than it said. `*` beside an id silently
+    /// meant any id, `+5` parsed as 5, and `[]` gave a worker identity that
+    /// may act for no id at all.
+    #[test]
+    fn worker_ids_are_read_strictly() {
+        let worker = |ids: &str| {
+            format!(
+                "[[identity]]\nname = \"a\"\nroles = [\"worker\"]\nsan = [\"x\"]\nworker_ids = {ids}"
+            )
+        };
+        for (ids, expected) in [
+            (r#"["5", "*"]"#, "`*` must stand alone"),
+            (r#"["*", "*"]"#, "`*` must stand alone"),
+            (r#"["+5"]"#, "is not an id"),
+            (r#"["5-+7"]"#, "is not an id"),
+            (r#"["-5"]"#, "is not an id"),
+            (r#"["5 6"]"#, "is not an id"),
+            ("[]", "names no worker id"),
+        ] {
+            let error = policy(&worker(ids)).unwrap_err();
+            assert!(error.contains(expected), "{ids}: {error}");
+        }
+        let any = policy(&worker(r#"["*"]"#)).unwrap();
+        assert_eq!(any.by_sans(["x"]).unwrap().worker_ids, Some(WorkerIds::Any));
+        let spaced = policy(&worker(r#"[" 7 ", "10 - 12"]"#)).unwrap();
+        let ids = spaced.by_sans(["x"]).unwrap().worker_ids.clone().unwrap();
+        assert!(ids.contains(7) && ids.contains(11) && !ids.contains(8));
+    }
+
+    #[test]
+    fn two_identities_may_not_share_a_name() {
+        let text = "[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsan = [\"x\"]\n[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsan = [\"y\"]";
+        let error = policy(text).unwrap_err();
+        assert!(error.contains("another identity has this name"), "{error}");
     }
 
     #[test]
