@@ -99,7 +99,7 @@ impl pb::workers_server::Workers for WorkersService {
         )?;
         let request = request.into_inner();
         let (registration, source) =
-            convert::registration_from_pb(request.clone()).map_err(|e| self.fail(e.into()))?;
+            convert::registration_from_pb(request).map_err(|e| self.fail(e.into()))?;
         // No connection is made to a host the worker may not name; the
         // answer is the same whether or not anything listens there.
         if let Some(source) = &source
