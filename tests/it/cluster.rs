@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{
     TestServer, batch,
     cluster::{Nats, Replica, converged},
-    registration, removed, select_hashes, stored,
+    registration, removed, stored,
 };
 use kvroute::pb::{self, router_client::RouterClient, workers_client::WorkersClient};
 use tonic::transport::Channel;
@@ -147,17 +147,7 @@ async fn events_through_different_replicas_give_one_index() {
 }
 
 async fn route(channel: &Channel, request_id: &str, hashes: &[u64], session: Option<&str>) -> u64 {
-    let mut request = select_hashes(request_id, MODEL, hashes);
-    request.session = session.map(|s| pb::SessionAffinity {
-        session_id: s.into(),
-        mode: pb::AffinityMode::Hard.into(),
-    });
-    RouterClient::new(channel.clone())
-        .select_worker(request)
-        .await
-        .expect("select")
-        .into_inner()
-        .worker_id
+    common::route_hashes(channel, MODEL, request_id, hashes, session).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

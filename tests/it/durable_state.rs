@@ -14,12 +14,10 @@ use std::{
 };
 
 use common::{
-    TestServer, batch, connect, registration, removed, select_hashes, stored, wait_serving,
+    TestServer, batch, connect, registration, removed, stored, wait_serving,
     worker::{Ev, Reply, TestWorker},
 };
-use kvroute::pb::{
-    self, admin_client::AdminClient, router_client::RouterClient, workers_client::WorkersClient,
-};
+use kvroute::pb::{self, admin_client::AdminClient, workers_client::WorkersClient};
 use tonic::transport::Channel;
 
 const MODEL: &str = "m";
@@ -187,17 +185,7 @@ async fn digest(channel: &Channel) -> (u64, u64) {
 }
 
 async fn route_session(channel: &Channel, request_id: &str, session: &str, hashes: &[u64]) -> u64 {
-    let mut request = select_hashes(request_id, MODEL, hashes);
-    request.session = Some(pb::SessionAffinity {
-        session_id: session.into(),
-        mode: pb::AffinityMode::Hard.into(),
-    });
-    RouterClient::new(channel.clone())
-        .select_worker(request)
-        .await
-        .expect("select")
-        .into_inner()
-        .worker_id
+    common::route_hashes(channel, MODEL, request_id, hashes, Some(session)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

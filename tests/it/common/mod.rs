@@ -243,6 +243,28 @@ pub fn batch(worker_id: u64, dp_rank: u32, events: Vec<pb::KvEvent>) -> pb::KvEv
 }
 
 /// A SelectWorker request over precomputed local hashes.
+/// SelectWorker over `channel` for a block-hash prompt of `model`, under a
+/// HARD session when one is named; the chosen worker's id.
+pub async fn route_hashes(
+    channel: &Channel,
+    model: &str,
+    request_id: &str,
+    hashes: &[u64],
+    hard_session: Option<&str>,
+) -> u64 {
+    let mut request = select_hashes(request_id, model, hashes);
+    request.session = hard_session.map(|s| pb::SessionAffinity {
+        session_id: s.into(),
+        mode: pb::AffinityMode::Hard.into(),
+    });
+    RouterClient::new(channel.clone())
+        .select_worker(request)
+        .await
+        .expect("select")
+        .into_inner()
+        .worker_id
+}
+
 pub fn select_hashes(request_id: &str, model: &str, hashes: &[u64]) -> pb::SelectWorkerRequest {
     pb::SelectWorkerRequest {
         request_id: request_id.into(),
