@@ -374,6 +374,7 @@ impl ServeConfig {
             default_block_size: self.block_size,
             lease_ttl: self.lease_ttl,
             booking_ttl: self.booking_ttl,
+            booking_limits: self.limits.booking_limits(),
             overlap_weight: self.overlap_weight,
             overlap_credit: self.overlap_credit,
             temperature: self.temperature,

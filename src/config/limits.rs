@@ -4,6 +4,7 @@
 
 use clap::Args;
 
+use kvroute_core::admission::bookings::BookingLimits;
 use kvroute_core::registry::RegistryLimits;
 
 /// Server-side limits: what registrations may claim, and what engines'
@@ -45,6 +46,19 @@ pub struct LimitOptions {
           value_parser = parse_bytes)]
     pub index_memory_budget: u64,
 
+    /// Memory open RESERVE bookings may hold in all, in bytes (48 bytes a
+    /// booked prompt block, 160 a booking): one past it gets
+    /// RESOURCE_EXHAUSTED until requests are released or expire.
+    #[arg(long, env = "KVROUTE_MAX_BOOKING_MEMORY", default_value = "1GiB",
+          value_parser = parse_bytes)]
+    pub max_booking_memory: u64,
+
+    /// Memory one authenticated identity's open bookings may hold (with
+    /// an auth policy loaded; unauthenticated callers share the total).
+    #[arg(long, env = "KVROUTE_MAX_BOOKING_MEMORY_PER_IDENTITY", default_value = "256MiB",
+          value_parser = parse_bytes)]
+    pub max_booking_memory_per_identity: u64,
+
     /// Largest ZeroMQ message (all frames) decoded from an engine; larger
     /// ones are dropped and counted.
     #[arg(long, env = "KVROUTE_MAX_ENGINE_MESSAGE_BYTES", default_value = "16MiB",
@@ -68,6 +82,8 @@ impl Default for LimitOptions {
             max_kv_blocks_per_rank: r.max_kv_blocks_per_rank,
             default_kv_blocks_per_rank: r.default_kv_blocks_per_rank,
             index_memory_budget: r.index_memory_budget,
+            max_booking_memory: BookingLimits::default().max_bytes,
+            max_booking_memory_per_identity: BookingLimits::default().max_bytes_per_owner,
             max_engine_message_bytes: 16 << 20,
             max_engine_metric_workers: 64,
         }
@@ -83,6 +99,15 @@ impl LimitOptions {
             max_kv_blocks_per_rank: self.max_kv_blocks_per_rank,
             default_kv_blocks_per_rank: self.default_kv_blocks_per_rank,
             index_memory_budget: self.index_memory_budget,
+        }
+    }
+}
+
+impl LimitOptions {
+    pub(crate) fn booking_limits(&self) -> BookingLimits {
+        BookingLimits {
+            max_bytes: self.max_booking_memory,
+            max_bytes_per_owner: self.max_booking_memory_per_identity,
         }
     }
 }

@@ -60,6 +60,8 @@ pub struct Metrics {
     pub queue_wait: HistogramVec,
     pub bookings_active: IntGauge,
     pub bookings_expired: IntCounter,
+    /// `bound`: all (every caller's bookings), identity (one caller's).
+    pub bookings_refused: IntCounterVec,
     // The fleet (`fleet`).
     pub workers: IntGaugeVec,
     pub leases_expired: IntCounter,
@@ -113,6 +115,7 @@ impl Metrics {
             queue_wait: routing.queue_wait,
             bookings_active: routing.bookings_active,
             bookings_expired: routing.bookings_expired,
+            bookings_refused: routing.bookings_refused,
             workers: fleet.workers,
             leases_expired: fleet.leases_expired,
             events: index.events,

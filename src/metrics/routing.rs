@@ -12,6 +12,7 @@ pub(super) struct RoutingFamilies {
     pub(super) queue_wait: HistogramVec,
     pub(super) bookings_active: IntGauge,
     pub(super) bookings_expired: IntCounter,
+    pub(super) bookings_refused: IntCounterVec,
 }
 
 impl RoutingFamilies {
@@ -45,6 +46,11 @@ impl RoutingFamilies {
             bookings_expired: families.counter(
                 "bookings_expired_total",
                 "Bookings dropped because they were never released",
+            )?,
+            bookings_refused: families.counter_vec(
+                "bookings_refused_total",
+                "RESERVE calls refused because open bookings hold their bound (bound: all, identity)",
+                &["bound"],
             )?,
         })
     }

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use kvroute_core::admission::bookings::BookingLimits;
 use kvroute_core::registry::RegistryLimits;
 use kvroute_core::select::TtftSettings;
 
@@ -102,6 +103,8 @@ pub struct RouterConfig {
     pub lease_ttl: Duration,
     /// Bookings never released expire after this.
     pub booking_ttl: Duration,
+    /// What open bookings may hold, in all and per identity.
+    pub booking_limits: BookingLimits,
     pub overlap_weight: f64,
     pub overlap_credit: f64,
     pub temperature: f64,
@@ -143,6 +146,7 @@ impl Default for RouterConfig {
             default_block_size: 16,
             lease_ttl: Duration::from_secs(10),
             booking_ttl: Duration::from_secs(300),
+            booking_limits: BookingLimits::default(),
             overlap_weight: DEFAULT_OVERLAP_WEIGHT,
             overlap_credit: DEFAULT_OVERLAP_CREDIT,
             temperature: 0.0,

@@ -16,7 +16,7 @@
 //! caller passes as a function, read under the hold: `routing` → `members`.
 //! Neither calls back into this side.
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 use rand::{RngCore, SeedableRng, rngs::StdRng};
@@ -99,17 +99,13 @@ struct RoutingState {
 
 impl RoutingState {
     /// `seed` 0 draws a seed for this process from the OS.
-    fn new(
-        queue_capacity: usize,
-        session_ttl: Duration,
-        seed: u64,
-        estimate_horizon_ms: u64,
-    ) -> Self {
+    fn new(config: &RouterConfig) -> Self {
+        let seed = config.seed;
         Self {
-            ledger: BookingLedger::new(),
-            sessions: SessionTable::new(millis(session_ttl)),
-            estimates: PeerEstimates::new(estimate_horizon_ms),
-            queue: WaitQueue::new(queue_capacity),
+            ledger: BookingLedger::with_limits(config.booking_limits),
+            sessions: SessionTable::new(millis(config.session_ttl)),
+            estimates: PeerEstimates::new(config.replicas.horizon_ms()),
+            queue: WaitQueue::new(config.queue_capacity),
             prefill_times: PrefillTimes::new(),
             seed: if seed == 0 {
                 StdRng::from_os_rng().next_u64()
@@ -183,12 +179,7 @@ pub(super) struct Routing {
 impl Routing {
     pub(super) fn new(config: &RouterConfig, metrics: Arc<Metrics>, clock: Clock) -> Self {
         Self {
-            routing: RwLock::new(RoutingState::new(
-                config.queue_capacity,
-                config.session_ttl,
-                config.seed,
-                config.replicas.horizon_ms(),
-            )),
+            routing: RwLock::new(RoutingState::new(config)),
             feed: Mutex::new(None),
             released: Mutex::new(RecentReleases::default()),
             select: SelectConfig {
@@ -422,10 +413,9 @@ impl Routing {
             ledger,
             sessions,
             now_ms,
-        )?;
-        if booked && let Some(owner) = &prepared.owner {
-            ledger.set_owner(&prepared.request.request_id, owner.clone());
-        }
+            prepared.owner.as_ref(),
+        )
+        .inspect_err(|e| self.count_refusal(e))?;
         if booked {
             views.hold_booked(
                 &prepared.request.request_id,
@@ -465,6 +455,17 @@ impl Routing {
             }
         }
         Ok(booked)
+    }
+
+    /// Counts a RESERVE refused because open bookings hold their bound.
+    fn count_refusal(&self, error: &AdmissionError) {
+        if let AdmissionError::BookingsFull { owner, .. } = error {
+            let bound = if owner.is_some() { "identity" } else { "all" };
+            self.metrics
+                .bookings_refused
+                .with_label_values(&[bound])
+                .inc();
+        }
     }
 
     /// Drops a request's booked prefill; idempotent. `sends_events` says

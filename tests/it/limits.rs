@@ -7,7 +7,9 @@
 
 use crate::common;
 
-use common::{TestServer, batch, claim, refused, removed, stored, try_register};
+use common::{
+    TestServer, batch, claim, refused, registration, removed, select_hashes, stored, try_register,
+};
 use kvroute::{config::ServeConfig, pb};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,4 +152,93 @@ async fn an_undeclared_capacity_is_the_servers_default() {
         .await
         .unwrap();
     assert_eq!(reply.rejected, 0, "{reply:?}");
+}
+
+/// The flood (#38): RESERVE of one long prompt, again and again
+/// under new request ids, never released, on an APPROXIMATE worker that
+/// already caches it (so it never looks busy). Open bookings stop at the
+/// bound with RESOURCE_EXHAUSTED, counted, and a release makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_bookings_are_held_to_their_bound() {
+    let prompt: Vec<u64> = (1..=4096).collect();
+    let one = kvroute_core::admission::bookings::booking_cost("flood-00", prompt.len());
+    let mut config = ServeConfig::for_tests();
+    config.limits.max_booking_memory = 5 * one + one / 2;
+    let server = TestServer::start_with(config).await;
+    let mut approximate = registration(1, "m");
+    approximate.kv_events = pb::KvEventsMode::Approximate.into();
+    approximate.total_kv_blocks = 100_000;
+    server.register(approximate).await;
+
+    let mut router = server.router();
+    router
+        .select_worker(select_hashes("warm", "m", &prompt))
+        .await
+        .unwrap();
+    router
+        .mark_prefill_complete(pb::MarkPrefillCompleteRequest {
+            request_id: "warm".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    router
+        .release_request(pb::ReleaseRequestRequest {
+            request_id: "warm".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    for i in 0..5 {
+        let id = format!("flood-{i:02}");
+        router
+            .select_worker(select_hashes(&id, "m", &prompt))
+            .await
+            .unwrap_or_else(|s| panic!("booking {i}: {s:?}"));
+    }
+    for i in 5..8 {
+        let status = router
+            .select_worker(select_hashes(&format!("flood-{i:02}"), "m", &prompt))
+            .await
+            .expect_err("past the bound");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status.message().contains("all callers") && status.message().contains("bound"),
+            "{status:?}"
+        );
+    }
+    // A short prompt still fits in what is left.
+    router
+        .select_worker(select_hashes("short", "m", &prompt[..16]))
+        .await
+        .unwrap();
+    // Asking costs nothing: QUERY_ONLY is answered while the bound holds.
+    let mut query = select_hashes("look", "m", &prompt);
+    query.mode = pb::SelectionMode::QueryOnly.into();
+    router.select_worker(query).await.unwrap();
+
+    let (_, body) = server.http_get("/metrics").await;
+    let refused = body
+        .lines()
+        .find(|l| l.starts_with("kvroute_bookings_refused_total{bound=\"all\"}"))
+        .expect("refusals counted");
+    assert!(refused.ends_with(" 3"), "{refused}");
+    let active = body
+        .lines()
+        .find(|l| l.starts_with("kvroute_bookings_active "))
+        .unwrap();
+    assert!(active.ends_with(" 6"), "{active}");
+
+    // A release makes room again.
+    router
+        .release_request(pb::ReleaseRequestRequest {
+            request_id: "flood-00".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    router
+        .select_worker(select_hashes("flood-05", "m", &prompt))
+        .await
+        .unwrap();
 }

@@ -786,3 +786,58 @@ fn listening_beyond_loopback_without_credentials_refuses_to_start() {
         "{stderr}"
     );
 }
+
+/// One identity's open bookings are bounded on their own (#38): a frontend
+/// that floods RESERVE calls without releasing is refused, counted, while
+/// another frontend still books.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_identitys_open_bookings_are_bounded_alone() {
+    let prompt: Vec<u64> = (1..=256).collect();
+    let one = kvroute_core::admission::bookings::booking_cost("a1", prompt.len());
+    let server = SecureServer::start(|c| {
+        c.limits.max_booking_memory_per_identity = 2 * one + one / 2;
+    })
+    .await;
+    let worker = server.identity("worker-a.test").await;
+    WorkersClient::new(worker)
+        .register_worker(registration(100, "m"))
+        .await
+        .unwrap();
+    let mut a = RouterClient::new(server.identity("spiffe://test/frontend-a").await);
+    let mut b = RouterClient::new(server.identity("spiffe://test/frontend-b").await);
+    for id in ["a1", "a2"] {
+        a.select_worker(select_hashes(id, "m", &prompt))
+            .await
+            .unwrap();
+    }
+    let status = a
+        .select_worker(select_hashes("a3", "m", &prompt))
+        .await
+        .expect_err("past frontend-a's bound");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("identity frontend-a"),
+        "{status:?}"
+    );
+    for id in ["b1", "b2"] {
+        b.select_worker(select_hashes(id, "m", &prompt))
+            .await
+            .unwrap();
+    }
+    a.release_request(pb::ReleaseRequestRequest {
+        request_id: "a1".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    a.select_worker(select_hashes("a3", "m", &prompt))
+        .await
+        .unwrap();
+    assert_eq!(
+        server
+            .metric("kvroute_bookings_refused_total{bound=\"identity\"}")
+            .await,
+        1.0
+    );
+    server.stop().await;
+}

@@ -15,7 +15,12 @@
 //!   (the engine's prefix cache holds them once); a block whose content
 //!   repeats at another position counts again, as the engine stores it again;
 //! * `mark_prefill_complete`, `release`, `expire` are idempotent; releasing
-//!   every booking returns every total to zero and leaves no per-rank entry.
+//!   every booking returns every total to zero and leaves no per-rank entry;
+//! * what open bookings hold is bounded ([`BookingLimits`]): in all, and per
+//!   owning identity. A booking past either bound is refused and changes
+//!   nothing. Callers choose how many bookings they open, and a prompt's
+//!   keys are its length, so without the bound their numbers would decide
+//!   how much memory the router takes.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -43,6 +48,49 @@ pub fn prefix_keys(block_hashes: &[LocalHash]) -> Vec<u64> {
             prev
         })
         .collect()
+}
+
+/// What open bookings may hold, in bytes as [`booking_cost`] counts them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BookingLimits {
+    /// Every open booking together.
+    pub max_bytes: u64,
+    /// The open bookings of one owning identity.
+    pub max_bytes_per_owner: u64,
+}
+
+impl BookingLimits {
+    /// No bound (tests and tools).
+    pub const UNBOUNDED: Self = Self {
+        max_bytes: u64::MAX,
+        max_bytes_per_owner: u64::MAX,
+    };
+}
+
+impl Default for BookingLimits {
+    fn default() -> Self {
+        Self {
+            max_bytes: 1 << 30,
+            max_bytes_per_owner: 256 << 20,
+        }
+    }
+}
+
+/// Bytes one booked block costs: its prefix key in the booking (8), its
+/// count on the rank (up to 24 with the table's slack), and its key again
+/// while the router holds the prompt for a predicted cache (8), rounded up.
+pub const BOOKED_BLOCK_BYTES: u64 = 48;
+
+/// Bytes of a booking beyond its blocks: the entry, its request id's
+/// allocation and the rank's totals, rounded up.
+const BOOKING_OVERHEAD_BYTES: u64 = 160;
+
+/// What a booking of `blocks` prompt blocks under `request_id` costs
+/// against [`BookingLimits`].
+pub fn booking_cost(request_id: &str, blocks: usize) -> u64 {
+    BOOKING_OVERHEAD_BYTES
+        .saturating_add(request_id.len() as u64)
+        .saturating_add((blocks as u64).saturating_mul(BOOKED_BLOCK_BYTES))
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,10 +138,20 @@ pub struct BookingInfo {
 }
 
 /// Booked load per worker rank, keyed by request id.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct BookingLedger {
     bookings: HashMap<String, Booking>,
     ranks: HashMap<WorkerRank, RankTotals>,
+    limits: BookingLimits,
+    /// [`booking_cost`] summed over open bookings, and per owner.
+    held_bytes: u64,
+    held_by_owner: HashMap<Arc<str>, u64>,
+}
+
+impl Default for BookingLedger {
+    fn default() -> Self {
+        Self::with_limits(BookingLimits::UNBOUNDED)
+    }
 }
 
 impl BookedLoads for BookingLedger {
@@ -103,11 +161,25 @@ impl BookedLoads for BookingLedger {
 }
 
 impl BookingLedger {
+    /// An empty ledger without bounds.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Books a request's load on `target` at time `now_ms`.
+    /// An empty ledger that refuses bookings past `limits`.
+    pub fn with_limits(limits: BookingLimits) -> Self {
+        Self {
+            bookings: HashMap::new(),
+            ranks: HashMap::new(),
+            limits,
+            held_bytes: 0,
+            held_by_owner: HashMap::new(),
+        }
+    }
+
+    /// Books a request's load on `target` at time `now_ms`, owned by
+    /// `owner` (the authenticated caller, if any).
+    #[allow(clippy::too_many_arguments)]
     pub fn book(
         &mut self,
         request_id: &str,
@@ -116,7 +188,11 @@ impl BookingLedger {
         prefill_blocks: u64,
         block_hashes: &[LocalHash],
         now_ms: u64,
+        owner: Option<Arc<str>>,
     ) -> Result<(), AdmissionError> {
+        // Checked before the keys are made, so a refused booking
+        // allocates nothing.
+        self.admissible(request_id, block_hashes.len(), owner.as_ref())?;
         self.insert(
             request_id,
             Booking {
@@ -124,21 +200,52 @@ impl BookingLedger {
                 prefill: Some((prefill_tokens, prefill_blocks)),
                 keys: prefix_keys(block_hashes),
                 booked_at_ms: now_ms,
-                owner: None,
+                owner,
             },
         )
     }
 
-    fn insert(&mut self, request_id: &str, booking: Booking) -> Result<(), AdmissionError> {
-        let slot = match self.bookings.entry(request_id.to_owned()) {
-            Entry::Occupied(existing) => {
-                return Err(AdmissionError::DuplicateBooking {
-                    request_id: request_id.to_owned(),
-                    target: existing.get().target,
-                });
-            }
-            Entry::Vacant(slot) => slot,
+    /// Refuses a booking of `blocks` under a request id already booked, or
+    /// one that would take open bookings past their bounds; otherwise
+    /// returns what it costs.
+    fn admissible(
+        &self,
+        request_id: &str,
+        blocks: usize,
+        owner: Option<&Arc<str>>,
+    ) -> Result<u64, AdmissionError> {
+        if let Some(existing) = self.bookings.get(request_id) {
+            return Err(AdmissionError::DuplicateBooking {
+                request_id: request_id.to_owned(),
+                target: existing.target,
+            });
+        }
+        let cost = booking_cost(request_id, blocks);
+        let full = |held: u64, limit: u64, owner: Option<&Arc<str>>| AdmissionError::BookingsFull {
+            request_id: request_id.to_owned(),
+            owner: owner.map(|o| o.to_string()),
+            held,
+            cost,
+            limit,
         };
+        if self.held_bytes.saturating_add(cost) > self.limits.max_bytes {
+            return Err(full(self.held_bytes, self.limits.max_bytes, None));
+        }
+        if let Some(owner) = owner {
+            let held = self.held_by_owner.get(owner).copied().unwrap_or(0);
+            if held.saturating_add(cost) > self.limits.max_bytes_per_owner {
+                return Err(full(held, self.limits.max_bytes_per_owner, Some(owner)));
+            }
+        }
+        Ok(cost)
+    }
+
+    fn insert(&mut self, request_id: &str, booking: Booking) -> Result<(), AdmissionError> {
+        let cost = self.admissible(request_id, booking.keys.len(), booking.owner.as_ref())?;
+        self.held_bytes += cost;
+        if let Some(owner) = &booking.owner {
+            *self.held_by_owner.entry(owner.clone()).or_insert(0) += cost;
+        }
         let totals = self.ranks.entry(booking.target).or_default();
         if let Some((tokens, blocks)) = booking.prefill {
             totals.prefill_tokens = totals.prefill_tokens.saturating_add(tokens);
@@ -148,7 +255,7 @@ impl BookingLedger {
         for k in &booking.keys {
             *totals.refs.entry(*k).or_insert(0) += 1;
         }
-        slot.insert(booking);
+        self.bookings.insert(request_id.to_owned(), booking);
         Ok(())
     }
 
@@ -197,14 +304,6 @@ impl BookingLedger {
         )
     }
 
-    /// Records who made a booking (just after [`Self::book`], under the
-    /// same lock).
-    pub fn set_owner(&mut self, request_id: &str, owner: Arc<str>) {
-        if let Some(booking) = self.bookings.get_mut(request_id) {
-            booking.owner = Some(owner);
-        }
-    }
-
     /// The identity that made an open booking: `None` when there is no such
     /// booking, `Some(None)` when it was made unauthenticated.
     pub fn owner(&self, request_id: &str) -> Option<Option<&Arc<str>>> {
@@ -242,14 +341,24 @@ impl BookingLedger {
     pub fn release(&mut self, request_id: &str) -> bool {
         match self.bookings.remove(request_id) {
             Some(b) => {
-                self.unbook(b);
+                self.unbook(request_id, b);
                 true
             }
             None => false,
         }
     }
 
-    fn unbook(&mut self, b: Booking) {
+    fn unbook(&mut self, request_id: &str, b: Booking) {
+        let cost = booking_cost(request_id, b.keys.len());
+        self.held_bytes = self.held_bytes.saturating_sub(cost);
+        if let Some(owner) = &b.owner
+            && let Entry::Occupied(mut held) = self.held_by_owner.entry(owner.clone())
+        {
+            *held.get_mut() = held.get().saturating_sub(cost);
+            if *held.get() == 0 {
+                held.remove();
+            }
+        }
         let Some(t) = self.ranks.get_mut(&b.target) else {
             return;
         };
@@ -339,6 +448,16 @@ impl BookingLedger {
     pub fn ranks_with_bookings(&self) -> usize {
         self.ranks.len()
     }
+
+    /// What open bookings hold, as [`booking_cost`] counts it.
+    pub fn held_bytes(&self) -> u64 {
+        self.held_bytes
+    }
+
+    /// What `owner`'s open bookings hold.
+    pub fn held_by(&self, owner: &str) -> u64 {
+        self.held_by_owner.get(owner).copied().unwrap_or(0)
+    }
 }
 
 #[cfg(test)]
@@ -351,7 +470,7 @@ mod tests {
     #[test]
     fn book_complete_release() {
         let mut l = BookingLedger::new();
-        l.book("a", R0, 100, 7, &[1, 2, 3], 0).unwrap();
+        l.book("a", R0, 100, 7, &[1, 2, 3], 0, None).unwrap();
         assert_eq!(
             l.load(R0),
             BookedLoad {
@@ -376,8 +495,8 @@ mod tests {
     #[test]
     fn duplicate_booking_is_an_error_and_changes_nothing() {
         let mut l = BookingLedger::new();
-        l.book("a", R0, 10, 1, &[1], 0).unwrap();
-        let e = l.book("a", R1, 10, 1, &[1], 0).unwrap_err();
+        l.book("a", R0, 10, 1, &[1], 0, None).unwrap();
+        let e = l.book("a", R1, 10, 1, &[1], 0, None).unwrap_err();
         assert!(e.to_string().contains("request a"), "{e}");
         assert!(e.to_string().contains("worker 1 dp_rank 0"), "{e}");
         assert_eq!(l.load(R1), BookedLoad::default());
@@ -385,29 +504,81 @@ mod tests {
     }
 
     #[test]
+    fn bookings_past_their_bounds_are_refused_and_change_nothing() {
+        let one = booking_cost("a", 100);
+        let mut l = BookingLedger::with_limits(BookingLimits {
+            max_bytes: 3 * one,
+            max_bytes_per_owner: 2 * one,
+        });
+        let alice: Arc<str> = Arc::from("alice");
+        let prompt: Vec<LocalHash> = (0..100).collect();
+        l.book("a", R0, 1, 1, &prompt, 0, Some(alice.clone()))
+            .unwrap();
+        l.book("b", R0, 1, 1, &prompt, 0, Some(alice.clone()))
+            .unwrap();
+        let e = l
+            .book("c", R0, 1, 1, &prompt, 0, Some(alice.clone()))
+            .unwrap_err();
+        assert_eq!(e.code(), crate::select::ErrorCode::ResourceExhausted);
+        assert!(e.to_string().contains("identity alice"), "{e}");
+        assert_eq!(l.held_by("alice"), 2 * one);
+        // Another identity, and an unauthenticated caller, still have room
+        // up to the total.
+        l.book("d", R1, 1, 1, &prompt, 0, None).unwrap();
+        let e = l
+            .book("e", R1, 1, 1, &prompt, 0, Some(Arc::from("bob")))
+            .unwrap_err();
+        assert!(e.to_string().contains("all callers"), "{e}");
+        assert_eq!(l.len(), 3);
+        assert_eq!(l.load(R0).active_requests, 2);
+        assert_eq!(l.held_bytes(), 3 * one);
+        // A duplicate is a duplicate, however full the ledger.
+        let e = l.book("a", R1, 1, 1, &[], 0, None).unwrap_err();
+        assert!(matches!(e, AdmissionError::DuplicateBooking { .. }), "{e}");
+        // Releasing gives the room back, to the owner too.
+        assert!(l.release("a"));
+        assert_eq!(l.held_by("alice"), one);
+        l.book("c", R0, 1, 1, &prompt, 0, Some(alice.clone()))
+            .unwrap();
+        // A restore is held to the same bounds.
+        let saved = l.export_one("c", 0).unwrap();
+        let mut other = BookingLedger::with_limits(BookingLimits {
+            max_bytes: one - 1,
+            max_bytes_per_owner: u64::MAX,
+        });
+        assert!(other.restore(saved, 0).is_err());
+        assert!(other.is_empty());
+        for id in ["b", "c", "d"] {
+            assert!(l.release(id));
+        }
+        assert_eq!((l.held_bytes(), l.held_by("alice")), (0, 0));
+        assert!(l.held_by_owner.is_empty(), "no entry left per owner");
+    }
+
+    #[test]
     fn shared_prefixes_count_once_per_rank() {
         let mut l = BookingLedger::new();
-        l.book("a", R0, 0, 0, &[1, 2, 3], 0).unwrap();
-        l.book("b", R0, 0, 0, &[1, 2, 4], 0).unwrap();
-        l.book("c", R1, 0, 0, &[1, 2, 3], 0).unwrap();
+        l.book("a", R0, 0, 0, &[1, 2, 3], 0, None).unwrap();
+        l.book("b", R0, 0, 0, &[1, 2, 4], 0, None).unwrap();
+        l.book("c", R1, 0, 0, &[1, 2, 3], 0, None).unwrap();
         assert_eq!(l.load(R0).decode_blocks, 4, "1,2 shared; 3 and 4 own");
         assert_eq!(l.load(R1).decode_blocks, 3, "other rank counts alone");
         l.release("a");
         assert_eq!(l.load(R0).decode_blocks, 3);
         // The same content at another position is a different block.
-        l.book("d", R1, 0, 0, &[2, 1], 0).unwrap();
+        l.book("d", R1, 0, 0, &[2, 1], 0, None).unwrap();
         assert_eq!(l.load(R1).decode_blocks, 5);
         // A prompt repeating one block holds each position.
-        l.book("e", R1, 0, 0, &[9, 9, 9], 0).unwrap();
+        l.book("e", R1, 0, 0, &[9, 9, 9], 0, None).unwrap();
         assert_eq!(l.load(R1).decode_blocks, 8);
     }
 
     #[test]
     fn expire_and_touch() {
         let mut l = BookingLedger::new();
-        l.book("old", R0, 5, 1, &[1], 0).unwrap();
-        l.book("new", R0, 5, 1, &[1], 200).unwrap();
-        l.book("kept", R1, 5, 1, &[1], 0).unwrap();
+        l.book("old", R0, 5, 1, &[1], 0, None).unwrap();
+        l.book("new", R0, 5, 1, &[1], 200, None).unwrap();
+        l.book("kept", R1, 5, 1, &[1], 0, None).unwrap();
         assert!(l.touch("kept", 250));
         assert!(!l.touch("nope", 250));
         assert_eq!(l.expire(300, 300), 0, "age 300 is not older than 300");
@@ -422,9 +593,10 @@ mod tests {
     #[test]
     fn release_worker_drops_all_its_ranks() {
         let mut l = BookingLedger::new();
-        l.book("a", R0, 1, 1, &[1], 0).unwrap();
-        l.book("b", R1, 1, 1, &[1], 0).unwrap();
-        l.book("c", WorkerRank::new(2, 0), 1, 1, &[1], 0).unwrap();
+        l.book("a", R0, 1, 1, &[1], 0, None).unwrap();
+        l.book("b", R1, 1, 1, &[1], 0, None).unwrap();
+        l.book("c", WorkerRank::new(2, 0), 1, 1, &[1], 0, None)
+            .unwrap();
         assert_eq!(l.release_worker(1), 2);
         assert_eq!(l.loads().len(), 1);
         assert_eq!(
@@ -437,8 +609,8 @@ mod tests {
     #[test]
     fn one_exported_booking_restores_the_same_load_elsewhere() {
         let mut l = BookingLedger::new();
-        l.book("a", R0, 100, 7, &[1, 2, 3], 10).unwrap();
-        l.book("b", R0, 50, 2, &[1, 2], 10).unwrap();
+        l.book("a", R0, 100, 7, &[1, 2, 3], 10, None).unwrap();
+        l.book("b", R0, 50, 2, &[1, 2], 10, None).unwrap();
         assert!(l.export_one("nope", 30).is_none());
         let a = l.export_one("a", 30).unwrap();
         assert_eq!(Some(&a), l.export(30).iter().find(|s| s.request_id == "a"));

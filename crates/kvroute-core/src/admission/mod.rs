@@ -49,6 +49,18 @@ pub enum AdmissionError {
     },
     #[error("request {request_id}: invalid argument: {reason}")]
     InvalidArgument { request_id: String, reason: String },
+    #[error(
+        "request {request_id}: open bookings of {} hold {held} bytes; this one needs {cost} more, past the bound of {limit} (release finished requests)",
+        owner.as_ref().map_or_else(|| "all callers".to_owned(), |o| format!("identity {o}"))
+    )]
+    BookingsFull {
+        request_id: String,
+        /// The identity whose bound it is; `None`: the bound on all callers.
+        owner: Option<String>,
+        held: u64,
+        cost: u64,
+        limit: u64,
+    },
 }
 
 impl AdmissionError {
@@ -58,7 +70,9 @@ impl AdmissionError {
             Self::DuplicateBooking { .. } | Self::AlreadyQueued { .. } => {
                 ErrorCode::FailedPrecondition
             }
-            Self::QueueFull { .. } | Self::Busy { .. } => ErrorCode::ResourceExhausted,
+            Self::QueueFull { .. } | Self::Busy { .. } | Self::BookingsFull { .. } => {
+                ErrorCode::ResourceExhausted
+            }
             Self::DeadlineExceeded { .. } => ErrorCode::DeadlineExceeded,
             Self::InvalidArgument { .. } => ErrorCode::InvalidArgument,
         }
@@ -109,7 +123,8 @@ pub fn admit(
 }
 
 /// Records a RESERVE routing: books the request's load on the chosen target
-/// and binds (or refreshes) its session. Returns whether anything was
+/// (owned by `owner`, the authenticated caller) and binds (or refreshes)
+/// its session. Returns whether anything was
 /// booked: `false` for QUERY_ONLY requests, which change nothing.
 ///
 /// Booked prefill is the request's uncached part; a DECODE-phase request
@@ -122,6 +137,7 @@ pub fn commit(
     ledger: &mut BookingLedger,
     sessions: &mut SessionTable,
     now_ms: u64,
+    owner: Option<&std::sync::Arc<str>>,
 ) -> Result<bool, AdmissionError> {
     if req.mode == SelectMode::QueryOnly {
         return Ok(false);
@@ -140,6 +156,7 @@ pub fn commit(
         prefill_blocks,
         block_hashes,
         now_ms,
+        owner.cloned(),
     )?;
     if let Some(session) = &req.session {
         sessions.record_routing(&session.session_id, selection.target, now_ms);

@@ -183,7 +183,7 @@ mod tests {
     #[test]
     fn the_view_adds_estimates_and_placed_copies_to_the_ledger() {
         let mut ledger = BookingLedger::new();
-        ledger.book("a", R0, 100, 7, &[1, 2, 3], 0).unwrap();
+        ledger.book("a", R0, 100, 7, &[1, 2, 3], 0, None).unwrap();
         let mut estimates = PeerEstimates::new(5);
         estimates.add(R0, load(2), 0);
         let placed = [(R0, load(1)), (R1, load(3))];

@@ -82,6 +82,7 @@ impl World {
             &mut self.ledger,
             &mut self.sessions,
             now_ms,
+            None,
         )
         .unwrap();
         s.target
@@ -119,7 +120,16 @@ fn query_only_changes_nothing() {
         mode: AffinityMode::Soft,
     });
     let s = w.select(&req, 0).unwrap();
-    let booked = commit(&req, &s, &[1, 2, 3], &mut w.ledger, &mut w.sessions, 0).unwrap();
+    let booked = commit(
+        &req,
+        &s,
+        &[1, 2, 3],
+        &mut w.ledger,
+        &mut w.sessions,
+        0,
+        None,
+    )
+    .unwrap();
     assert!(!booked);
     assert!(w.ledger.is_empty());
     assert!(w.sessions.is_empty());
@@ -150,6 +160,7 @@ fn reserve_books_and_spreads_load() {
         &mut w.ledger,
         &mut w.sessions,
         0,
+        None,
     )
     .unwrap_err();
     assert_eq!(e.code(), ErrorCode::FailedPrecondition);

@@ -85,7 +85,7 @@ proptest! {
             match op {
                 Op::Book { id, rank, tokens, blocks, hashes } => {
                     let id = id.to_string();
-                    let r = ledger.book(&id, target(rank), tokens, blocks, &hashes, now);
+                    let r = ledger.book(&id, target(rank), tokens, blocks, &hashes, now, None);
                     prop_assert_eq!(r.is_err(), live.contains_key(&id));
                     if r.is_ok() {
                         live.insert(id, Model { rank: target(rank), prefill: Some((tokens, blocks)), hashes, at: now });
@@ -140,7 +140,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Book { id, rank, tokens, blocks, hashes } => {
-                    let _ = ledger.book(&id.to_string(), target(rank), tokens, blocks, &hashes, now);
+                    let _ = ledger.book(&id.to_string(), target(rank), tokens, blocks, &hashes, now, None);
                 }
                 Op::Complete(id) => { ledger.mark_prefill_complete(&id.to_string()); }
                 Op::Release(id) => { ledger.release(&id.to_string()); }
