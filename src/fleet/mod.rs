@@ -294,7 +294,11 @@ impl Fleet {
         configured: bool,
     ) -> Result<RegisterOutcome, FleetError> {
         let worker_id = registration.worker_id;
-        let outcome = self.router.register_worker(registration)?;
+        let outcome = if configured {
+            self.router.register_configured_worker(registration)?
+        } else {
+            self.router.register_worker(registration)?
+        };
         let record = &outcome.record;
         if let Some(previous) = &outcome.invalidated {
             let removed = self
@@ -304,7 +308,7 @@ impl Fleet {
             tracing::info!(
                 worker_id,
                 removed,
-                "re-registration changed layout: blocks dropped"
+                "registered again: a new event stream; the blocks of the previous registration dropped"
             );
         }
         self.ingest.reserve(&record.snapshot()).await;

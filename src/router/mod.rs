@@ -148,16 +148,27 @@ impl RouterCore {
             .model_view(model, self.config.default_block_size)
     }
 
-    /// Registers or updates a worker and gives its model an index of the
+    /// Registers a worker, or registers it again (which starts it anew:
+    /// `Registry::register`), and gives its model an index of the
     /// registered block size, both under the members lock. The caller (the
-    /// fleet) drops the blocks of an invalidated previous registration
-    /// through the ingest writer.
+    /// fleet) drops the blocks and event cursors of an invalidated previous
+    /// registration through the ingest writer.
     pub fn register_worker(
         &self,
         registration: Registration,
     ) -> Result<RegisterOutcome, RegistryError> {
         let lease_ttl = self.config.lease_ttl;
         self.admit_worker(|registry| registry.register(registration, lease_ttl, now()))
+    }
+
+    /// [`Self::register_worker`] for a configured engine, whose blocks and
+    /// streams continue (`Registry::register_continuing`).
+    pub(crate) fn register_configured_worker(
+        &self,
+        registration: Registration,
+    ) -> Result<RegisterOutcome, RegistryError> {
+        let lease_ttl = self.config.lease_ttl;
+        self.admit_worker(|registry| registry.register_continuing(registration, lease_ttl, now()))
     }
 
     /// See `Registry::set_next_generation`.

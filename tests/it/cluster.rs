@@ -618,3 +618,34 @@ async fn wait_for(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A worker registered again through another replica starts a new event
+/// stream on every replica (#38): its new event 0 applies everywhere and
+/// the old stream's blocks are gone everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_registered_again_starts_a_new_stream_on_every_replica() {
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("reregister");
+    let a = Replica::start(&nats, "rereg", "rereg-a", &[]).await;
+    let b = Replica::start(&nats, "rereg", "rereg-b", &[]).await;
+    register(&a.channel, 1).await;
+    let old: Vec<pb::KvEvent> = (0..5)
+        .map(|i| stored(i, None, &[(100 + i, 1000 + i)]))
+        .collect();
+    publish_all(&b.channel, &[batch(1, 0, old)]).await;
+    converged(&[&a, &b], Duration::from_secs(20)).await;
+    register(&b.channel, 1).await;
+    let new = vec![batch(1, 0, vec![stored(0, None, &[(7, 70)])])];
+    publish_all(&a.channel, &new).await;
+    let digest = converged(&[&a, &b], Duration::from_secs(20)).await;
+    assert_eq!(digest, single_process_digest(&[(1, new)]).await);
+    for r in [&a, &b] {
+        let ranks = r.worker(1).await.expect("registered").ranks;
+        assert_eq!(
+            (ranks[0].cached_blocks, ranks[0].last_event_id),
+            (1, 0),
+            "{}",
+            r.name
+        );
+    }
+}

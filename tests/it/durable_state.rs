@@ -489,3 +489,69 @@ async fn without_a_state_directory_a_snapshot_is_a_failed_precondition() {
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     assert!(refused.message().contains("--state-dir"), "{refused:?}");
 }
+
+/// A worker restored from a snapshot that registers again (its engine
+/// restarted while kvroute was down) starts a new event stream (#38): its
+/// event 0 is applied, not skipped against the restored cursor, and the
+/// restored blocks of the old stream are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_worker_registered_again_starts_a_new_event_stream() {
+    let dir = state_dir("restored-reregister");
+    let first = Process::start(&dir, free_addr(), &[]).await;
+    let mut workers = WorkersClient::new(first.channel.clone());
+    workers
+        .register_worker(registration(1, MODEL))
+        .await
+        .unwrap();
+    let old: Vec<pb::KvEvent> = (0..5)
+        .map(|i| stored(i, None, &[(100 + i, 1000 + i)]))
+        .collect();
+    publish_one(&first.channel, batch(1, 0, old)).await;
+    first
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .unwrap();
+    let grpc = first.kill_9();
+
+    let second = Process::start(&dir, grpc, &[]).await;
+    assert_eq!(cached(&second, 1).await, 5, "restored from the snapshot");
+    WorkersClient::new(second.channel.clone())
+        .register_worker(registration(1, MODEL))
+        .await
+        .unwrap();
+    let reply = publish_one(
+        &second.channel,
+        batch(1, 0, vec![stored(0, None, &[(7, 70)])]),
+    )
+    .await;
+    assert_eq!(
+        (reply.last_applied_event_id, reply.skipped),
+        (0, 0),
+        "{reply:?}"
+    );
+    assert_eq!(cached(&second, 1).await, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+async fn publish_one(channel: &Channel, batch: pb::KvEventBatch) -> pb::PublishEventsReply {
+    let mut replies = WorkersClient::new(channel.clone())
+        .publish_events(tokio_stream::iter([batch]))
+        .await
+        .unwrap()
+        .into_inner();
+    replies.message().await.unwrap().expect("a reply")
+}
+
+async fn cached(process: &Process, worker_id: u64) -> u64 {
+    process
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id })
+        .await
+        .unwrap()
+        .into_inner()
+        .ranks
+        .iter()
+        .map(|r| r.cached_blocks)
+        .sum()
+}

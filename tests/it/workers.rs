@@ -330,14 +330,15 @@ async fn events_for_unknown_workers_ranks_and_oversized_batches_are_refused() {
 }
 
 #[tokio::test]
-async fn deregistering_drops_blocks_and_reregistering_updates() {
+async fn deregistering_drops_blocks_and_reregistering_starts_anew() {
     let server = TestServer::start().await;
     server.register(registration(1, "m")).await;
     server
         .publish(batch(1, 0, vec![stored(0, None, &[(11, 1), (12, 2)])]))
         .await
         .unwrap();
-    // Same layout: an update keeps the blocks.
+    // Registering again, even with the same layout, starts a new stream:
+    // the engine may have restarted with an empty cache.
     let mut update = registration(1, "m");
     update.taints = vec!["gpu-h100".into()];
     let reply = server
@@ -347,6 +348,11 @@ async fn deregistering_drops_blocks_and_reregistering_updates() {
         .unwrap()
         .into_inner();
     assert!(!reply.created);
+    assert_eq!(cached_blocks(&server, 1).await, Some(0));
+    server
+        .publish(batch(1, 0, vec![stored(0, None, &[(11, 1), (12, 2)])]))
+        .await
+        .unwrap();
     assert_eq!(cached_blocks(&server, 1).await, Some(2));
     // Heartbeat for a rank the worker does not have.
     let load = pb::RankLoad {
@@ -376,6 +382,50 @@ async fn deregistering_drops_blocks_and_reregistering_updates() {
         .await
         .unwrap_err();
     assert_eq!(again.code(), Code::NotFound);
+}
+
+/// The restarted engine (#38): events 0-4 stored, the worker
+/// registers again with the same fields (its engine restarted and counts
+/// from 0), and its new event 0 is applied, not skipped as a duplicate of
+/// the old stream's; the old stream's blocks are gone.
+#[tokio::test]
+async fn a_worker_registered_again_starts_a_new_event_stream() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let old: Vec<pb::KvEvent> = (0..5)
+        .map(|i| stored(i, None, &[(100 + i, 1000 + i)]))
+        .collect();
+    let reply = server.publish(batch(1, 0, old)).await.unwrap();
+    assert_eq!(reply.last_applied_event_id, 4);
+    assert_eq!(cached_blocks(&server, 1).await, Some(5));
+
+    let again = server
+        .workers()
+        .register_worker(registration(1, "m"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.created);
+    let reply = server
+        .publish(batch(1, 0, vec![stored(0, None, &[(7, 70)])]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            reply.last_applied_event_id,
+            reply.skipped,
+            reply.resend_from_event_id
+        ),
+        (0, 0, None),
+        "{reply:?}"
+    );
+    assert_eq!(
+        cached_blocks(&server, 1).await,
+        Some(1),
+        "only the new stream's block"
+    );
+    let info = server.worker_info(1).await;
+    assert_eq!(info.ranks[0].last_event_id, 0);
 }
 
 /// The KV capacity a worker registers sizes its index table up front, so

@@ -174,6 +174,14 @@ pub enum RegistryError {
     },
 }
 
+/// Whether a registration of a worker already registered keeps its event
+/// streams ([`Registry::register`], [`Registry::register_continuing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Streams {
+    StartAnew,
+    Continue,
+}
+
 /// What a registration did.
 #[derive(Clone, Debug)]
 pub struct RegisterOutcome {
@@ -181,9 +189,10 @@ pub struct RegisterOutcome {
     pub record: WorkerRecord,
     pub created: bool,
     pub lease_ttl: Duration,
-    /// The previous registration when it changed in a way that invalidates
-    /// the worker's cached blocks (model, block size or dp ranks); the caller
-    /// must drop them.
+    /// The previous registration, when this one invalidates the worker's
+    /// cached blocks and event streams: always for [`Registry::register`],
+    /// for [`Registry::register_continuing`] when the layout changed (model,
+    /// block size or dp ranks). The caller must drop them.
     pub invalidated: Option<Registration>,
 }
 
@@ -220,7 +229,12 @@ impl Registry {
         self.next_generation = generation.saturating_sub(1);
     }
 
-    /// Registers a worker or updates its registration, renewing its lease.
+    /// Registers a worker, or registers it again, renewing its lease. A
+    /// registration of a worker already registered starts it anew: its
+    /// previous registration comes back as `invalidated` (its blocks and
+    /// event streams are to be dropped, as the worker's engine may have
+    /// restarted and counts its events from 0 again) under a new
+    /// generation; only its cordon is kept.
     pub fn register(
         &mut self,
         registration: Registration,
@@ -228,7 +242,21 @@ impl Registry {
         now: Instant,
     ) -> Result<RegisterOutcome, RegistryError> {
         self.check_limits(&registration)?;
-        self.register_with(registration, default_lease, now, |_| {})
+        self.register_with(registration, default_lease, now, Streams::StartAnew, |_| {})
+    }
+
+    /// [`Self::register`], except that a worker already registered with
+    /// the same layout (model, block size, dp ranks) keeps its generation,
+    /// blocks and event streams: a configured engine registered again at
+    /// start after its state was restored, resuming where it was.
+    pub fn register_continuing(
+        &mut self,
+        registration: Registration,
+        default_lease: Duration,
+        now: Instant,
+    ) -> Result<RegisterOutcome, RegistryError> {
+        self.check_limits(&registration)?;
+        self.register_with(registration, default_lease, now, Streams::Continue, |_| {})
     }
 
     /// Refuses a registration past a server-side limit (see
@@ -325,6 +353,7 @@ impl Registry {
         mut registration: Registration,
         default_lease: Duration,
         now: Instant,
+        streams: Streams,
         adjust: impl FnOnce(&mut WorkerRecord),
     ) -> Result<RegisterOutcome, RegistryError> {
         let worker_id = registration.worker_id;
@@ -385,10 +414,11 @@ impl Registry {
                 || o.block_size != registration.block_size
                 || o.dp_start_rank != registration.dp_start_rank
                 || o.dp_size != registration.dp_size;
-            changed.then(|| o.clone())
+            (changed || streams == Streams::StartAnew).then(|| o.clone())
         });
         let created = previous.is_none();
-        // An update keeps cordon state and load; a layout change starts afresh.
+        // One that continues keeps cordon state and load; one that starts
+        // anew keeps the cordon (an operator's decision) only.
         let (cordoned, load, generation) = match previous {
             Some(old) if invalidated.is_none() => (old.cordoned, old.load.clone(), old.generation),
             Some(old) => (old.cordoned, BTreeMap::new(), generation),
@@ -428,14 +458,20 @@ impl Registry {
         registration.lease_ttl = Some(saved.lease_ttl);
         let (cordoned, load) = (saved.cordoned, saved.load);
         let deadline = now + saved.lease_remaining.min(saved.lease_ttl);
-        self.register_with(registration, saved.lease_ttl, now, |record| {
-            record.cordoned = cordoned;
-            record.lease_deadline = deadline;
-            record.load = load
-                .into_iter()
-                .filter(|(rank, _)| record.has_rank(*rank))
-                .collect();
-        })
+        self.register_with(
+            registration,
+            saved.lease_ttl,
+            now,
+            Streams::Continue,
+            |record| {
+                record.cordoned = cordoned;
+                record.lease_deadline = deadline;
+                record.load = load
+                    .into_iter()
+                    .filter(|(rank, _)| record.has_rank(*rank))
+                    .collect();
+            },
+        )
     }
 
     /// Renews a lease and records load; ranks outside the worker are refused.

@@ -61,11 +61,11 @@ fn first_worker_fixes_the_models_block_size() {
 }
 
 #[test]
-fn reregistering_keeps_cordon_and_renews_the_lease() {
+fn registering_again_starts_anew_keeping_the_cordon_and_renewing_the_lease() {
     let mut registry = Registry::new();
     let start = Instant::now();
     let ttl = Duration::from_secs(10);
-    registry
+    let first = registry
         .register(registration(1, "m", 16), ttl, start)
         .unwrap();
     registry.set_cordoned(1, true).unwrap();
@@ -73,10 +73,34 @@ fn reregistering_keeps_cordon_and_renews_the_lease() {
     let outcome = registry
         .register(registration(1, "m", 16), ttl, later)
         .unwrap();
-    assert_eq!(outcome.invalidated, None);
+    assert!(!outcome.created);
+    // Same fields, yet a new stream: the previous registration's blocks
+    // and cursors go, under a new generation.
+    assert_eq!(outcome.invalidated, Some(registration(1, "m", 16)));
+    assert_ne!(outcome.record.generation, first.record.generation);
     let record = registry.get(1).unwrap();
     assert!(record.cordoned);
     assert_eq!(record.lease_remaining(later), ttl);
+}
+
+#[test]
+fn a_configured_engine_registered_again_continues_its_streams() {
+    let mut registry = Registry::new();
+    let start = Instant::now();
+    let ttl = Duration::from_secs(10);
+    let first = registry
+        .register_continuing(registration(1, "m", 16), ttl, start)
+        .unwrap();
+    let again = registry
+        .register_continuing(registration(1, "m", 16), ttl, start)
+        .unwrap();
+    assert_eq!(again.invalidated, None);
+    assert_eq!(again.record.generation, first.record.generation);
+    // A layout change invalidates all the same.
+    let moved = registry
+        .register_continuing(registration(1, "m", 32), ttl, start)
+        .unwrap();
+    assert!(moved.invalidated.is_some());
 }
 
 #[test]
