@@ -264,16 +264,21 @@ async fn engine_events_through_the_service() {
     let line = r#"kvroute_engine_event_unsynced_ranks{worker="3"} 0"#;
     assert!(body.contains(line), "missing {line} in\n{body}");
 
-    // Re-registration with the same endpoint keeps the subscription and blocks.
+    // Registering again, even with the same endpoint, starts the worker
+    // anew (its engine may have restarted): the blocks go, the
+    // subscription starts over, and the engine's next events apply.
     server.register(engine_registration(3, &ep)).await;
-    assert_eq!(cached(&worker(&server, 3).await.unwrap()), 1);
-    assert!(
-        worker(&server, 3)
-            .await
-            .unwrap()
-            .subscription
-            .contains("last seq 5")
-    );
+    assert_eq!(cached(&worker(&server, 3).await.unwrap()), 0);
+    wait_worker(&server, 3, "subscribed again", |w| {
+        w.subscription.contains(" connected,") && !w.subscription.contains("last seq 5")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    send(&mut engine, vec![vec![], seq(6), stored(10, None, 50)]).await;
+    wait_worker(&server, 3, "the new stream's block", |w| {
+        w.subscription.contains("last seq 6") && cached(w) == 1
+    })
+    .await;
 
     // Another endpoint restarts it: the old publisher's blocks are dropped.
     let ep2 = format!("ipc://{}/pub2.sock", dir.display());
@@ -294,7 +299,7 @@ async fn engine_events_through_the_service() {
     send(&mut engine2, vec![vec![], seq(0), stored(20, None, 60)]).await;
     wait_worker(&server, 3, "new engine's block", |w| cached(w) == 1).await;
     // The old engine is no longer followed.
-    send(&mut engine, vec![vec![], seq(6), stored(11, None, 70)]).await;
+    send(&mut engine, vec![vec![], seq(7), stored(11, None, 70)]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(cached(&worker(&server, 3).await.unwrap()), 1);
 
