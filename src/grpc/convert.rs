@@ -25,7 +25,7 @@ use kvroute_core::{
 };
 
 /// Longest model, endpoint, taint, LoRA or id string accepted.
-pub const MAX_NAME_BYTES: usize = 1024;
+pub const MAX_NAME_BYTES: usize = kvroute_core::registry::MAX_NAME_BYTES;
 
 /// Most multimodal hashes one block may carry: one per image, audio or
 /// video clip whose tokens fall in the block; even a 512-token block holds

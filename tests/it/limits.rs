@@ -77,6 +77,31 @@ async fn registrations_are_held_to_the_servers_limits() {
     assert_eq!(ids, [1, 2, 4]);
 }
 
+/// A declaration no server accepts, whatever its limits, is
+/// INVALID_ARGUMENT, checked before the server's own limits (#38: dp_size
+/// 1025 was RESOURCE_EXHAUSTED of `max_ranks_per_worker`).
+#[tokio::test]
+async fn hard_limits_are_invalid_arguments_before_server_limits() {
+    let server = TestServer::start().await;
+    for (request, field) in [
+        (claim(1, "a", 1025, 10), "dp_size 1025"),
+        (
+            pb::RegisterWorkerRequest {
+                block_size: 65_537,
+                ..claim(1, "a", 1, u64::MAX)
+            },
+            "block_size",
+        ),
+    ] {
+        let status = try_register(&server, request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(
+            status.message().contains(field) && status.message().contains("worker 1"),
+            "{status:?}"
+        );
+    }
+}
+
 fn blocks(from: u64, n: u64) -> Vec<(u64, u64)> {
     (from..from + n).map(|i| (i, i * 7 + 1)).collect()
 }

@@ -25,6 +25,8 @@ pub use limits::{INDEX_BYTES_PER_BLOCK, RegistryLimits};
 pub const MAX_DP_SIZE: u32 = 1024;
 /// Largest number of taints one worker may declare.
 pub const MAX_TAINTS: usize = 64;
+/// Longest model name, endpoint or taint, in bytes.
+pub const MAX_NAME_BYTES: usize = 1024;
 /// Largest block size a worker may declare, in tokens: far above any
 /// engine's (16 to 512), and small enough that one block's token ids fit
 /// a message many times over.
@@ -97,7 +99,7 @@ impl WorkerRecord {
         }
     }
 
-    pub(crate) fn has_rank(&self, dp_rank: DpRank) -> bool {
+    pub fn has_rank(&self, dp_rank: DpRank) -> bool {
         let r = &self.registration;
         dp_rank >= r.dp_start_rank && dp_rank - r.dp_start_rank < r.dp_size
     }
@@ -241,6 +243,8 @@ impl Registry {
         default_lease: Duration,
         now: Instant,
     ) -> Result<RegisterOutcome, RegistryError> {
+        let mut registration = registration;
+        check_declared(&mut registration)?;
         self.check_limits(&registration)?;
         self.register_with(registration, default_lease, now, Streams::StartAnew, |_| {})
     }
@@ -255,14 +259,17 @@ impl Registry {
         default_lease: Duration,
         now: Instant,
     ) -> Result<RegisterOutcome, RegistryError> {
+        let mut registration = registration;
+        check_declared(&mut registration)?;
         self.check_limits(&registration)?;
         self.register_with(registration, default_lease, now, Streams::Continue, |_| {})
     }
 
     /// Refuses a registration past a server-side limit (see
-    /// [`RegistryLimits`]), naming it. A snapshot's workers are not
-    /// checked: they were accepted once, and are not lost to a lowered
-    /// limit.
+    /// [`RegistryLimits`]), naming it. A snapshot's workers are checked
+    /// too: a snapshot file is untrusted input (it can be planted or
+    /// damaged), so a worker past a limit is refused at restore, and
+    /// registers again.
     fn check_limits(&self, r: &Registration) -> Result<(), RegistryError> {
         let limits = &self.limits;
         let worker_id = r.worker_id;
@@ -350,49 +357,13 @@ impl Registry {
     /// (cordon, load, lease deadline) on the record before it is stored.
     fn register_with(
         &mut self,
-        mut registration: Registration,
+        registration: Registration,
         default_lease: Duration,
         now: Instant,
         streams: Streams,
         adjust: impl FnOnce(&mut WorkerRecord),
     ) -> Result<RegisterOutcome, RegistryError> {
         let worker_id = registration.worker_id;
-        let invalid = |message: String| RegistryError::Invalid { worker_id, message };
-        if registration.block_size == 0 {
-            return Err(invalid("block_size must be at least 1".into()));
-        }
-        if registration.block_size > MAX_BLOCK_SIZE {
-            return Err(invalid(format!(
-                "block_size {} exceeds the limit of {MAX_BLOCK_SIZE}",
-                registration.block_size
-            )));
-        }
-        if let Some(ttl) = registration.lease_ttl
-            && ttl > MAX_LEASE_TTL
-        {
-            return Err(invalid(format!(
-                "lease_ttl_secs {} exceeds the limit of {}",
-                ttl.as_secs(),
-                MAX_LEASE_TTL.as_secs()
-            )));
-        }
-        if registration.dp_size == 0 {
-            registration.dp_size = 1;
-        }
-        if registration.dp_size > MAX_DP_SIZE {
-            return Err(invalid(format!(
-                "dp_size {} exceeds the limit of {MAX_DP_SIZE}",
-                registration.dp_size
-            )));
-        }
-        if u64::from(registration.dp_start_rank) + u64::from(registration.dp_size)
-            > u64::from(u32::MAX)
-        {
-            return Err(invalid("dp_start_rank + dp_size overflows".into()));
-        }
-        if registration.taints.len() > MAX_TAINTS {
-            return Err(invalid(format!("more than {MAX_TAINTS} taints")));
-        }
         if let Some(model_block_size) =
             self.model_block_size_excluding(&registration.model, worker_id)
             && model_block_size != registration.block_size
@@ -456,6 +427,8 @@ impl Registry {
     ) -> Result<RegisterOutcome, RegistryError> {
         let mut registration = saved.registration;
         registration.lease_ttl = Some(saved.lease_ttl);
+        check_declared(&mut registration)?;
+        self.check_limits(&registration)?;
         let (cordoned, load) = (saved.cordoned, saved.load);
         let deadline = now + saved.lease_remaining.min(saved.lease_ttl);
         self.register_with(
@@ -653,3 +626,62 @@ impl Registry {
 
 #[cfg(test)]
 mod tests;
+
+/// The hard limits of what a worker may declare, whatever the server's
+/// limits: checked first, so a declaration no server accepts is
+/// INVALID_ARGUMENT, never a RESOURCE_EXHAUSTED of some server limit.
+/// Makes a `dp_size` of 0 mean 1.
+fn check_declared(registration: &mut Registration) -> Result<(), RegistryError> {
+    let worker_id = registration.worker_id;
+    let invalid = |message: String| RegistryError::Invalid { worker_id, message };
+    if registration.block_size == 0 {
+        return Err(invalid("block_size must be at least 1".into()));
+    }
+    if registration.block_size > MAX_BLOCK_SIZE {
+        return Err(invalid(format!(
+            "block_size {} exceeds the limit of {MAX_BLOCK_SIZE}",
+            registration.block_size
+        )));
+    }
+    if let Some(ttl) = registration.lease_ttl
+        && ttl > MAX_LEASE_TTL
+    {
+        return Err(invalid(format!(
+            "lease_ttl_secs {} exceeds the limit of {}",
+            ttl.as_secs(),
+            MAX_LEASE_TTL.as_secs()
+        )));
+    }
+    if registration.dp_size == 0 {
+        registration.dp_size = 1;
+    }
+    if registration.dp_size > MAX_DP_SIZE {
+        return Err(invalid(format!(
+            "dp_size {} exceeds the limit of {MAX_DP_SIZE}",
+            registration.dp_size
+        )));
+    }
+    if u64::from(registration.dp_start_rank) + u64::from(registration.dp_size) > u64::from(u32::MAX)
+    {
+        return Err(invalid("dp_start_rank + dp_size overflows".into()));
+    }
+    if registration.taints.len() > MAX_TAINTS {
+        return Err(invalid(format!("more than {MAX_TAINTS} taints")));
+    }
+    let names = [
+        ("model", &registration.model),
+        ("endpoint", &registration.endpoint),
+    ];
+    for (field, value) in names
+        .into_iter()
+        .chain(registration.taints.iter().map(|t| ("taints", t)))
+    {
+        if value.len() > MAX_NAME_BYTES {
+            return Err(invalid(format!(
+                "{field}: {} bytes is over the limit of {MAX_NAME_BYTES}",
+                value.len()
+            )));
+        }
+    }
+    Ok(())
+}
