@@ -23,6 +23,7 @@ use crate::{
     },
     grpc::{
         admin::AdminService,
+        metadata_budget::{HTTP2_HEADER_LIST_BYTES, MetadataBudget},
         router::RouterService,
         rpc_metrics::{RpcMetricsLayer, rpc_paths},
         startup_gate::StartupGate,
@@ -68,6 +69,9 @@ pub enum ServeError {
     Engine(FleetError),
     #[error("{0}")]
     Snapshot(#[from] SnapshotError),
+    /// `--state-dir` names no usable directory.
+    #[error("--state-dir: {0}")]
+    StateDir(SnapshotError),
     /// Settings that cluster mode replaces.
     #[error("cluster mode: {0}")]
     ClusterSettings(&'static str),
@@ -75,6 +79,19 @@ pub enum ServeError {
     Cluster(#[from] ClusterError),
     #[error("{0}")]
     Security(String),
+}
+
+impl ServeError {
+    /// Whether the settings are at fault (exit code 2, as for a bad command
+    /// line), not the run: a malformed auth policy or TLS file, protected
+    /// mode refusing an open address, a bad `--engine` or `--state-dir`,
+    /// settings cluster mode replaces.
+    pub fn is_invalid_setting(&self) -> bool {
+        matches!(
+            self,
+            Self::Security(_) | Self::ClusterSettings(_) | Self::Engine(_) | Self::StateDir(_)
+        )
+    }
 }
 
 /// Binds the configured gRPC and metrics addresses, naming the setting on
@@ -111,7 +128,7 @@ pub async fn run(
     // loaded; the listeners are bound already, so probes get an answer.
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, tonic_health::ServingStatus::NotServing).await;
-    let (fleet, snapshots) = build_fleet(&config, &metrics)?;
+    let (fleet, snapshots) = build_fleet(&config, &metrics, &security.endpoint_allow)?;
     let replica = replicated_changes(&config, &fleet)?;
     let gate = StartupGate::new();
 
@@ -240,10 +257,16 @@ impl Serving {
         {
             tracing::warn!("background tasks did not stop within 5s");
         }
+        // A state that could not be saved is an error of the run: the
+        // exit code says so, as the log does.
+        let mut result = result;
         if let Some(snapshots) = &self.snapshots
             && let Err(error) = snapshots.write().await
         {
             tracing::error!(%error, "snapshot at shutdown failed");
+            if result.is_ok() {
+                result = Err(ServeError::Snapshot(error));
+            }
         }
         self.cluster_tasks.0.close();
         if tokio::time::timeout(Duration::from_secs(5), self.cluster_tasks.0.wait())
@@ -268,17 +291,22 @@ impl Serving {
 fn build_fleet(
     config: &ServeConfig,
     metrics: &Arc<Metrics>,
+    endpoint_allow: &EndpointAllow,
 ) -> Result<(Arc<Fleet>, Option<Arc<Snapshots>>), ServeError> {
     let core = Arc::new(RouterCore::new(config.router_config(), metrics.clone()));
     let writer = Arc::new(EventWriter::new(core.clone()));
     let ingest = ingest::start_writer(writer).map_err(ServeError::Writer)?;
-    let fleet = Arc::new(Fleet::new(core, ingest));
+    // A restored endpoint has no registering peer: it is held to the
+    // allow-list as a loopback peer's would be, so without a list only
+    // this machine's engines are connected to again.
+    let allow = endpoint_allow.clone();
+    let loopback = Some(std::net::IpAddr::from([127, 0, 0, 1]));
+    let restored_endpoints = Arc::new(move |endpoint: &str| allow.permits(endpoint, loopback));
+    let fleet = Arc::new(Fleet::new(core, ingest, restored_endpoints));
     let snapshots = match &config.state_dir {
-        Some(dir) => Some(Arc::new(Snapshots::open(
-            dir,
-            fleet.clone(),
-            metrics.clone(),
-        )?)),
+        Some(dir) => Some(Arc::new(
+            Snapshots::open(dir, fleet.clone(), metrics.clone()).map_err(ServeError::StateDir)?,
+        )),
         None => None,
     };
     Ok((fleet, snapshots))
@@ -369,11 +397,22 @@ async fn restore_and_start(
         .map_err(ServeError::Engine)
 }
 
-/// Loads the newest snapshot; an unusable one is moved aside and logged in
-/// one line (kvroute starts cold), or, with `required`, stops the start.
+/// Loads the newest snapshot that loads; each newer one passed over is
+/// logged in one line (moved aside when damaged), and with none that
+/// loads kvroute starts cold, or, with `required`, does not start.
 async fn load_snapshot(snapshots: &Snapshots, required: bool) -> Result<(), ServeError> {
-    match snapshots.load(required).await {
-        Ok(Some(loaded)) => {
+    let outcome = snapshots.load(required).await?;
+    for passed in &outcome.passed_over {
+        let path = passed.path.display();
+        match &passed.moved_to {
+            Some(aside) => {
+                tracing::error!(%path, why = %passed.why, aside = %aside.display(), "snapshot unusable: moved aside")
+            }
+            None => tracing::error!(%path, why = %passed.why, "snapshot unreadable: left in place"),
+        }
+    }
+    match &outcome.loaded {
+        Some(loaded) => {
             let r = &loaded.report;
             tracing::info!(
                 path = %loaded.path.display(),
@@ -381,24 +420,19 @@ async fn load_snapshot(snapshots: &Snapshots, required: bool) -> Result<(), Serv
                 targets = r.targets,
                 entries = r.entries,
                 seconds = loaded.seconds,
+                older_than_newest = !outcome.passed_over.is_empty(),
                 "snapshot loaded"
             );
             for (worker_id, why) in &r.workers_refused {
                 tracing::warn!(worker_id, %why, "saved worker not restored");
             }
-            Ok(())
         }
-        // A first start: nothing to require yet.
-        Ok(None) => {
+        None if outcome.passed_over.is_empty() => {
             tracing::info!("no snapshot in the state directory: starting cold");
-            Ok(())
         }
-        Err(error @ SnapshotError::SetAside { .. }) => {
-            tracing::error!(%error, "starting cold");
-            Ok(())
-        }
-        Err(error) => Err(error.into()),
+        None => tracing::warn!("no snapshot in the state directory loads: starting cold"),
     }
+    Ok(())
 }
 
 /// The gRPC server on `listener`, serving until `stop_accepting` is
@@ -466,9 +500,15 @@ fn grpc_server<H: Health>(
     let router = Server::builder()
         .timeout(config.request_timeout)
         .max_frame_size(Some(MAX_FRAME_BYTES))
+        .http2_max_header_list_size(HTTP2_HEADER_LIST_BYTES)
         .trace_fn(|request| tracing::info_span!("rpc", method = %request.uri().path()))
         .layer(GlobalConcurrencyLimitLayer::new(concurrency))
         .layer(RpcMetricsLayer::new(metrics.clone(), known_paths))
+        .layer(ScreenLayer(MetadataBudget::new(
+            metrics
+                .input_rejected
+                .with_label_values(&["metadata", "too_large"]),
+        )))
         .layer(ScreenLayer(guard))
         .layer(ScreenLayer(gate.clone()))
         .add_service(health)

@@ -109,7 +109,14 @@ pub struct Fleet {
     /// Cluster mode: leases lapse through the shared log, decided by one
     /// replica, so [`Self::tick`] does not reap them here.
     leases_shared: std::sync::atomic::AtomicBool,
+    /// Whether kvroute may connect to a restored worker's engine endpoint
+    /// with no registering peer to check it against (`app.rs` gives the
+    /// allow-list's answer for a loopback peer: `security::EndpointAllow`).
+    restored_endpoints: EndpointRule,
 }
+
+/// Whether kvroute may connect to an engine endpoint.
+pub(crate) type EndpointRule = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -137,7 +144,11 @@ impl Drop for Turn<'_> {
 }
 
 impl Fleet {
-    pub(crate) fn new(router: Arc<RouterCore>, ingest: IngestHandle) -> Self {
+    pub(crate) fn new(
+        router: Arc<RouterCore>,
+        ingest: IngestHandle,
+        restored_endpoints: EndpointRule,
+    ) -> Self {
         let subscriptions = Subscriptions::new(ingest.clone(), router.metrics().clone())
             .with_max_message_bytes(router.config().limits.max_engine_message_bytes);
         Self {
@@ -147,6 +158,7 @@ impl Fleet {
             turns: DashMap::new(),
             configured_resume: parking_lot::Mutex::new(HashMap::new()),
             leases_shared: std::sync::atomic::AtomicBool::new(false),
+            restored_endpoints,
         }
     }
 

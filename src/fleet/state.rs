@@ -19,7 +19,7 @@ use crate::{
 };
 use kvroute_core::{
     admission::bookings::SavedBooking,
-    registry::SavedWorker,
+    registry::{SavedWorker, WorkerRecord},
     select::affinity::SavedSession,
     types::{EngineHash, WorkerId, WorkerRank},
 };
@@ -137,16 +137,38 @@ impl Fleet {
     /// never fatal.
     pub(crate) async fn restore(&self, state: FleetState) -> RestoreReport {
         let mut report = RestoreReport::default();
-        let mut generations: HashMap<WorkerId, (u64, String)> = HashMap::new();
+        let mut restored: HashMap<WorkerId, WorkerRecord> = HashMap::new();
+        let mut seen = std::collections::HashSet::new();
         let mut sources = Vec::new();
         let mut configured = std::collections::HashSet::new();
         for saved in state.workers {
             let worker_id = saved.worker.registration.worker_id;
+            if !seen.insert(worker_id) {
+                report.workers_refused.push((
+                    worker_id,
+                    "saved more than once in the snapshot; the first kept".into(),
+                ));
+                continue;
+            }
+            if let (Some(source), false) = (&saved.source, saved.configured)
+                && let Some(endpoint) = [Some(&source.endpoint), source.replay_endpoint.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .find(|endpoint| !(self.restored_endpoints)(endpoint))
+            {
+                report.workers_refused.push((
+                    worker_id,
+                    format!(
+                        "its engine endpoint {endpoint} is not one kvroute may connect to on its own (see --engine-endpoint-allow); it must register again"
+                    ),
+                ));
+                continue;
+            }
             let _turn = self.turn(worker_id).await;
             match self.router.restore_worker(saved.worker) {
                 Ok(outcome) => {
                     let r = &outcome.record;
-                    generations.insert(worker_id, (r.generation, r.registration.model.clone()));
+                    restored.insert(worker_id, r.clone());
                     self.ingest.reserve(&r.snapshot()).await;
                     match (saved.source, saved.configured) {
                         (Some(source), false) => sources.push((outcome.record, source)),
@@ -173,15 +195,21 @@ impl Fleet {
             if !saved.engine_salts.is_empty() {
                 entry.salts.insert(rank, saved.engine_salts);
             }
-            let Some((generation, model)) = generations.get(&saved.target.worker_id) else {
+            // Blocks of a worker not restored, or of a rank it does not
+            // have, would sit in the index where nothing reads them.
+            let Some(record) = restored
+                .get(&saved.target.worker_id)
+                .filter(|r| r.has_rank(saved.target.dp_rank))
+            else {
+                tracing::warn!(target = %saved.target, "saved target of no restored worker rank: not restored");
                 report.targets_refused += 1;
                 continue;
             };
             let entries = saved.captured.content.held() as u64;
             let rank = RankRegistration {
                 target: saved.target,
-                generation: *generation,
-                model: model.clone(),
+                generation: record.generation,
+                model: record.registration.model.clone(),
             };
             match self.ingest.restore(rank, saved.captured).await {
                 Ok(()) => {

@@ -17,7 +17,7 @@ fn fleet() -> Fleet {
     let router = Arc::new(RouterCore::new(RouterConfig::default(), metrics));
     let ingest = start_writer(Arc::new(EventWriter::new(router.clone())))
         .unwrap_or_else(|e| panic!("writer: {e}"));
-    Fleet::new(router, ingest)
+    Fleet::new(router, ingest, Arc::new(|_: &str| true))
 }
 
 fn registration(worker_id: WorkerId, block_size: u32) -> Registration {

@@ -193,7 +193,14 @@ impl pb::admin_server::Admin for AdminService {
             self.fail(match e {
                 // The cluster's store is away: try again later.
                 SnapshotError::Replicated(_) => Status::unavailable(e.to_string()),
-                _ => Status::internal(e.to_string()),
+                // The state directory cannot be written (read-only, full,
+                // gone): the operator's to fix before asking again.
+                SnapshotError::Dir { .. } | SnapshotError::Io { .. } => {
+                    Status::failed_precondition(e.to_string())
+                }
+                SnapshotError::Unusable { .. } | SnapshotError::Task(_) => {
+                    Status::internal(e.to_string())
+                }
             })
         })?;
         Ok(Response::new(pb::SnapshotResponse {

@@ -29,7 +29,7 @@ impl SnapshotFamilies {
         Ok(Self {
             outcomes: families.counter_vec(
                 "snapshots_total",
-                "Snapshots written, failed, loaded and set aside",
+                "Snapshots by outcome: written, write_failed, loaded, damaged, unreadable, set_aside",
                 &["outcome"],
             )?,
             age: families.gauge(

@@ -36,7 +36,7 @@ pub enum FormatError {
 }
 
 /// The file bytes of `state`.
-pub(crate) fn encode(state: &pb::SnapshotState) -> Vec<u8> {
+pub fn encode(state: &pb::SnapshotState) -> Vec<u8> {
     let payload = state.encode_to_vec();
     let mut bytes = Vec::with_capacity(HEADER_BYTES + payload.len());
     bytes.extend_from_slice(MAGIC);
@@ -48,39 +48,79 @@ pub(crate) fn encode(state: &pb::SnapshotState) -> Vec<u8> {
 }
 
 /// The state in a file's bytes, if the header, length and checksum agree.
-pub(crate) fn decode(bytes: &[u8]) -> Result<pb::SnapshotState, FormatError> {
+pub fn decode(bytes: &[u8]) -> Result<pb::SnapshotState, FormatError> {
     let (header, payload) = bytes
         .split_at_checked(HEADER_BYTES)
         .ok_or(FormatError::Truncated { len: bytes.len() })?;
-    let word = |at: usize| -> u64 {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&header[at..at + 8]);
-        u64::from_le_bytes(b)
-    };
-    if &header[0..8] != MAGIC {
-        return Err(FormatError::Magic);
+    let header = Header::read(header, bytes.len() as u64)?;
+    header.decode(payload)
+}
+
+/// A checked header: magic, version, and a payload length that agrees
+/// with the file's size, so the body is read only when all three hold
+/// (and its size is the file's, never what the header merely claims).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    checksum: u64,
+    payload_len: u64,
+}
+
+impl Header {
+    /// Reads the first [`HEADER_BYTES`] of a file of `file_len` bytes.
+    pub(crate) fn read(header: &[u8], file_len: u64) -> Result<Self, FormatError> {
+        let header = header
+            .get(..HEADER_BYTES)
+            .ok_or(FormatError::Truncated { len: header.len() })?;
+        let word = |at: usize| -> u64 {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&header[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        if &header[0..8] != MAGIC {
+            return Err(FormatError::Magic);
+        }
+        let mut version = [0u8; 4];
+        version.copy_from_slice(&header[8..12]);
+        let version = u32::from_le_bytes(version);
+        if version != VERSION {
+            return Err(FormatError::Version { found: version });
+        }
+        let (checksum, payload_len) = (word(12), word(20));
+        let actual = file_len.saturating_sub(HEADER_BYTES as u64);
+        if payload_len != actual {
+            return Err(FormatError::Length {
+                declared: payload_len,
+                actual,
+            });
+        }
+        Ok(Self {
+            checksum,
+            payload_len,
+        })
     }
-    let mut version = [0u8; 4];
-    version.copy_from_slice(&header[8..12]);
-    let version = u32::from_le_bytes(version);
-    if version != VERSION {
-        return Err(FormatError::Version { found: version });
+
+    /// Bytes of payload after the header.
+    pub(crate) fn payload_len(&self) -> u64 {
+        self.payload_len
     }
-    let (declared_sum, declared_len) = (word(12), word(20));
-    if declared_len != payload.len() as u64 {
-        return Err(FormatError::Length {
-            declared: declared_len,
-            actual: payload.len() as u64,
-        });
+
+    /// The state in `payload`, if its checksum is the header's.
+    pub(crate) fn decode(&self, payload: &[u8]) -> Result<pb::SnapshotState, FormatError> {
+        if payload.len() as u64 != self.payload_len {
+            return Err(FormatError::Length {
+                declared: self.payload_len,
+                actual: payload.len() as u64,
+            });
+        }
+        let actual = xxh3_64(payload);
+        if actual != self.checksum {
+            return Err(FormatError::Checksum {
+                declared: self.checksum,
+                actual,
+            });
+        }
+        pb::SnapshotState::decode(payload).map_err(|e| FormatError::Decode(e.to_string()))
     }
-    let actual = xxh3_64(payload);
-    if actual != declared_sum {
-        return Err(FormatError::Checksum {
-            declared: declared_sum,
-            actual,
-        });
-    }
-    pb::SnapshotState::decode(payload).map_err(|e| FormatError::Decode(e.to_string()))
 }
 
 #[cfg(test)]

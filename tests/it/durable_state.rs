@@ -458,7 +458,8 @@ async fn a_damaged_snapshot_starts_cold_in_one_line_or_refuses_when_required() {
         let (code, stderr) = start_on_damaged(&dir, &["--require-snapshot"]);
         assert_eq!(code, Some(1), "{stderr}");
         assert!(
-            stderr.contains(&names[0]) && stderr.contains("unusable"),
+            stderr.contains(&names[0])
+                && stderr.contains("no snapshot in the state directory loads"),
             "{stderr}"
         );
         assert_eq!(snapshot_files(&dir), names);
@@ -468,7 +469,13 @@ async fn a_damaged_snapshot_starts_cold_in_one_line_or_refuses_when_required() {
         assert_eq!(code, None, "it serves: {stderr}");
         let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("\"ERROR\"")).collect();
         assert_eq!(errors.len(), 1, "{stderr}");
-        assert!(errors[0].contains("starting cold"), "{stderr}");
+        assert!(errors[0].contains("moved aside"), "{stderr}");
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.contains("\"WARN\"") && l.contains("starting cold")),
+            "{stderr}"
+        );
         let after = snapshot_files(&dir);
         assert!(
             after.len() == 1 && after[0].starts_with(&format!("{}.bad-", names[0])),
@@ -554,4 +561,195 @@ async fn cached(process: &Process, worker_id: u64) -> u64 {
         .iter()
         .map(|r| r.cached_blocks)
         .sum()
+}
+
+/// A damaged newest snapshot (#38): the next older one loads, the damaged
+/// one is moved aside, and the snapshots written afterwards never prune the
+/// one that loaded before two newer ones exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_newest_snapshot_falls_back_to_the_newest_that_loads() {
+    let dir = state_dir("fallback");
+    {
+        let process = Process::start(&dir, free_addr(), &[]).await;
+        let mut workers = WorkersClient::new(process.channel.clone());
+        workers
+            .register_worker(registration(1, MODEL))
+            .await
+            .unwrap();
+        process
+            .admin()
+            .snapshot(pb::SnapshotRequest {})
+            .await
+            .unwrap();
+        workers
+            .register_worker(registration(2, MODEL))
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        process
+            .admin()
+            .snapshot(pb::SnapshotRequest {})
+            .await
+            .unwrap();
+    }
+    let names = snapshot_files(&dir);
+    assert_eq!(names.len(), 2, "{names:?}");
+    let newest = dir.join(&names[1]);
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let at = bytes.len() - 2;
+    bytes[at] ^= 0x5a;
+    std::fs::write(&newest, &bytes).unwrap();
+
+    let process = Process::start(&dir, free_addr(), &[]).await;
+    let listed = process
+        .admin()
+        .list_workers(pb::ListWorkersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    let ids: Vec<u64> = listed.iter().map(|w| w.worker_id).collect();
+    assert_eq!(ids, [1], "the older snapshot's state");
+    let after = snapshot_files(&dir);
+    assert_eq!(after[0], names[0], "the one that loaded stays: {after:?}");
+    assert!(
+        after[1].starts_with(&format!("{}.bad-", names[1])),
+        "{after:?}"
+    );
+    assert_eq!(
+        process.metric("kvroute_snapshots_total{outcome=\"damaged\"}"),
+        1.0
+    );
+    // One snapshot written since: the loaded one is still one of the two kept.
+    process
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .unwrap();
+    let kept: Vec<String> = snapshot_files(&dir)
+        .into_iter()
+        .filter(|n| n.ends_with(".kvs"))
+        .collect();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    assert_eq!(kept[0], names[0]);
+    drop(process);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A planted snapshot with a valid checksum (#38) is held to what
+/// RegisterWorker accepts now, worker by worker: the server's limits, the
+/// hard limits, names, the engine endpoint rule, one entry per worker id,
+/// and blocks only for ranks a restored worker has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_snapshot_is_held_to_what_registration_accepts() {
+    let dir = state_dir("planted");
+    let worker = |worker_id: u64| pb::SnapshotWorker {
+        worker_id,
+        model: MODEL.into(),
+        block_size: 16,
+        dp_size: 1,
+        total_kv_blocks: 1000,
+        lease_ttl_ms: 600_000,
+        lease_remaining_ms: 600_000,
+        ..Default::default()
+    };
+    let target = |worker_id: u64, dp_rank: u32| pb::SnapshotTarget {
+        worker_id,
+        dp_rank,
+        locals: vec![11, 12],
+        parent_back: vec![0, 1],
+        engines: vec![101, 102],
+        ..Default::default()
+    };
+    let state = pb::SnapshotState {
+        taken_unix_ms: 1,
+        workers: vec![
+            worker(1),
+            pb::SnapshotWorker {
+                total_kv_blocks: 1 << 63,
+                ..worker(2)
+            },
+            pb::SnapshotWorker {
+                dp_size: 1024,
+                ..worker(3)
+            },
+            pb::SnapshotWorker {
+                model: "m".repeat(1 << 20),
+                ..worker(4)
+            },
+            pb::SnapshotWorker {
+                events_endpoint: "tcp://169.254.169.254:80".into(),
+                events_dialect: "vllm".into(),
+                ..worker(5)
+            },
+            pb::SnapshotWorker {
+                model: "other".into(),
+                ..worker(1)
+            },
+            worker(6),
+            worker(7),
+        ],
+        targets: vec![target(1, 0), target(1, 5)],
+        ..Default::default()
+    };
+    std::fs::write(
+        dir.join(format!("snapshot-{:020}.kvs", 1)),
+        kvroute::snapshot::format::encode(&state),
+    )
+    .unwrap();
+    let process = Process::start(&dir, free_addr(), &["--max-workers", "2"]).await;
+    let listed = process
+        .admin()
+        .list_workers(pb::ListWorkersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    let ids: Vec<(u64, String)> = listed
+        .iter()
+        .map(|w| (w.worker_id, w.model.clone()))
+        .collect();
+    assert_eq!(ids, [(1, MODEL.to_string()), (6, MODEL.to_string())]);
+    assert!(
+        listed.iter().all(|w| w.subscription.is_empty()),
+        "{listed:?}"
+    );
+    let stats = process
+        .admin()
+        .get_index_stats(pb::GetIndexStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.entries, 2, "rank 0's blocks only, no ghost rank");
+    assert_eq!(cached(&process, 1).await, 2);
+    drop(process);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A state directory that cannot be written (#38): Admin/Snapshot answers
+/// FAILED_PRECONDITION naming the file, and a shutdown whose snapshot
+/// fails exits non-zero, as it logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unwritable_state_directory_is_a_failed_precondition_and_a_failed_exit() {
+    let dir = state_dir("unwritable");
+    let mut process = Process::start(&dir, free_addr(), &[]).await;
+    std::fs::remove_dir_all(&dir).unwrap();
+    let refused = process
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .expect_err("nowhere to write");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert!(refused.message().contains("snapshot"), "{refused:?}");
+    let terminated = Command::new("kill")
+        .args(["-TERM", &process.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(terminated.success());
+    let status = process.child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "the shutdown snapshot failed");
 }
