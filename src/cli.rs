@@ -97,8 +97,10 @@ pub fn clap_error(error: clap::Error) -> CliError {
     }
 }
 
-/// Runs `work` on a multi-threaded runtime: exit 0 when it succeeds, 1
-/// with its error on one line when it fails or the runtime cannot start.
+/// Runs `work` on a multi-threaded runtime: exit 0 when it succeeds; when
+/// it fails, its error on one line and exit 2 for invalid settings
+/// ([`crate::app::ServeError::is_invalid_setting`]), 1 for anything else
+/// (and when the runtime cannot start).
 pub fn run_on_runtime(work: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -113,10 +115,34 @@ pub fn run_on_runtime(work: impl std::future::Future<Output = anyhow::Result<()>
     match runtime.block_on(work) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("kvroute: {error:#}");
-            ExitCode::FAILURE
+            eprintln!("kvroute: {}", one_line(&error));
+            let settings = error
+                .downcast_ref::<crate::app::ServeError>()
+                .is_some_and(crate::app::ServeError::is_invalid_setting);
+            if settings {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
+}
+
+/// An error and its causes on one line, each cause said once: a cause
+/// whose text its error already shows is left out.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 /// What a refused command line ends with: help or version printed and

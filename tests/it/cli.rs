@@ -76,6 +76,57 @@ fn bad_env_var_is_refused_naming_the_setting() {
     assert_one_clear_line(&stderr, "--request-timeout");
 }
 
+/// Invalid settings found once the configuration is read (#38): a
+/// malformed auth policy, a state directory that is a regular file. Each
+/// exits 2 with one line saying it once.
+#[test]
+fn invalid_settings_read_at_start_exit_2_in_one_line() {
+    let dir = std::env::temp_dir().join(format!("kvroute-cli-settings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let policy = dir.join("policy.toml");
+    std::fs::write(
+        &policy,
+        "[[identity]]\nname = \"a\"\nroles = [\"frontend\"\n",
+    )
+    .unwrap();
+    let grpc = format!("127.0.0.1:{}", free_port());
+    let (code, stderr) = serve_fails(
+        &[
+            "--grpc-addr",
+            &grpc,
+            "--log-level",
+            "error",
+            "--auth-policy",
+            policy.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert_one_clear_line(&stderr, "--auth-policy");
+
+    let file = dir.join("not-a-dir");
+    std::fs::write(&file, "x").unwrap();
+    let (code, stderr) = serve_fails(
+        &[
+            "--grpc-addr",
+            &grpc,
+            "--log-level",
+            "error",
+            "--state-dir",
+            file.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert_one_clear_line(&stderr, "is not a directory");
+    assert_eq!(
+        stderr.matches("not-a-dir").count(),
+        1,
+        "said once: {stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn port_in_use_is_refused_naming_the_setting() {
     let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
