@@ -103,10 +103,16 @@ impl pb::workers_server::Workers for WorkersService {
         // No connection is made to a host the worker may not name; the
         // answer is the same whether or not anything listens there.
         if let Some(source) = &source
-            && [Some(&source.endpoint), source.replay_endpoint.as_ref()]
-                .into_iter()
-                .flatten()
-                .any(|endpoint| !self.endpoint_allow.permits(endpoint, peer))
+            && let Some(field) = [
+                ("events_endpoint", Some(&source.endpoint)),
+                ("replay_endpoint", source.replay_endpoint.as_ref()),
+            ]
+            .into_iter()
+            .find_map(|(field, endpoint)| {
+                endpoint
+                    .filter(|e| !self.endpoint_allow.permits(e, peer))
+                    .map(|_| field)
+            })
         {
             self.fleet
                 .router()
@@ -114,7 +120,11 @@ impl pb::workers_server::Workers for WorkersService {
                 .security
                 .endpoints_refused
                 .inc();
-            return Err(self.fail(Status::permission_denied(endpoint_allow::REFUSED)));
+            return Err(self.fail(Status::permission_denied(format!(
+                "worker {}: {field}: {}",
+                registration.worker_id,
+                endpoint_allow::REFUSED
+            ))));
         }
         let outcome = self
             .changes

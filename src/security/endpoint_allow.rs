@@ -26,7 +26,8 @@ struct AllowList {
 
 /// The one answer to every refused endpoint, whether or not anything
 /// listens there.
-pub const REFUSED: &str = "events_endpoint host is not in --engine-endpoint-allow (by default only the registering peer's own address)";
+pub const REFUSED: &str =
+    "host is not in --engine-endpoint-allow (by default only the registering peer's own address)";
 
 impl EndpointAllow {
     /// Parses the flag's entries (each may hold several, comma-separated);

@@ -741,6 +741,27 @@ async fn an_engine_endpoint_outside_the_allow_list_gets_no_connection() {
         messages[0], messages[1],
         "the answer tells whether something listens"
     );
+    assert!(
+        messages[0].starts_with("worker 150: events_endpoint: host is not in"),
+        "{messages:?}"
+    );
+    // An allowed events endpoint with a refused replay endpoint: the
+    // replay endpoint is the one named.
+    let mut request = registration(150, "m");
+    request.events_endpoint = "tcp://10.0.0.5:5557".into();
+    request.events_dialect = "vllm".into();
+    request.replay_endpoint = format!("tcp://127.0.0.1:{open_port}");
+    let status = WorkersClient::new(worker.clone())
+        .register_worker(request)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(
+        status
+            .message()
+            .starts_with("worker 150: replay_endpoint: host is not in"),
+        "{status:?}"
+    );
     let connected = tokio::time::timeout(Duration::from_millis(700), listening.accept()).await;
     assert!(
         connected.is_err(),
@@ -750,7 +771,7 @@ async fn an_engine_endpoint_outside_the_allow_list_gets_no_connection() {
         server
             .metric("kvroute_engine_endpoints_refused_total")
             .await,
-        2.0
+        3.0
     );
     // No worker was registered by the refused calls.
     let reader = server.identity("spiffe://test/reader").await;
@@ -776,7 +797,7 @@ fn listening_beyond_loopback_without_credentials_refuses_to_start() {
         .env_remove("KVROUTE_ALLOW_UNAUTHENTICATED")
         .output()
         .unwrap();
-    assert!(!output.status.success());
+    assert_eq!(output.status.code(), Some(2), "an invalid setting");
     let stderr = String::from_utf8_lossy(&output.stderr);
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "{stderr}");

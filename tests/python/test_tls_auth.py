@@ -278,7 +278,7 @@ def test_engine_endpoint_outside_the_allow_list_is_refused(stubs, kvroute_pb):
     request = register(kvroute_pb, 151, events_endpoint="tcp://192.0.2.7:5557", events_dialect="vllm")
     got, details = code(workers.RegisterWorker, request)
     assert got == grpc.StatusCode.PERMISSION_DENIED, details
-    assert details.startswith("events_endpoint host is not in --engine-endpoint-allow"), details
+    assert details.startswith("worker 151: events_endpoint: host is not in --engine-endpoint-allow"), details
 
 
 def test_frontend_routes_and_operators_cordon(stubs, kvroute_pb):
