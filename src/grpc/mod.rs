@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod convert;
+pub mod metadata_budget;
 pub mod router;
 pub mod rpc_metrics;
 pub mod startup_gate;

@@ -285,3 +285,26 @@ async fn out_of_range_message_over_the_size_limit() {
         .await
         .unwrap();
 }
+
+/// Request metadata past 16 KiB (#38) is RESOURCE_EXHAUSTED naming the
+/// limit, not UNKNOWN, up to what HTTP/2 lets kvroute read at all; the
+/// connection stays usable for the next call.
+#[tokio::test]
+async fn resource_exhausted_request_metadata_over_the_limit() {
+    let server = TestServer::start().await;
+    server.register(registration(1, "m")).await;
+    let mut router = server.router();
+    for size in [17 * 1024, 40 * 1024, 60 * 1024] {
+        let mut request = tonic::Request::new(select_hashes("big", "m", &[1, 2]));
+        request.metadata_mut().insert(
+            "x-padding",
+            "p".repeat(size).parse().expect("ascii metadata"),
+        );
+        let status = router.select_worker(request).await.expect_err("refused");
+        assert_status(&status, Code::ResourceExhausted, &["metadata", "16384"]);
+        router
+            .select_worker(select_hashes(&format!("after-{size}"), "m", &[1, 2]))
+            .await
+            .expect("the same connection serves the next call");
+    }
+}
