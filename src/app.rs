@@ -477,7 +477,8 @@ fn grpc_server<H: Health>(
             ),
         };
     let workers = WorkersService::new(fleet.clone(), changes.clone())
-        .with_endpoint_allow(security.endpoint_allow.clone());
+        .with_endpoint_allow(security.endpoint_allow.clone())
+        .with_max_unanswered_bytes(usize::try_from(config.max_message_bytes).unwrap_or(usize::MAX));
     let admin = AdminService::new(fleet.clone(), changes, snapshot_writer);
     let workers = pb::workers_server::WorkersServer::new(workers)
         .max_decoding_message_size(max)

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod convert;
+pub mod event_inbox;
 pub mod metadata_budget;
 pub mod router;
 pub mod rpc_metrics;

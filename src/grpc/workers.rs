@@ -7,13 +7,14 @@
 use std::{pin::Pin, sync::Arc};
 
 use tokio::sync::mpsc;
-use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
+use tokio_stream::{Stream, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::{
     fleet::{Fleet, FleetError, changes::FleetChanges},
     grpc::{
         convert::{self, BatchLimits},
+        event_inbox::Inbox,
         status::reason_label,
     },
     pb,
@@ -30,6 +31,9 @@ pub struct WorkersService {
     changes: Arc<dyn FleetChanges>,
     /// Hosts a registration's events endpoint may point at.
     endpoint_allow: Arc<EndpointAllow>,
+    /// Encoded batch bytes one stream may have unanswered (the message
+    /// size limit: one batch always fits).
+    max_unanswered_bytes: usize,
 }
 
 impl WorkersService {
@@ -38,6 +42,16 @@ impl WorkersService {
             fleet,
             changes,
             endpoint_allow: Arc::default(),
+            max_unanswered_bytes: 16 << 20,
+        }
+    }
+
+    /// What one stream may have unanswered, in encoded bytes: the server's
+    /// `max_message_bytes`.
+    pub(crate) fn with_max_unanswered_bytes(self, bytes: usize) -> Self {
+        Self {
+            max_unanswered_bytes: bytes,
+            ..self
         }
     }
 
@@ -197,13 +211,19 @@ impl pb::workers_server::Workers for WorkersService {
         request: Request<Streaming<pb::KvEventBatch>>,
     ) -> Result<Response<Self::PublishEventsStream>, Status> {
         let caller = security::caller(request.extensions()).cloned();
-        let mut inbound = request.into_inner();
+        let metrics = self.fleet.router().metrics();
+        let overruns = metrics
+            .input_rejected
+            .with_label_values(&["workers", "unanswered"]);
+        let mut inbox = Inbox::read(request.into_inner(), self.max_unanswered_bytes, move || {
+            overruns.inc()
+        });
         let (tx, rx) = mpsc::channel::<Result<pb::PublishEventsReply, Status>>(4);
         let service = self.clone();
-        let streams = self.fleet.router().metrics().event_streams.clone();
+        let streams = metrics.event_streams.clone();
         streams.inc();
         tokio::spawn(async move {
-            while let Some(next) = inbound.next().await {
+            while let Some(next) = inbox.next().await {
                 let batch = match next {
                     Ok(batch) => batch,
                     Err(status) => {

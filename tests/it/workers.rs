@@ -769,3 +769,65 @@ async fn rejected_events_show_in_the_admin_api_as_in_the_metrics() {
     assert_eq!(info.ranks[0].events_rejected, 3, "{info:?}");
     assert_eq!(index_stats(&server).await.events_rejected, 3);
 }
+
+/// A worker that pipelines many small batches without waiting for each
+/// reply (#38) keeps its connection: h2 closed it with GOAWAY
+/// (`too_many_data_frames`) when kvroute fell behind, dropping every other
+/// stream on it. Either every batch is answered, or this stream alone ends
+/// with RESOURCE_EXHAUSTED naming the documented limit; a call on the same
+/// connection works afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_small_batches_keep_the_connection() {
+    let server = TestServer::start().await;
+    server
+        .register(pb::RegisterWorkerRequest {
+            total_kv_blocks: 1 << 20,
+            ..registration(1, "m")
+        })
+        .await;
+    let channel = common::connect(server.grpc_addr).await;
+    let mut client = kvroute::pb::workers_client::WorkersClient::new(channel.clone());
+    const BATCHES: u64 = 30_000;
+    let (tx, rx) = tokio::sync::mpsc::channel(BATCHES as usize);
+    for id in 0..BATCHES {
+        tx.send(batch(1, 0, vec![stored(id, None, &[(id + 1, id + 7)])]))
+            .await
+            .unwrap();
+    }
+    drop(tx);
+    let mut replies = client
+        .publish_events(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    // Not reading replies for a while: the worker is slow, or kvroute's
+    // replies are; either way kvroute stops taking batches from the stream.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let mut answered = 0u64;
+    let ended = loop {
+        match replies.message().await {
+            Ok(Some(_)) => answered += 1,
+            Ok(None) => break None,
+            Err(status) => break Some(status),
+        }
+    };
+    match ended {
+        None => assert_eq!(answered, BATCHES, "every batch answered"),
+        Some(status) => {
+            assert_eq!(
+                status.code(),
+                Code::ResourceExhausted,
+                "{status:?} after {answered}"
+            );
+            assert!(status.message().contains("unanswered"), "{status:?}");
+        }
+    }
+    // The connection is still there for other calls.
+    kvroute::pb::workers_client::WorkersClient::new(channel)
+        .heartbeat(pb::HeartbeatRequest {
+            worker_id: 1,
+            load: vec![],
+        })
+        .await
+        .expect("the same connection serves the next call");
+}
