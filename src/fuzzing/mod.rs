@@ -11,15 +11,19 @@
 //! and not in its binary.
 
 mod config;
+mod policy;
 mod publish;
 mod select;
+mod snapshot;
 #[cfg(test)]
 mod tests;
 mod zmq;
 
 pub use config::config_file;
+pub use policy::auth_policy;
 pub use publish::publish_events;
 pub use select::select_worker;
+pub use snapshot::snapshot_payload;
 pub use zmq::zmq_payload;
 
 /// A fuzz target's entry point.
@@ -27,11 +31,13 @@ pub type Entry = fn(&[u8]);
 
 /// The fuzz targets by name (the `fuzz/corpus/<name>/` directories), with
 /// their entry points.
-pub const TARGETS: [(&str, Entry); 4] = [
+pub const TARGETS: [(&str, Entry); 6] = [
     ("zmq_payload", zmq_payload),
     ("publish_events", publish_events),
     ("select_worker", select_worker),
     ("config_file", config_file),
+    ("snapshot_payload", snapshot_payload),
+    ("auth_policy", auth_policy),
 ];
 
 /// Reads structured choices from fuzz bytes; past the end every read is 0,

@@ -51,6 +51,8 @@ fn write_seed_corpus() {
         ("publish_events", seeds::publish()),
         ("select_worker", seeds::select()),
         ("config_file", seeds::config()),
+        ("snapshot_payload", seeds::snapshot()),
+        ("auth_policy", seeds::policy()),
     ] {
         let dir = root().join("corpus").join(name);
         std::fs::create_dir_all(&dir).unwrap();
@@ -557,6 +559,139 @@ replica-index = 1
             "unterminated-string",
         ];
         for (name, text) in names.into_iter().zip(near) {
+            seeds.push((name, text.as_bytes().to_vec()));
+        }
+        seeds
+    }
+
+    /// Snapshot payloads (protobuf `SnapshotState`, without the header):
+    /// a fleet a server would save, and the planted states #38 found.
+    pub(crate) fn snapshot() -> Seeds {
+        let worker = |worker_id: u64| pb::SnapshotWorker {
+            worker_id,
+            model: "m".into(),
+            block_size: 16,
+            dp_size: 2,
+            total_kv_blocks: 32,
+            lease_ttl_ms: 60_000,
+            lease_remaining_ms: 30_000,
+            ..Default::default()
+        };
+        let target = |worker_id: u64, dp_rank: u32| pb::SnapshotTarget {
+            worker_id,
+            dp_rank,
+            last_event_id: Some(4),
+            locals: vec![11, 12, 13],
+            parent_back: vec![0, 1, 1],
+            engines: vec![101, 102, 103],
+            ..Default::default()
+        };
+        let fleet = pb::SnapshotState {
+            taken_unix_ms: 1,
+            workers: vec![worker(1), worker(2)],
+            targets: vec![target(1, 0), target(1, 1), target(2, 0)],
+            sessions: vec![pb::SnapshotSession {
+                session_id: "s".into(),
+                worker_id: 1,
+                dp_rank: Some(0),
+                idle_ms: 5,
+            }],
+            bookings: vec![pb::SnapshotBooking {
+                request_id: "r".into(),
+                worker_id: 2,
+                prefill_outstanding: true,
+                prefill_tokens: 40,
+                prefill_blocks: 3,
+                keys: vec![1, 2, 3],
+                ..Default::default()
+            }],
+        };
+        let planted = pb::SnapshotState {
+            workers: vec![
+                pb::SnapshotWorker {
+                    total_kv_blocks: 1 << 63,
+                    ..worker(3)
+                },
+                pb::SnapshotWorker {
+                    dp_size: 1024,
+                    ..worker(4)
+                },
+                pb::SnapshotWorker {
+                    events_endpoint: "tcp://169.254.169.254:80".into(),
+                    events_dialect: "vllm".into(),
+                    ..worker(5)
+                },
+                worker(1),
+                worker(1),
+                worker(6),
+                worker(7),
+                worker(8),
+            ],
+            targets: vec![target(1, 9), target(9, 0)],
+            ..Default::default()
+        };
+        vec![
+            ("fleet", fleet.encode_to_vec()),
+            ("planted", planted.encode_to_vec()),
+            ("empty", Vec::new()),
+        ]
+    }
+
+    /// Auth policy files: one of every kind of identity, and the lenient
+    /// readings #38 found.
+    pub(crate) fn policy() -> Seeds {
+        let full = r#"reflection = true
+
+[[identity]]
+name = "frontend"
+roles = ["frontend"]
+san = ["spiffe://cluster/frontend"]
+
+[[identity]]
+name = "worker"
+roles = ["worker"]
+san = ["worker-0.engines.svc"]
+worker_ids = ["1", "10-19"]
+
+[[identity]]
+name = "ops"
+roles = ["operator-read", "operator-write"]
+token_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+
+[[identity]]
+name = "any-worker"
+roles = ["worker"]
+san = ["spiffe://cluster/any"]
+worker_ids = ["*"]
+"#;
+        let near = [
+            (
+                "star-beside-ids",
+                "[[identity]]\nname = \"w\"\nroles = [\"worker\"]\nsan = [\"a\"]\nworker_ids = [\"5\", \"*\"]\n",
+            ),
+            (
+                "signed-id",
+                "[[identity]]\nname = \"w\"\nroles = [\"worker\"]\nsan = [\"a\"]\nworker_ids = [\"+5\"]\n",
+            ),
+            (
+                "no-ids",
+                "[[identity]]\nname = \"w\"\nroles = [\"worker\"]\nsan = [\"a\"]\nworker_ids = []\n",
+            ),
+            (
+                "backwards",
+                "[[identity]]\nname = \"w\"\nroles = [\"worker\"]\nsan = [\"a\"]\nworker_ids = [\"9-1\"]\n",
+            ),
+            (
+                "same-name",
+                "[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsan = [\"x\"]\n[[identity]]\nname = \"a\"\nroles = [\"frontend\"]\nsan = [\"y\"]\n",
+            ),
+            (
+                "unclosed",
+                "[[identity]]\nname = \"a\"\nroles = [\"frontend\"\n",
+            ),
+        ];
+        let mut seeds = vec![("full", full.as_bytes().to_vec())];
+        for (name, text) in near {
             seeds.push((name, text.as_bytes().to_vec()));
         }
         seeds

@@ -259,7 +259,7 @@ impl Policy {
             .find_map(|san| self.by_san.get(san).cloned())
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn identities(&self) -> &[Arc<Identity>] {
         &self.identities
     }

@@ -37,13 +37,17 @@ pub enum FormatError {
 
 /// The file bytes of `state`.
 pub fn encode(state: &pb::SnapshotState) -> Vec<u8> {
-    let payload = state.encode_to_vec();
+    frame(&state.encode_to_vec())
+}
+
+/// A file of `payload` behind a header that agrees with it.
+pub(crate) fn frame(payload: &[u8]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(HEADER_BYTES + payload.len());
     bytes.extend_from_slice(MAGIC);
     bytes.extend_from_slice(&VERSION.to_le_bytes());
-    bytes.extend_from_slice(&xxh3_64(&payload).to_le_bytes());
+    bytes.extend_from_slice(&xxh3_64(payload).to_le_bytes());
     bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    bytes.extend_from_slice(&payload);
+    bytes.extend_from_slice(payload);
     bytes
 }
 
