@@ -32,7 +32,12 @@
 //!    position does not move (so the engine's next real sequence carries on,
 //!    and is not taken for a restart), and the rank is unsynced. If the very
 //!    next live batch is `s + 1`, the engine really numbers from there and it
-//!    is taken as the new position (the rank stays unsynced).
+//!    is taken as the new position (the rank stays unsynced). Two numbers
+//!    are weak evidence, though (a corrupt or hostile pair such as 2^63,
+//!    2^63 + 1): while the new position has advanced less than
+//!    [`RESTART_FLOOR`] batches, a live sequence just past the old position
+//!    (within [`MAX_JUMP`]) is the old numbering carrying on, and the
+//!    position goes back to it, never a restart.
 //! 3. **Duplicate**: `s <= applied` otherwise (a repeat of the same number,
 //!    replay overlap, a small step back): skipped and counted, never a wipe.
 //!    A fresh connection that starts *below* `applied` is a step back no live
@@ -120,6 +125,9 @@ pub struct SequenceTracker {
     /// The last live sequence skipped as a jump (rule 2), when it was the
     /// latest live one.
     jumped: Option<u64>,
+    /// While a jump taken as the new position is young (rule 2): the
+    /// position before it (`applied`, `live`) and where the new one began.
+    before_jump: Option<(Option<u64>, Option<u64>, u64)>,
     unsynced: Option<Unsynced>,
 }
 
@@ -138,6 +146,7 @@ impl SequenceTracker {
             applied: None,
             fresh: true,
             jumped: None,
+            before_jump: None,
             unsynced: None,
         }
     }
@@ -188,6 +197,7 @@ impl SequenceTracker {
     /// Record a sequence read from the PUB stream (before admitting it).
     pub(crate) fn observe_live(&mut self, seq: u64) -> LiveObservation {
         let mut obs = LiveObservation::default();
+        self.return_from_a_young_jump(seq);
         let fresh = std::mem::replace(&mut self.fresh, false);
         let highest = self.live.max(self.applied);
         let previous = if fresh { highest } else { self.live };
@@ -201,12 +211,14 @@ impl SequenceTracker {
             self.live = None;
             self.applied = None;
             self.jumped = None;
+            self.before_jump = None;
             self.unsynced = None;
         }
         let expected = self.next_expected();
         if seq.saturating_sub(expected) > MAX_JUMP {
             if self.jumped.and_then(|j| j.checked_add(1)) == Some(seq) {
                 // The engine numbers from there: the jumped batch is gone.
+                self.before_jump = Some((self.applied, self.live, seq));
                 self.applied = Some(seq - 1);
                 self.live = Some(seq);
                 self.jumped = None;
@@ -230,6 +242,25 @@ impl SequenceTracker {
             obs.missing = Some(expected..seq);
         }
         obs
+    }
+
+    /// Rule 2's way back: `seq` just past the position held before a young
+    /// jump means the old numbering carries on; the position returns to it.
+    /// A new position that has advanced [`RESTART_FLOOR`] batches is the
+    /// engine's own.
+    fn return_from_a_young_jump(&mut self, seq: u64) {
+        let Some((applied, live, adopted_at)) = self.before_jump else {
+            return;
+        };
+        let old_next = applied.map_or(0, |a| a.saturating_add(1));
+        let old_carries_on = seq >= old_next && seq - old_next <= MAX_JUMP;
+        if old_carries_on {
+            self.applied = applied;
+            self.live = live;
+            self.before_jump = None;
+        } else if seq > adopted_at && seq - adopted_at >= RESTART_FLOOR {
+            self.before_jump = None;
+        }
     }
 
     /// Decide on a batch (live or replayed) and, when it applies, record it
@@ -536,6 +567,42 @@ mod tests {
         assert_eq!(t.admit(j), Admit::Jump);
         t.observe_live(j + 1);
         assert_eq!(t.admit(j + 1), Admit::Apply);
+    }
+
+    /// #38: two bogus sequences (2^63, 2^63 + 1) took the position; the
+    /// engine's real next batch was then a restart (the rank wiped), or,
+    /// past RESTART_FLOOR, a duplicate forever.
+    #[test]
+    fn a_bogus_pair_of_sequences_does_not_take_the_engines_numbering() {
+        for last in [5, 40] {
+            let mut t = fed(last);
+            for bogus in [1 << 63, (1 << 63) + 1] {
+                assert_eq!(t.observe_live(bogus), LiveObservation::default());
+                t.admit(bogus);
+            }
+            let real = last + 1;
+            assert_eq!(
+                t.observe_live(real),
+                LiveObservation::default(),
+                "after {last}: neither a restart nor a gap"
+            );
+            assert_eq!(t.admit(real), Admit::Apply);
+            assert_eq!(t.applied(), Some(real));
+            assert_eq!(t.unsynced(), Some(&Unsynced::Jump(1 << 63)));
+            // The old numbering carries on from there, lost batches too.
+            assert_eq!(t.observe_live(real + 3).missing, Some(real + 1..real + 3));
+        }
+        // An engine that really renumbered keeps its new position once it
+        // has advanced: a low number later is a restart again.
+        let j = 5 * MAX_JUMP;
+        let mut t = fed(5);
+        for s in j..j + 2 * RESTART_FLOOR {
+            t.observe_live(s);
+            t.admit(s);
+        }
+        assert_eq!(t.applied(), Some(j + 2 * RESTART_FLOOR - 1));
+        assert_eq!(t.before_jump, None, "the new position is the engine's own");
+        assert!(t.observe_live(0).restarted_from.is_some());
     }
 
     #[test]
