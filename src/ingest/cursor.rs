@@ -215,7 +215,7 @@ impl EventCursor {
         self.held.len()
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     /// Blocks of the events held behind a gap.
     pub(crate) fn held_blocks(&self) -> usize {
         self.held_blocks
