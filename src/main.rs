@@ -18,8 +18,19 @@ use kvroute::{
 #[global_allocator]
 static GLOBAL: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, usize::MAX);
 
+/// Returns freed pages to the OS now (mimalloc keeps them for reuse, and
+/// a dropped index table's pages would stay resident).
+#[allow(unsafe_code)]
+fn return_freed_pages() {
+    // SAFETY: `mi_collect` takes no pointer and has no precondition; it
+    // only walks mimalloc's own structures, from any thread, at any time
+    // (mimalloc's documentation: "Eagerly free memory").
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}
+
 fn main() -> ExitCode {
     kvroute::metrics::count_heap_with(|| GLOBAL.allocated() as u64);
+    kvroute::metrics::return_freed_memory_with(return_freed_pages);
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if tools::is_tool_command(&argv) {
         return match tools::run_tool(&argv) {

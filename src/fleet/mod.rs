@@ -322,6 +322,7 @@ impl Fleet {
                 removed,
                 "registered again: a new event stream; the blocks of the previous registration dropped"
             );
+            crate::metrics::return_freed_memory();
         }
         self.ingest.reserve(&record.snapshot()).await;
         let resume = if configured {
@@ -387,6 +388,8 @@ impl Fleet {
             .remove_worker(worker_id, record.registration.model)
             .await;
         self.router.forget_worker(worker_id);
+        // Its tables are dropped: their pages go back to the OS now.
+        crate::metrics::return_freed_memory();
         blocks
     }
 

@@ -13,6 +13,27 @@ pub fn count_heap_with(reader: fn() -> u64) {
     let _ = HEAP_ALLOCATED.set(reader);
 }
 
+/// How freed memory is handed back to the operating system: the binary's
+/// allocator keeps freed pages for reuse, which is right for the many small
+/// buffers of routing but keeps the pages of a dropped index table (tens to
+/// hundreds of MiB) resident for nothing. Installed by `main`; unset in
+/// tests and embedders, whose allocator (the system's) returns large
+/// allocations by itself.
+static RETURN_FREED: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Installs how freed memory is returned to the OS (first call wins).
+pub fn return_freed_memory_with(release: fn()) {
+    let _ = RETURN_FREED.set(release);
+}
+
+/// Returns freed memory to the OS, if the binary said how: called after
+/// large structures are dropped (a worker's tables, a model's index).
+pub fn return_freed_memory() {
+    if let Some(release) = RETURN_FREED.get() {
+        release();
+    }
+}
+
 /// Heap bytes allocated and not yet freed, if the binary counts them. A leak
 /// grows this; pages the allocator keeps after a burst grow only the
 /// resident memory.

@@ -33,7 +33,10 @@ use prometheus::{
 
 pub use cluster::ClusterFamilies;
 pub use engine::{DEFAULT_ENGINE_SERIES_WORKERS, EngineEventFamilies};
-pub use memory::{count_heap_with, heap_allocated_bytes, resident_memory_bytes};
+pub use memory::{
+    count_heap_with, heap_allocated_bytes, resident_memory_bytes, return_freed_memory,
+    return_freed_memory_with,
+};
 pub use security::SecurityFamilies;
 pub use snapshot::SnapshotFamilies;
 

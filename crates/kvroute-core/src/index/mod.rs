@@ -192,8 +192,9 @@ impl KvIndex {
     }
 
     /// Expect `worker` to cache up to `blocks` blocks (its KV capacity, from
-    /// registration): its engine-hash table is sized for them once instead
-    /// of growing, which would stall readers while it rehashes. Capped at
+    /// registration): its engine-hash table is sized for them once, at its
+    /// first store, instead of growing, which would stall readers while it
+    /// rehashes; a target that stores nothing takes no room. Capped at
     /// [`radix::MAX_RESERVED_BLOCKS`] per target and a fixed budget in all
     /// (room comes back when a target goes); forgotten with the target.
     pub fn reserve(&self, worker: WorkerRank, blocks: u64) {

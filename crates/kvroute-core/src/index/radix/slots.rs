@@ -123,19 +123,16 @@ impl IndexCore {
         s
     }
 
-    /// Make target `worker`'s table room for `blocks` blocks (at most
-    /// [`MAX_RESERVED_BLOCKS`]) now: a registration comes before the
-    /// target's events, so its table is built (and its pages touched) then,
-    /// not by the first store on the event path.
+    /// Give target `worker`'s table room for `blocks` blocks (at most
+    /// [`MAX_RESERVED_BLOCKS`]) once it holds anything: now if it already
+    /// does, else when its first block is stored (a new slot takes its
+    /// reservation from `reserved` as it is made). Not at registration: a
+    /// capacity claimed and never used must cost nothing.
     pub(crate) fn reserve(&mut self, worker: WorkerRank, blocks: u64) {
         let blocks = blocks.min(MAX_RESERVED_BLOCKS);
         self.reserved.insert(worker, blocks);
-        match self.slot_of.get(&worker) {
-            Some(&s) => self.reserve_slot(s, blocks),
-            // a new slot takes its reservation from `reserved` as it is made
-            None => {
-                self.slot_or_create(worker);
-            }
+        if let Some(&s) = self.slot_of.get(&worker) {
+            self.reserve_slot(s, blocks);
         }
     }
 
