@@ -421,6 +421,8 @@ async fn load_snapshot(snapshots: &Snapshots, required: bool) -> Result<(), Serv
                 entries = r.entries,
                 seconds = loaded.seconds,
                 older_than_newest = !outcome.passed_over.is_empty(),
+                targets_refused = r.targets_refused,
+                bookings_refused = r.bookings_refused,
                 "snapshot loaded"
             );
             for (worker_id, why) in &r.workers_refused {

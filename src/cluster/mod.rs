@@ -246,8 +246,12 @@ async fn catch_up(
                 bytes = loaded.bytes,
                 workers = report.workers,
                 entries = report.entries,
+                targets_refused = report.targets_refused,
                 "cluster snapshot loaded"
             );
+            for (worker_id, why) in &report.workers_refused {
+                tracing::warn!(worker_id, %why, "saved worker not restored");
+            }
             loaded.position + 1
         }
         None => 1,

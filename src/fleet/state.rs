@@ -196,12 +196,12 @@ impl Fleet {
                 entry.salts.insert(rank, saved.engine_salts);
             }
             // Blocks of a worker not restored, or of a rank it does not
-            // have, would sit in the index where nothing reads them.
+            // have, would sit in the index where nothing reads them
+            // (counted in the report, which the caller logs once).
             let Some(record) = restored
                 .get(&saved.target.worker_id)
                 .filter(|r| r.has_rank(saved.target.dp_rank))
             else {
-                tracing::warn!(target = %saved.target, "saved target of no restored worker rank: not restored");
                 report.targets_refused += 1;
                 continue;
             };
