@@ -94,7 +94,12 @@ async fn dropped_tables_go_back_to_the_os_under_the_binarys_allocator() {
     let rss = || {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            * 1024
     };
     let channel = common::connect(format!("127.0.0.1:{grpc}").parse().unwrap()).await;
     common::wait_serving(&channel).await;
@@ -120,7 +125,10 @@ async fn dropped_tables_go_back_to_the_os_under_the_binarys_allocator() {
         }
     }
     let peak = rss();
-    assert!(peak > before + (256 << 20), "tables sized: {before} -> {peak}");
+    assert!(
+        peak > before + (256 << 20),
+        "tables sized: {before} -> {peak}"
+    );
     for worker_id in [200, 201] {
         workers
             .deregister_worker(pb::DeregisterWorkerRequest { worker_id })
