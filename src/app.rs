@@ -479,8 +479,7 @@ fn grpc_server<H: Health>(
             ),
         };
     let workers = WorkersService::new(fleet.clone(), changes.clone())
-        .with_endpoint_allow(security.endpoint_allow.clone())
-        .with_max_unanswered_bytes(usize::try_from(config.max_message_bytes).unwrap_or(usize::MAX));
+        .with_endpoint_allow(security.endpoint_allow.clone());
     let admin = AdminService::new(fleet.clone(), changes, snapshot_writer);
     let workers = pb::workers_server::WorkersServer::new(workers)
         .max_decoding_message_size(max)

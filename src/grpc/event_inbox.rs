@@ -8,10 +8,12 @@
 //! DATA frames then closes the whole connection (GOAWAY
 //! `too_many_data_frames`), every other stream on it included. Reading
 //! eagerly keeps HTTP/2's buffers short; the inbox bounds what kvroute holds
-//! instead: past [`MAX_UNANSWERED_BATCHES`] batches, or the message size
-//! limit in bytes, unanswered, this stream alone ends with
-//! RESOURCE_EXHAUSTED after the batches already taken are answered. The
-//! limit is documented in the proto, so a worker can keep to it.
+//! instead, as HTTP/2's flow-control window did (1 MiB a stream): past
+//! [`MAX_UNANSWERED_BATCHES`] batches or [`MAX_UNANSWERED_BYTES`]
+//! unanswered (one batch always fits, up to the message size limit), this
+//! stream alone ends with RESOURCE_EXHAUSTED after the batches already
+//! taken are answered. The limit is documented in the proto, so a worker
+//! can keep to it.
 
 use std::sync::{
     Arc,
@@ -28,6 +30,10 @@ use crate::pb;
 /// Batches a worker may have sent on one stream and not yet had answered.
 pub const MAX_UNANSWERED_BATCHES: usize = 1024;
 
+/// Encoded bytes of those batches (beyond the first, which may be as large
+/// as a message may be): what HTTP/2's window let one stream buffer.
+pub const MAX_UNANSWERED_BYTES: usize = 1 << 20;
+
 /// What a stream's inbox holds: batches in arrival order, then possibly
 /// the status that ends the stream.
 pub(crate) struct Inbox {
@@ -39,14 +45,14 @@ pub(crate) struct Inbox {
 
 impl Inbox {
     /// Starts reading `inbound` into an inbox that holds at most
-    /// [`MAX_UNANSWERED_BATCHES`] batches and `max_bytes` of them (one
-    /// batch always fits); `overrun` is called once if the worker goes
-    /// past either.
+    /// [`MAX_UNANSWERED_BATCHES`] batches and [`MAX_UNANSWERED_BYTES`] of
+    /// them (one batch always fits); `overrun` is called once if the worker
+    /// goes past either.
     pub(crate) fn read(
         mut inbound: Streaming<pb::KvEventBatch>,
-        max_bytes: usize,
         overrun: impl FnOnce() + Send + 'static,
     ) -> Self {
+        let max_bytes = MAX_UNANSWERED_BYTES;
         // One slot more than the batches: the status that ends the stream
         // always fits.
         let (tx, items) = mpsc::channel(MAX_UNANSWERED_BATCHES + 1);

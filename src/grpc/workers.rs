@@ -31,9 +31,6 @@ pub struct WorkersService {
     changes: Arc<dyn FleetChanges>,
     /// Hosts a registration's events endpoint may point at.
     endpoint_allow: Arc<EndpointAllow>,
-    /// Encoded batch bytes one stream may have unanswered (the message
-    /// size limit: one batch always fits).
-    max_unanswered_bytes: usize,
 }
 
 impl WorkersService {
@@ -42,16 +39,6 @@ impl WorkersService {
             fleet,
             changes,
             endpoint_allow: Arc::default(),
-            max_unanswered_bytes: 16 << 20,
-        }
-    }
-
-    /// What one stream may have unanswered, in encoded bytes: the server's
-    /// `max_message_bytes`.
-    pub(crate) fn with_max_unanswered_bytes(self, bytes: usize) -> Self {
-        Self {
-            max_unanswered_bytes: bytes,
-            ..self
         }
     }
 
@@ -215,9 +202,7 @@ impl pb::workers_server::Workers for WorkersService {
         let overruns = metrics
             .input_rejected
             .with_label_values(&["workers", "unanswered"]);
-        let mut inbox = Inbox::read(request.into_inner(), self.max_unanswered_bytes, move || {
-            overruns.inc()
-        });
+        let mut inbox = Inbox::read(request.into_inner(), move || overruns.inc());
         let (tx, rx) = mpsc::channel::<Result<pb::PublishEventsReply, Status>>(4);
         let service = self.clone();
         let streams = metrics.event_streams.clone();
