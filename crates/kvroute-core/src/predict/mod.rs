@@ -316,6 +316,17 @@ impl PredictedCaches {
             .map_or(0, |cache| cache.len() as u64)
     }
 
+    /// Heap bytes of `target`'s tables as allocated: the hash table's
+    /// buckets (key, slot and control byte each) and the slab's nodes.
+    pub fn table_bytes(&self, target: WorkerRank) -> u64 {
+        self.targets.get(&target).map_or(0, |cache| {
+            let buckets = (cache.slots.capacity() * 8 / 7 + 1).next_power_of_two();
+            let table = buckets * (std::mem::size_of::<(u64, u32)>() + 1);
+            let slab = cache.nodes.capacity() * std::mem::size_of::<Node>();
+            (table + slab) as u64
+        })
+    }
+
     /// Blocks predicted over every target.
     pub fn total_blocks(&self) -> u64 {
         self.targets.values().map(|c| c.len() as u64).sum()

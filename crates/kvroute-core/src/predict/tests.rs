@@ -161,37 +161,3 @@ fn held_prompts_are_bounded_whatever_the_callers_bookings() {
     caches.forget_worker(A.worker_id);
     assert_eq!(caches.pending_blocks, 0);
 }
-
-/// #38: an APPROXIMATE worker's predicted cache took about 106 bytes a
-/// declared block, over the 96 the index memory budget counts. Its tables
-/// at capacity, counted as they are allocated (hash table buckets of key,
-/// slot and control byte; slab nodes), stay under the budget's figure.
-#[test]
-fn a_full_predicted_cache_takes_less_than_the_budgeted_bytes_a_block() {
-    let target = WorkerRank::new(1, 0);
-    for capacity in [1_000u64, 4_096, 40_000, 1 << 16] {
-        let mut caches = PredictedCaches::new(None);
-        let mut next = 0u64;
-        while caches.blocks(target) < capacity {
-            let prompt: Vec<u64> = (next..next + 64).collect();
-            next += 64;
-            caches.record(target, &prompt, capacity, 0);
-        }
-        // And as much again, evicting as it goes.
-        for _ in 0..capacity / 64 {
-            let prompt: Vec<u64> = (next..next + 64).collect();
-            next += 64;
-            caches.record(target, &prompt, capacity, 0);
-        }
-        let cache = &caches.targets[&target];
-        assert_eq!(cache.len() as u64, capacity);
-        let buckets = (cache.slots.capacity() * 8 / 7 + 1).next_power_of_two();
-        let table = buckets * (std::mem::size_of::<(u64, u32)>() + 1);
-        let slab = cache.nodes.capacity() * std::mem::size_of::<Node>();
-        let per_block = (table + slab) as f64 / capacity as f64;
-        assert!(
-            per_block < crate::registry::INDEX_BYTES_PER_BLOCK as f64,
-            "{per_block:.1} bytes a block at capacity {capacity}"
-        );
-    }
-}

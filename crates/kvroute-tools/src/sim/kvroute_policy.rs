@@ -433,6 +433,17 @@ mod tests {
         }
     }
 
+    /// Each engine's first stored block, as its KV events bring it.
+    fn first_store(policy: &mut KvRoutePolicy, engines: usize) {
+        for engine in 0..engines {
+            let stored = EngineKvEvent::Stored {
+                parent: None,
+                blocks: vec![(engine as u64 + 1, vec![7; 16])],
+            };
+            policy.on_kv_events(engine, &[stored], 0.0);
+        }
+    }
+
     #[test]
     fn registering_the_fleet_sizes_the_index_for_each_engine() -> Result<(), String> {
         let mut policy = KvRoutePolicy::new(KvRouteKnobs::default()).map_err(|e| e.to_string())?;
@@ -444,11 +455,14 @@ mod tests {
             max_num_batched_tokens: 8192,
         };
         policy.register(&fleet(&small));
+        // The tables are sized at each engine's first block, not before.
+        first_store(&mut policy, small.len());
         let after_small = bytes(&policy).ok_or("no index for the sim model")?;
         // tables sized for 2 x 1,000 blocks: at least 8 bytes per block
         assert!(after_small >= 16_000, "{after_small} bytes");
         let mut bigger = KvRoutePolicy::new(KvRouteKnobs::default()).map_err(|e| e.to_string())?;
         bigger.register(&fleet(&[engine(100_000), engine(100_000)]));
+        first_store(&mut bigger, 2);
         let after_big = bytes(&bigger).ok_or("no index for the sim model")?;
         assert!(
             after_big >= 1_600_000 && after_big > 10 * after_small,
