@@ -120,9 +120,20 @@ async fn events_through_different_replicas_give_one_index() {
     let nats = Nats::start("one-index");
     let replicas = three(&nats, "one", &[]).await;
     let workers: Vec<(u64, Vec<pb::KvEventBatch>)> = (1..=4).map(|w| (w, history(w, 30))).collect();
-    // Worker w registers at one replica and streams its events to another.
+    // Worker w registers at one replica and streams its events to another,
+    // once that one has the registration from the log (a batch checked
+    // against a replica that has not is NOT_FOUND, as for any stranger).
     for (w, _) in &workers {
         register(&replicas[*w as usize % 3].channel, *w).await;
+    }
+    for (w, _) in &workers {
+        wait_for(
+            &replicas[(*w as usize + 1) % 3],
+            *w,
+            "the registration",
+            |_| true,
+        )
+        .await;
     }
     let mut sends = Vec::new();
     for (w, batches) in workers.clone() {
@@ -629,12 +640,17 @@ async fn a_worker_registered_again_starts_a_new_stream_on_every_replica() {
     let a = Replica::start(&nats, "rereg", "rereg-a", &[]).await;
     let b = Replica::start(&nats, "rereg", "rereg-b", &[]).await;
     register(&a.channel, 1).await;
+    wait_for(&b, 1, "the registration", |_| true).await;
     let old: Vec<pb::KvEvent> = (0..5)
         .map(|i| stored(i, None, &[(100 + i, 1000 + i)]))
         .collect();
     publish_all(&b.channel, &[batch(1, 0, old)]).await;
     converged(&[&a, &b], Duration::from_secs(20)).await;
     register(&b.channel, 1).await;
+    wait_for(&a, 1, "the new registration", |w| {
+        w.ranks[0].cached_blocks == 0
+    })
+    .await;
     let new = vec![batch(1, 0, vec![stored(0, None, &[(7, 70)])])];
     publish_all(&a.channel, &new).await;
     let digest = converged(&[&a, &b], Duration::from_secs(20)).await;
