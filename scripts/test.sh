@@ -4,7 +4,8 @@
 # missing, then runs the Rust tests (unit, integration over real gRPC,
 # proptests, cluster mode against a real nats-server, installed from Debian
 # if missing), the real vLLM / SGLang publisher test
-# (scripts/publisher-test.sh: a missing prerequisite fails it) and the
+# (scripts/publisher-test.sh: a missing prerequisite fails it), the
+# tokenizer parity against transformers (scripts/tokenizer-parity.sh) and the
 # Python tests against the binary cargo just built (the TLS ones make
 # their certificates with openssl, installed from Debian if missing).
 set -euo pipefail
@@ -16,6 +17,7 @@ source scripts/openssl.sh
 
 cargo test --workspace --all-targets
 bash scripts/publisher-test.sh
+bash scripts/tokenizer-parity.sh
 cargo build --bin kvroute
 # The binary cargo just built, wherever its target directory is
 # (CARGO_TARGET_DIR, a config file, or ./target).

@@ -1,0 +1,87 @@
+//! Prompts as the engine sees them (issue #33, the endpoint picker): an
+//! OpenAI chat request is rendered with the model's own chat template and
+//! tokenized with its own tokenizer, so the token ids (and so the block
+//! hashes) are the ones the engine computes and reports in its KV events.
+//!
+//! Why a crate of its own: the tokenizer and template engines are large and
+//! only the front door needs them; the routing domain (`kvroute-core`)
+//! stays free of them. Invariants:
+//! * the ids equal Hugging Face `transformers`' `apply_chat_template(...,
+//!   tokenize=True)` for the same files and request (the parity test);
+//! * a template cannot run forever or without bound: rendering has fuel,
+//!   and a template's own `raise_exception` is an error, never a panic.
+
+mod error;
+mod pyjson;
+pub mod template;
+
+use std::path::Path;
+
+pub use error::PromptError;
+pub use template::{ChatRequest, ChatTemplate};
+
+/// A served model's tokenizer and chat template, from the two files
+/// Hugging Face keeps in a model's directory.
+pub struct ModelTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("template", &self.template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads `tokenizer.json` and, if present, `tokenizer_config.json`
+    /// (its `chat_template`, `bos_token`, `eos_token`) from `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Self, PromptError> {
+        let files = |path: &Path, why: String| PromptError::Files {
+            path: path.display().to_string(),
+            why,
+        };
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| files(&tokenizer_path, e.to_string()))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let template = match std::fs::read_to_string(&config_path) {
+            Ok(text) => {
+                let config: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| files(&config_path, e.to_string()))?;
+                template::from_config(&config).map_err(|e| files(&config_path, e.to_string()))?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(files(&config_path, e.to_string())),
+        };
+        Ok(Self {
+            tokenizer,
+            template,
+        })
+    }
+
+    /// The chat template, if the model has one.
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
+    }
+
+    /// The ids of a chat request: its rendered template, tokenized without
+    /// adding special tokens (the template writes them), as
+    /// `apply_chat_template(..., tokenize=True)` does.
+    pub fn chat_ids(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptError> {
+        let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
+        let text = template.render(request)?;
+        self.encode(&text, false)
+    }
+
+    /// The ids of `text`; `add_special_tokens` as the tokenizer's own
+    /// post-processor adds them (a completion prompt).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+        self.tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|e| PromptError::Tokenize(e.to_string()))
+    }
+}

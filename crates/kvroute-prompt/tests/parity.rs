@@ -1,0 +1,72 @@
+//! Token ids against Hugging Face `transformers`, the reference the engines
+//! use: every case `scripts/tokenizer_cases.py` generated (chat requests of
+//! every kind, with the ids `apply_chat_template` gave) must get exactly
+//! the same ids from kvroute-prompt. Run by `scripts/tokenizer-parity.sh`,
+//! which fetches real tokenizer files and makes the cases; ignored by a
+//! plain `cargo test`, which has neither.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+
+use kvroute_prompt::{ChatRequest, ModelTokenizer};
+
+fn dir(var: &str) -> PathBuf {
+    PathBuf::from(std::env::var_os(var).unwrap_or_else(|| panic!("{var} is not set")))
+}
+
+#[test]
+#[ignore = "needs real tokenizer files and reference ids: run scripts/tokenizer-parity.sh"]
+fn chat_ids_equal_transformers_on_every_generated_case() {
+    let cases = dir("KVROUTE_TOKENIZER_CASES");
+    let models = dir("KVROUTE_TOKENIZER_MODELS");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&cases)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no cases in {}", cases.display());
+    for file in files {
+        let family = file.file_stem().unwrap().to_string_lossy().into_owned();
+        let model = ModelTokenizer::from_dir(&models.join(&family)).unwrap();
+        let mut checked = 0;
+        let mut mismatches = Vec::new();
+        for (n, line) in std::fs::read_to_string(&file).unwrap().lines().enumerate() {
+            let case: serde_json::Value = serde_json::from_str(line).unwrap();
+            let expected: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+            let request = ChatRequest {
+                messages: &case["messages"],
+                tools: case.get("tools").filter(|t| !t.is_null()),
+                add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+                continue_final_message: case["continue_final_message"].as_bool().unwrap(),
+                kwargs: case["kwargs"].as_object(),
+            };
+            let got = model.chat_ids(&request);
+            checked += 1;
+            match got {
+                Ok(ids) if ids == expected => {}
+                Ok(ids) => {
+                    let at = ids
+                        .iter()
+                        .zip(&expected)
+                        .position(|(a, b)| a != b)
+                        .unwrap_or(ids.len().min(expected.len()));
+                    mismatches.push(format!(
+                        "case {n}: first difference at id {at} of {} (reference {})",
+                        ids.len(),
+                        expected.len()
+                    ));
+                }
+                Err(error) => mismatches.push(format!("case {n}: {error}")),
+            }
+        }
+        eprintln!("{family}: {checked} cases, {} differ", mismatches.len());
+        assert!(
+            mismatches.is_empty(),
+            "{family}: {} of {checked} differ from transformers:\n{}",
+            mismatches.len(),
+            mismatches[..mismatches.len().min(10)].join("\n")
+        );
+        assert!(checked >= 300, "{family}: only {checked} cases");
+    }
+}
