@@ -11,7 +11,8 @@ sha512 integrity; no Node code runs) into MODELS_DIR/FAMILY/, once.
 
 Each DIR holds a model's tokenizer.json and tokenizer_config.json; the
 cases of DIR go to CASES_DIR/<basename of DIR>.jsonl, one request per line
-with its ids. The conversations are random but seeded (the same files give
+with its ids. A third as many completion prompts follow the chats. The conversations
+are random but seeded (the same files give
 the same cases): system, user, assistant and tool turns, tool calls with
 arguments as objects or strings, tools, unicode, long and empty contents,
 thinking blocks, continue_final_message and chat_template_kwargs.
@@ -66,7 +67,7 @@ def conversation(rng):
                 messages.append({"role": "assistant", "content": text(rng) or "done"})
             else:
                 messages.append(message)
-    request = {"messages": messages, "tools": tools, "add_generation_prompt": True,
+    request = {"kind": "chat", "messages": messages, "tools": tools, "add_generation_prompt": True,
                "continue_final_message": False, "kwargs": {}}
     if messages[-1]["role"] == "assistant" and messages[-1]["content"].strip() and rng.random() < 0.3:
         request["continue_final_message"] = True
@@ -78,7 +79,18 @@ def conversation(rng):
     return request
 
 
+def completion(rng):
+    """A /v1/completions prompt: text, now and then with a special token
+    written in it, with or without the tokenizer's special tokens added."""
+    prompt = text(rng)
+    if rng.random() < 0.2:
+        prompt = prompt + rng.choice(["<|im_start|>user\n", "<|eot_id|>", "<|begin_of_text|>"]) + text(rng)
+    return {"kind": "completion", "prompt": prompt, "add_special_tokens": rng.random() < 0.8}
+
+
 def ids_of(tokenizer, request):
+    if request.get("kind") == "completion":
+        return list(tokenizer(request["prompt"], add_special_tokens=request["add_special_tokens"])["input_ids"])
     ids = tokenizer.apply_chat_template(
         request["messages"], tools=request["tools"], add_generation_prompt=request["add_generation_prompt"],
         continue_final_message=request["continue_final_message"], tokenize=True, **request["kwargs"])
@@ -127,11 +139,11 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
         rng = random.Random(f"kvroute-{model.name}")
         with open(out / f"{model.name}.jsonl", "w", encoding="utf-8") as f:
-            for _ in range(args.per_model):
-                request = conversation(rng)
+            for n in range(args.per_model + args.per_model // 3):
+                request = conversation(rng) if n < args.per_model else completion(rng)
                 request["ids"] = ids_of(tokenizer, request)
                 f.write(json.dumps(request, ensure_ascii=False) + "\n")
-        print(f"{model.name}: {args.per_model} cases", file=sys.stderr)
+        print(f"{model.name}: {args.per_model} chat and {args.per_model // 3} completion cases", file=sys.stderr)
 
 
 if __name__ == "__main__":

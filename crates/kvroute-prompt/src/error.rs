@@ -14,4 +14,7 @@ pub enum PromptError {
     Tokenize(String),
     #[error("continue_final_message: the final message's content is not in the rendered prompt")]
     FinalMessageMissing,
+    /// Nothing kvroute can tokenize (the request is routed by load).
+    #[error("cannot tokenize: {0}")]
+    Untokenizable(&'static str),
 }

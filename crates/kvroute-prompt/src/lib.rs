@@ -13,11 +13,13 @@
 
 mod error;
 mod pyjson;
+pub mod request;
 pub mod template;
 
 use std::path::Path;
 
 pub use error::PromptError;
+pub use request::{ChatPrompt, Endpoint, OpenAiRequest, Prompt, RequestError};
 pub use template::{ChatRequest, ChatTemplate};
 
 /// A served model's tokenizer and chat template, from the two files
@@ -74,6 +76,41 @@ impl ModelTokenizer {
         let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
         let text = template.render(request)?;
         self.encode(&text, false)
+    }
+
+    /// The token ids the engine computes for `request`: its chat rendered
+    /// with the request's `chat_template` or the model's, its completion
+    /// text tokenized, or its token ids as given.
+    pub fn prompt_ids(&self, request: &OpenAiRequest) -> Result<Vec<u32>, PromptError> {
+        match &request.prompt {
+            Prompt::Chat(prompt) => {
+                let chat = ChatRequest {
+                    messages: &prompt.messages,
+                    tools: prompt.tools.as_ref(),
+                    add_generation_prompt: prompt.add_generation_prompt,
+                    continue_final_message: prompt.continue_final_message,
+                    kwargs: prompt.kwargs.as_ref(),
+                };
+                let text = match (&prompt.chat_template, &self.template) {
+                    (Some(source), model) => {
+                        let (bos, eos) = model
+                            .as_ref()
+                            .map(|t| t.special_tokens())
+                            .unwrap_or_default();
+                        ChatTemplate::new(source.clone(), bos, eos)?.render(&chat)?
+                    }
+                    (None, Some(template)) => template.render(&chat)?,
+                    (None, None) => return Err(PromptError::NoTemplate),
+                };
+                self.encode(&text, false)
+            }
+            Prompt::Text {
+                text,
+                add_special_tokens,
+            } => self.encode(text, *add_special_tokens),
+            Prompt::TokenIds(ids) => Ok(ids.clone()),
+            Prompt::Untokenizable(why) => Err(PromptError::Untokenizable(why)),
+        }
     }
 
     /// The ids of `text`; `add_special_tokens` as the tokenizer's own

@@ -110,6 +110,12 @@ impl ChatTemplate {
         })
     }
 
+    /// The model's `bos_token` and `eos_token` (a request's own template
+    /// renders with them too).
+    pub fn special_tokens(&self) -> (String, String) {
+        (self.bos_token.clone(), self.eos_token.clone())
+    }
+
     /// The prompt text of `request`.
     pub fn render(&self, request: &ChatRequest<'_>) -> Result<String, PromptError> {
         let mut context = Map::new();

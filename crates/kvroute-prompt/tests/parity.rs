@@ -1,14 +1,17 @@
 //! Token ids against Hugging Face `transformers`, the reference the engines
 //! use: every case `scripts/tokenizer_cases.py` generated (chat requests of
-//! every kind, with the ids `apply_chat_template` gave) must get exactly
-//! the same ids from kvroute-prompt. Run by `scripts/tokenizer-parity.sh`,
+//! every kind, with the ids `apply_chat_template` gave, and completion
+//! prompts, with the tokenizer's ids) must get exactly the same ids from
+//! kvroute-prompt, read as the picker reads them: an OpenAI request body
+//! through `request::parse`, then `ModelTokenizer::prompt_ids`. Run by `scripts/tokenizer-parity.sh`,
 //! which fetches real tokenizer files and makes the cases; ignored by a
 //! plain `cargo test`, which has neither.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 
-use kvroute_prompt::{ChatRequest, ModelTokenizer};
+use kvroute_prompt::{Endpoint, ModelTokenizer, request};
+use serde_json::json;
 
 fn dir(var: &str) -> PathBuf {
     PathBuf::from(std::env::var_os(var).unwrap_or_else(|| panic!("{var} is not set")))
@@ -34,14 +37,19 @@ fn chat_ids_equal_transformers_on_every_generated_case() {
         for (n, line) in std::fs::read_to_string(&file).unwrap().lines().enumerate() {
             let case: serde_json::Value = serde_json::from_str(line).unwrap();
             let expected: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
-            let request = ChatRequest {
-                messages: &case["messages"],
-                tools: case.get("tools").filter(|t| !t.is_null()),
-                add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
-                continue_final_message: case["continue_final_message"].as_bool().unwrap(),
-                kwargs: case["kwargs"].as_object(),
+            let (endpoint, body) = if case["kind"] == "completion" {
+                let body = json!({"model": family, "prompt": case["prompt"],
+                    "add_special_tokens": case["add_special_tokens"]});
+                (Endpoint::Completions, body)
+            } else {
+                let body = json!({"model": family, "messages": case["messages"],
+                    "tools": case["tools"], "add_generation_prompt": case["add_generation_prompt"],
+                    "continue_final_message": case["continue_final_message"],
+                    "chat_template_kwargs": case["kwargs"]});
+                (Endpoint::ChatCompletions, body)
             };
-            let got = model.chat_ids(&request);
+            let parsed = request::parse(endpoint, body.to_string().as_bytes()).unwrap();
+            let got = model.prompt_ids(&parsed);
             checked += 1;
             match got {
                 Ok(ids) if ids == expected => {}
@@ -67,6 +75,6 @@ fn chat_ids_equal_transformers_on_every_generated_case() {
             mismatches.len(),
             mismatches[..mismatches.len().min(10)].join("\n")
         );
-        assert!(checked >= 300, "{family}: only {checked} cases");
+        assert!(checked >= 400, "{family}: only {checked} cases");
     }
 }
