@@ -188,6 +188,9 @@ pub struct RankLoad {
 pub struct WorkerSnapshot {
     pub worker_id: WorkerId,
     pub model: String,
+    /// Where the engine serves, as registered (the endpoint picker routes
+    /// HTTP requests there; informational otherwise).
+    pub endpoint: String,
     pub role: WorkerRole,
     pub block_size: u32,
     pub dp_start_rank: DpRank,

@@ -17,6 +17,7 @@ fn worker(id: u64) -> WorkerSnapshot {
     WorkerSnapshot {
         worker_id: id,
         model: "m".into(),
+        endpoint: String::new(),
         block_size: 4,
         dp_size: 1,
         total_kv_blocks: 1_000,

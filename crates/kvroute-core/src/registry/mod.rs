@@ -82,6 +82,7 @@ impl WorkerRecord {
         WorkerSnapshot {
             worker_id: r.worker_id,
             model: r.model.clone(),
+            endpoint: r.endpoint.clone(),
             role: r.role,
             block_size: r.block_size,
             dp_start_rank: r.dp_start_rank,

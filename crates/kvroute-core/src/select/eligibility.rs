@@ -226,6 +226,7 @@ mod tests {
         WorkerSnapshot {
             worker_id: id,
             model: "m".into(),
+            endpoint: String::new(),
             block_size: 16,
             dp_size: 2,
             total_kv_blocks: 100,

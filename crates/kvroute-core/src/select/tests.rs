@@ -17,6 +17,7 @@ fn worker(id: WorkerId, dp_size: u32) -> WorkerSnapshot {
     WorkerSnapshot {
         worker_id: id,
         model: "m".into(),
+        endpoint: String::new(),
         role: WorkerRole::Aggregated,
         block_size: BS,
         dp_start_rank: 0,

@@ -103,6 +103,7 @@ impl FleetView<'_> {
             .map(|(i, load)| WorkerSnapshot {
                 worker_id: worker_rank(i).worker_id,
                 model: model.to_string(),
+                endpoint: String::new(),
                 role: WorkerRole::Aggregated,
                 block_size: self.block_size as u32,
                 dp_start_rank: 0,
