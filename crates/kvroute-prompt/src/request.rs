@@ -131,8 +131,10 @@ fn optional_string(
     }
 }
 
-/// Reads the body of a request to `endpoint`.
-pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<OpenAiRequest, RequestError> {
+/// Reads the body of a request to `endpoint`; `None` is any other path
+/// with a JSON body (embeddings, responses, ...): only its `model` is
+/// read, and its prompt is routed by load.
+pub fn parse(endpoint: Option<Endpoint>, body: &[u8]) -> Result<OpenAiRequest, RequestError> {
     if body.len() > MAX_BODY_BYTES {
         return Err(RequestError::TooLarge {
             bytes: body.len(),
@@ -149,8 +151,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<OpenAiRequest, RequestEr
         _ => return Err(RequestError::NoModel),
     };
     let prompt = match endpoint {
-        Endpoint::ChatCompletions => chat_prompt(&body)?,
-        Endpoint::Completions => completion_prompt(&body)?,
+        Some(Endpoint::ChatCompletions) => chat_prompt(&body)?,
+        Some(Endpoint::Completions) => completion_prompt(&body)?,
+        None => Prompt::Untokenizable("not a completions endpoint"),
     };
     Ok(OpenAiRequest {
         model,

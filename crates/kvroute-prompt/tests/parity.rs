@@ -48,7 +48,7 @@ fn chat_ids_equal_transformers_on_every_generated_case() {
                     "chat_template_kwargs": case["kwargs"]});
                 (Endpoint::ChatCompletions, body)
             };
-            let parsed = request::parse(endpoint, body.to_string().as_bytes()).unwrap();
+            let parsed = request::parse(Some(endpoint), body.to_string().as_bytes()).unwrap();
             let got = model.prompt_ids(&parsed);
             checked += 1;
             match got {

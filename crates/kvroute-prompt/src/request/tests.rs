@@ -4,11 +4,11 @@ use super::*;
 use serde_json::json;
 
 fn chat(body: Value) -> Result<OpenAiRequest, RequestError> {
-    parse(Endpoint::ChatCompletions, body.to_string().as_bytes())
+    parse(Some(Endpoint::ChatCompletions), body.to_string().as_bytes())
 }
 
 fn completion(body: Value) -> Result<OpenAiRequest, RequestError> {
-    parse(Endpoint::Completions, body.to_string().as_bytes())
+    parse(Some(Endpoint::Completions), body.to_string().as_bytes())
 }
 
 #[test]
@@ -145,7 +145,7 @@ fn hostile_bodies_get_their_status_and_nothing_panics() {
         (vec![b' '; MAX_BODY_BYTES + 1], 413),
     ];
     for (body, status) in cases {
-        let got = parse(Endpoint::ChatCompletions, &body);
+        let got = parse(Some(Endpoint::ChatCompletions), &body);
         assert_eq!(
             got.as_ref().err().map(RequestError::http_status),
             Some(status),
