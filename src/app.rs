@@ -41,11 +41,16 @@ use crate::{
     snapshot::{SnapshotError, Snapshots, WriteSnapshot},
 };
 
-/// The gRPC service names health reports on, besides the overall "".
-pub const SERVICE_NAMES: [&str; 3] = [
+/// The gRPC service names health reports on, besides the overall "":
+/// kvroute's services, `readiness` (the same as "") and the endpoint
+/// picker's ext_proc service, whose health Envoy checks to fail open.
+/// `liveness` is SERVING from the start while the process runs.
+pub const SERVICE_NAMES: [&str; 5] = [
     "kvroute.v1.Router",
     "kvroute.v1.Workers",
     "kvroute.v1.Admin",
+    "readiness",
+    crate::gateway::SERVICE_NAME,
 ];
 
 /// Why the server could not run.
@@ -79,6 +84,9 @@ pub enum ServeError {
     Cluster(#[from] ClusterError),
     #[error("{0}")]
     Security(String),
+    /// The endpoint picker's settings (a tokenizer directory, say).
+    #[error("{0}")]
+    Gateway(String),
 }
 
 impl ServeError {
@@ -89,7 +97,11 @@ impl ServeError {
     pub fn is_invalid_setting(&self) -> bool {
         matches!(
             self,
-            Self::Security(_) | Self::ClusterSettings(_) | Self::Engine(_) | Self::StateDir(_)
+            Self::Security(_)
+                | Self::ClusterSettings(_)
+                | Self::Engine(_)
+                | Self::StateDir(_)
+                | Self::Gateway(_)
         )
     }
 }
@@ -132,8 +144,26 @@ pub async fn run(
     let replica = replicated_changes(&config, &fleet)?;
     let gate = StartupGate::new();
 
+    health
+        .set_service_status("liveness", tonic_health::ServingStatus::Serving)
+        .await;
     let stop_accepting = CancellationToken::new();
     let grpc_addr = grpc_listener.local_addr().ok();
+    let ext_proc_future = match config.gateway.ext_proc_addr {
+        Some(addr) => Some(
+            ext_proc_server(
+                &config,
+                addr,
+                &metrics,
+                fleet.router(),
+                (&gate, &security),
+                health_service.clone(),
+                stop_accepting.clone(),
+            )
+            .await?,
+        ),
+        None => None,
+    };
     let server_future = grpc_server(
         &config,
         &metrics,
@@ -143,6 +173,13 @@ pub async fn run(
         grpc_listener,
         stop_accepting.clone(),
     )?;
+    let server_future: ServerFuture = match ext_proc_future {
+        Some(ext_proc) => Box::pin(async move {
+            let (grpc, ext_proc) = tokio::join!(server_future, ext_proc);
+            grpc.and(ext_proc)
+        }),
+        None => server_future,
+    };
     // With a state directory, serve health (NOT_SERVING) and refuse the
     // rest while the snapshot loads; without one there is nothing to wait
     // for, and the configured engines are registered before the first call.
@@ -531,6 +568,82 @@ fn grpc_server<H: Health>(
                 .security
                 .tls_handshake_failures
                 .with_label_values(&["grpc"]);
+            let incoming = tls.clone().incoming(tcp, failures, stop_accepting);
+            Box::pin(router.serve_with_incoming_shutdown(incoming, stop))
+        }
+        None => Box::pin(router.serve_with_incoming_shutdown(tcp, stop)),
+    })
+}
+
+/// The endpoint picker's server on `addr` (`--ext-proc-addr`): Envoy's
+/// ext_proc service and health, behind the same layers as the gRPC port
+/// (TLS, the auth guard, the startup gate, RPC metrics) but without a
+/// call time limit: a stream lasts as long as its HTTP response.
+async fn ext_proc_server<H: Health>(
+    config: &ServeConfig,
+    addr: SocketAddr,
+    metrics: &Arc<Metrics>,
+    core: &Arc<RouterCore>,
+    (gate, security): (&StartupGate, &Security),
+    health: HealthServer<H>,
+    stop_accepting: CancellationToken,
+) -> Result<ServerFuture, ServeError> {
+    let gateway =
+        crate::gateway::Gateway::new(core.clone(), &config.gateway, config.request_timeout)
+            .map_err(ServeError::Gateway)?;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr,
+            setting: "ext_proc_addr",
+            source,
+        })?;
+    let local = listener.local_addr().unwrap_or(addr);
+    crate::security::protected_mode(
+        local,
+        security
+            .grpc_tls
+            .as_ref()
+            .is_some_and(|t| t.requires_client_certificates()),
+        security.policy.is_some(),
+        config.security.allow_unauthenticated,
+    )
+    .map_err(|e| ServeError::Security(format!("--ext-proc-addr: {e}")))?;
+    let mut known_paths = rpc_paths(&[tonic_health::pb::FILE_DESCRIPTOR_SET]);
+    known_paths.insert(crate::gateway::PROCESS_PATH.to_owned());
+    let guard = security.guard(metrics, known_paths.clone());
+    let concurrency = usize::try_from(config.concurrency_limit).unwrap_or(usize::MAX);
+    let max = usize::try_from(config.max_message_bytes).unwrap_or(usize::MAX);
+    let router = Server::builder()
+        .max_frame_size(Some(MAX_FRAME_BYTES))
+        .http2_max_header_list_size(HTTP2_HEADER_LIST_BYTES)
+        .layer(GlobalConcurrencyLimitLayer::new(concurrency))
+        .layer(RpcMetricsLayer::new(metrics.clone(), known_paths))
+        .layer(ScreenLayer(MetadataBudget::new(
+            metrics
+                .input_rejected
+                .with_label_values(&["metadata", "too_large"]),
+        )))
+        .layer(ScreenLayer(guard))
+        .layer(ScreenLayer(gate.clone()))
+        .add_service(health)
+        .add_service(
+            gateway
+                .service()
+                .max_decoding_message_size(max)
+                .max_encoding_message_size(max),
+        );
+    let tcp = TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(60)));
+    tracing::info!(ext_proc = %local, "endpoint picker listening");
+    let stop = stop_accepting.clone().cancelled_owned();
+    Ok(match &security.grpc_tls {
+        Some(tls) => {
+            let failures = metrics
+                .security
+                .tls_handshake_failures
+                .with_label_values(&["ext_proc"]);
             let incoming = tls.clone().incoming(tcp, failures, stop_accepting);
             Box::pin(router.serve_with_incoming_shutdown(incoming, stop))
         }

@@ -8,6 +8,7 @@
 //! same parsers and error messages as flags.
 
 mod cluster;
+mod gateway;
 mod limits;
 mod security;
 
@@ -16,6 +17,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{Args, ValueEnum, parser::ValueSource};
 
 pub use cluster::ClusterOptions;
+pub use gateway::{AdapterOf, EppAdmission, GatewayOptions, TokenizerDir};
 pub use limits::{LimitOptions, parse_bytes};
 pub use security::{Reflection, SecurityOptions};
 
@@ -247,6 +249,9 @@ pub struct ServeConfig {
 
     #[command(flatten)]
     pub limits: LimitOptions,
+
+    #[command(flatten)]
+    pub gateway: GatewayOptions,
 }
 
 /// Parses `WORKER_ID:MODEL:BLOCK_SIZE:DP_START:DP_SIZE:DIALECT:ENDPOINT[:REPLAY]`.
@@ -365,6 +370,7 @@ impl ServeConfig {
             cluster: ClusterOptions::default(),
             security: SecurityOptions::default(),
             limits: LimitOptions::default(),
+            gateway: GatewayOptions::default(),
         }
     }
 

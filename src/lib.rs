@@ -16,6 +16,7 @@ pub mod fleet;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod gateway;
 pub mod grpc;
 pub mod ingest;
 pub mod metrics;

@@ -8,7 +8,8 @@
 //! stops (`subscriptions`).
 //!
 //! Each area registers its families in a file of its own (`rpc`, `routing`,
-//! `fleet`, `index`, `trust`, `engine`, `snapshot`, `security`, `cluster`),
+//! `fleet`, `index`, `trust`, `engine`, `snapshot`, `security`, `cluster`,
+//! `gateway`),
 //! through `registrar`; `Metrics::new` puts them together. The families
 //! read across the server keep their names on `Metrics` itself, the others
 //! are grouped under their area's field.
@@ -16,6 +17,7 @@
 mod cluster;
 mod engine;
 mod fleet;
+mod gateway;
 mod index;
 mod memory;
 mod registrar;
@@ -33,6 +35,7 @@ use prometheus::{
 
 pub use cluster::ClusterFamilies;
 pub use engine::{DEFAULT_ENGINE_SERIES_WORKERS, EngineEventFamilies};
+pub use gateway::GatewayFamilies;
 pub use memory::{
     count_heap_with, heap_allocated_bytes, resident_memory_bytes, return_freed_memory,
     return_freed_memory_with,
@@ -87,6 +90,8 @@ pub struct Metrics {
     pub cluster: ClusterFamilies,
     /// TLS, authentication and roles (`crate::security`).
     pub security: SecurityFamilies,
+    /// The endpoint picker (`crate::gateway`).
+    pub gateway: GatewayFamilies,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -134,6 +139,7 @@ impl Metrics {
             snapshot: SnapshotFamilies::register(families)?,
             cluster: ClusterFamilies::register(families)?,
             security: SecurityFamilies::register(families)?,
+            gateway: GatewayFamilies::register(families)?,
             registry,
         }))
     }

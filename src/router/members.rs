@@ -53,7 +53,7 @@ impl ModelView {
 
     /// The model's worker snapshots (an `Arc` the registry rebuilds only
     /// when a worker of the model changes).
-    pub(super) fn workers(&self) -> &Arc<[WorkerSnapshot]> {
+    pub(crate) fn workers(&self) -> &Arc<[WorkerSnapshot]> {
         &self.workers
     }
 

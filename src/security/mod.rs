@@ -67,7 +67,11 @@ pub(crate) fn access(path: &str) -> Access {
     if path == "/kvroute.v1.Router/ReleaseRequest" {
         return Access::AnyOf(&[Role::Frontend, Role::OperatorWrite]);
     }
-    if path.starts_with("/kvroute.v1.Router/") {
+    // The endpoint picker's stream (Envoy's ext_proc) routes requests as a
+    // frontend does.
+    if path.starts_with("/kvroute.v1.Router/")
+        || path.starts_with("/envoy.service.ext_proc.v3.ExternalProcessor/")
+    {
         return Access::AnyOf(&[Role::Frontend]);
     }
     if path.starts_with("/kvroute.v1.Workers/") {
@@ -303,6 +307,10 @@ mod tests {
         };
         assert_eq!(role("/grpc.health.v1.Health/Check"), vec![]);
         assert_eq!(role("/kvroute.v1.Router/SelectWorker"), [Role::Frontend]);
+        assert_eq!(
+            role("/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+            [Role::Frontend]
+        );
         assert_eq!(
             role("/kvroute.v1.Router/MarkPrefillComplete"),
             [Role::Frontend]

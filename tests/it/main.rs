@@ -14,6 +14,7 @@ mod engine_reconnect;
 mod error_codes;
 mod event_stream;
 mod foundation;
+mod gateway;
 mod layering;
 mod limits;
 mod packed_tokens;

@@ -1,0 +1,73 @@
+//! The endpoint picker's families (`crate::gateway`): requests by the
+//! status they were answered with, prompts kvroute could not tokenize
+//! and why, what Envoy sent that the protocol did not expect, and where a
+//! pick's time went.
+
+use prometheus::{HistogramVec, IntCounterVec, IntGauge};
+
+use super::registrar::Registrar;
+
+/// The endpoint picker (Envoy ext_proc).
+#[derive(Clone)]
+pub struct GatewayFamilies {
+    /// `outcome`: routed, or the HTTP status answered (bad_request,
+    /// too_large, busy, unavailable, ...).
+    pub requests: IntCounterVec,
+    /// `reason`: why a prompt was routed by load instead of by its cache.
+    pub untokenized: IntCounterVec,
+    /// `what`: ext_proc messages out of order or repeated (Envoy's resent
+    /// final chunk, a body after the decision, ...), ignored.
+    pub protocol_oddities: IntCounterVec,
+    /// `end`: how streams with a booking ended: finished, failed, abandoned.
+    pub streams_ended: IntCounterVec,
+    /// Streams open now.
+    pub streams_open: IntGauge,
+    /// Bytes of request bodies held while they are read.
+    pub buffered_bytes: IntGauge,
+    /// Seconds of each part of a pick: `part` = parse, tokenize, select.
+    pub pick_seconds: HistogramVec,
+}
+
+impl GatewayFamilies {
+    pub(super) fn register(families: Registrar<'_>) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            requests: families.counter_vec(
+                "epp_requests_total",
+                "Endpoint picker requests by outcome: routed, or the status answered",
+                &["outcome"],
+            )?,
+            untokenized: families.counter_vec(
+                "epp_untokenized_total",
+                "Endpoint picker prompts routed by load, by why they were not tokenized",
+                &["reason"],
+            )?,
+            protocol_oddities: families.counter_vec(
+                "epp_protocol_oddities_total",
+                "ext_proc messages out of order or repeated, ignored, by kind",
+                &["what"],
+            )?,
+            streams_ended: families.counter_vec(
+                "epp_streams_ended_total",
+                "Endpoint picker streams with a booking, by how they ended: finished, failed, abandoned",
+                &["end"],
+            )?,
+            streams_open: families.int_gauge(
+                "epp_streams_open",
+                "Endpoint picker (ext_proc) streams open now",
+            )?,
+            buffered_bytes: families.int_gauge(
+                "epp_buffered_body_bytes",
+                "Bytes of request bodies the endpoint picker holds while reading them",
+            )?,
+            pick_seconds: families.histogram_vec(
+                "epp_pick_seconds",
+                "Seconds of each part of a pick: parse, tokenize, select",
+                &[
+                    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+                    0.05, 0.1, 0.25, 1.0,
+                ],
+                &["part"],
+            )?,
+        })
+    }
+}
