@@ -16,7 +16,10 @@ use kvroute_core::{
 use kvroute_prompt::{OpenAiRequest, PromptError, RequestError, request};
 
 use super::{prompts::Tokens, reply::Destination};
-use crate::router::{ModelView, PreparedRequest, RouteError};
+use crate::{
+    router::{ModelView, PreparedRequest, RouteError},
+    security::endpoint_allow::http_address,
+};
 use kvroute_core::admission::AdmissionMode;
 
 /// Why a request is answered by the picker itself: the HTTP status, the
@@ -78,19 +81,6 @@ impl From<RouteError> for Refusal {
 pub(crate) fn read_body(path: &str, body: &[u8]) -> Result<OpenAiRequest, Refusal> {
     let endpoint = request::Endpoint::of_path(path);
     request::parse(endpoint, body).map_err(Refusal::from)
-}
-
-/// The HTTP address (`host:port`) of a worker's registered endpoint, if
-/// it is one: `host:port` or `http://host:port[/]`.
-pub(crate) fn http_address(endpoint: &str) -> Option<&str> {
-    let address = endpoint.strip_prefix("http://").unwrap_or(endpoint);
-    let address = address.strip_suffix('/').unwrap_or(address);
-    let (host, port) = address.rsplit_once(':')?;
-    let host_ok = !host.is_empty()
-        && host
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-.[]:".contains(&b));
-    (host_ok && port.parse::<u16>().is_ok_and(|p| p != 0)).then_some(address)
 }
 
 /// The workers of a model the picker may send to: with an HTTP endpoint,
@@ -214,29 +204,4 @@ pub(crate) fn destination(
         endpoints,
         dp_rank: (chosen.dp_size > 1).then_some(selection.target.dp_rank),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn http_addresses_are_host_and_port_only() {
-        assert_eq!(http_address("10.0.0.1:8000"), Some("10.0.0.1:8000"));
-        assert_eq!(http_address("http://engine-0:8000/"), Some("engine-0:8000"));
-        assert_eq!(http_address("[::1]:8000"), Some("[::1]:8000"));
-        for not in [
-            "",
-            "engine",
-            "tcp://10.0.0.1:5557",
-            "10.0.0.1:0",
-            "10.0.0.1:99999",
-            "a b:80",
-            "a,b:80",
-            "sim://engine/1",
-            "https://x:443/path",
-        ] {
-            assert_eq!(http_address(not), None, "{not:?}");
-        }
-    }
 }

@@ -1,5 +1,7 @@
 //! Which hosts a worker may ask kvroute to connect to. A RegisterWorker
-//! with an `events_endpoint` makes kvroute open ZeroMQ connections to it;
+//! with an `events_endpoint` makes kvroute open ZeroMQ connections to it,
+//! and one with an HTTP `endpoint` (`host:port`) makes the endpoint picker
+//! send users' requests there;
 //! unchecked, anyone could point kvroute at any host and port (and read
 //! from the connection counters whether something listens there). An
 //! endpoint is accepted only if its host is on `--engine-endpoint-allow`
@@ -97,6 +99,19 @@ impl EndpointAllow {
             },
         }
     }
+}
+
+/// The HTTP address (`host:port`) of a worker's registered endpoint, if
+/// it is one: `host:port` or `http://host:port[/]`.
+pub(crate) fn http_address(endpoint: &str) -> Option<&str> {
+    let address = endpoint.strip_prefix("http://").unwrap_or(endpoint);
+    let address = address.strip_suffix('/').unwrap_or(address);
+    let (host, port) = address.rsplit_once(':')?;
+    let host_ok = !host.is_empty()
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-.[]:".contains(&b));
+    (host_ok && port.parse::<u16>().is_ok_and(|p| p != 0)).then_some(address)
 }
 
 /// `10.0.0.0/8`, `fd00::/8` or a bare address; `None` for a host name.
@@ -198,5 +213,25 @@ mod tests {
             ip("0.0.0.0").unwrap(),
             0
         ));
+    }
+
+    #[test]
+    fn http_addresses_are_host_and_port_only() {
+        assert_eq!(http_address("10.0.0.1:8000"), Some("10.0.0.1:8000"));
+        assert_eq!(http_address("http://engine-0:8000/"), Some("engine-0:8000"));
+        assert_eq!(http_address("[::1]:8000"), Some("[::1]:8000"));
+        for not in [
+            "",
+            "engine",
+            "tcp://10.0.0.1:5557",
+            "10.0.0.1:0",
+            "10.0.0.1:99999",
+            "a b:80",
+            "a,b:80",
+            "sim://engine/1",
+            "https://x:443/path",
+        ] {
+            assert_eq!(http_address(not), None, "{not:?}");
+        }
     }
 }

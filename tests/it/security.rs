@@ -762,6 +762,22 @@ async fn an_engine_endpoint_outside_the_allow_list_gets_no_connection() {
             .starts_with("worker 150: replay_endpoint: host is not in"),
         "{status:?}"
     );
+    // The HTTP endpoint the endpoint picker sends users' requests to is
+    // held to the same list; a form that is not host:port stays
+    // informational and is never routed to.
+    let mut request = registration(150, "m");
+    request.endpoint = format!("http://127.0.0.1:{open_port}");
+    let status = WorkersClient::new(worker.clone())
+        .register_worker(request)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(
+        status
+            .message()
+            .starts_with("worker 150: endpoint: host is not in"),
+        "{status:?}"
+    );
     let connected = tokio::time::timeout(Duration::from_millis(700), listening.accept()).await;
     assert!(
         connected.is_err(),
@@ -771,7 +787,7 @@ async fn an_engine_endpoint_outside_the_allow_list_gets_no_connection() {
         server
             .metric("kvroute_engine_endpoints_refused_total")
             .await,
-        3.0
+        4.0
     );
     // No worker was registered by the refused calls.
     let reader = server.identity("spiffe://test/reader").await;
