@@ -368,6 +368,11 @@ fn replicated_changes(
             "--engine: register engines over gRPC (RegisterWorker with events_endpoint), so every replica follows them",
         ));
     }
+    if !config.gateway.pool.is_empty() {
+        return Err(ServeError::ClusterSettings(
+            "--pool: each replica would register the members itself; register engines over gRPC (RegisterWorker with events_endpoint)",
+        ));
+    }
     Ok(Some(Arc::new(ReplicatedChanges::new(fleet.clone()))))
 }
 
@@ -772,6 +777,14 @@ impl Background {
             tasks.spawn(tls.clone().watch(security.reload_interval, stop.clone()));
         }
         tasks.spawn(housekeeping(fleet.clone(), config.lease_ttl, stop.clone()));
+        if !config.gateway.pool.is_empty() {
+            let pools = crate::pools::Pools::new(
+                fleet.clone(),
+                security.endpoint_allow.clone(),
+                config.gateway.pool.clone(),
+            );
+            tasks.spawn(pools.run(config.gateway.pool_refresh_interval, stop.clone()));
+        }
         if let Some(snapshots) = snapshots {
             let (interval, stop) = (config.snapshot_interval, stop.clone());
             tasks.spawn(async move { snapshots.every(interval, stop).await });

@@ -20,6 +20,7 @@ pub mod gateway;
 pub mod grpc;
 pub mod ingest;
 pub mod metrics;
+pub mod pools;
 pub mod router;
 pub mod security;
 pub mod snapshot;

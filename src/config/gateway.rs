@@ -3,7 +3,7 @@
 //! served model uses, and the bounds on what a request body may make
 //! kvroute hold.
 
-use std::{net::SocketAddr, path::PathBuf};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, ValueEnum};
 
@@ -81,6 +81,22 @@ pub struct GatewayOptions {
     )]
     pub epp_admission: EppAdmission,
 
+    /// A pool file (repeatable): a model's engines found by address or by
+    /// a DNS name, registered and subscribed without an agent (see
+    /// deploy/pool.example.toml). In a config file: `pool = ["FILE", ...]`.
+    #[arg(
+        long = "pool",
+        value_name = "FILE",
+        env = "KVROUTE_POOL",
+        value_delimiter = ','
+    )]
+    pub pool: Vec<PathBuf>,
+
+    /// How often pool files are read again and their DNS names resolved.
+    #[arg(long, env = "KVROUTE_POOL_REFRESH_INTERVAL", default_value = "5s",
+          value_parser = super::parse_positive_duration)]
+    pub pool_refresh_interval: Duration,
+
     /// Endpoints offered after the chosen one, for Envoy's retries to
     /// walk on to when the first refuses the connection. 0 for an
     /// `ORIGINAL_DST` cluster, which takes one address only.
@@ -99,6 +115,8 @@ impl Default for GatewayOptions {
             epp_max_buffered_bytes: 256 << 20,
             epp_admission: EppAdmission::Wait,
             epp_fallbacks: 2,
+            pool: Vec::new(),
+            pool_refresh_interval: Duration::from_secs(5),
         }
     }
 }

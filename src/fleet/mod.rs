@@ -51,11 +51,13 @@ pub enum FleetError {
         message: String,
     },
     #[error(
-        "worker {worker_id} is configured by `kvroute serve --engine`; it cannot be registered over gRPC"
+        "worker {worker_id} is configured by `kvroute serve --engine` or `--pool`; it cannot be registered over gRPC"
     )]
     ConfiguredEngine { worker_id: WorkerId },
     #[error("worker {worker_id}: configured twice with --engine")]
     DuplicateEngine { worker_id: WorkerId },
+    #[error("worker {worker_id}: a pool member's id, already registered over gRPC")]
+    MemberIdTaken { worker_id: WorkerId },
     #[error(transparent)]
     Ingest(#[from] IngestError),
     /// Cluster mode: the change could not go through the other replicas.
@@ -297,6 +299,30 @@ impl Fleet {
                 .await?;
         }
         Ok(())
+    }
+
+    /// Registers a pool member (`crate::pools`) as a configured engine:
+    /// its lease renewed while kvroute runs, not registrable over gRPC. A
+    /// member registered again (its pool changed) gets a new event stream;
+    /// an id a gRPC-registered worker holds is refused.
+    pub(crate) async fn register_member(
+        &self,
+        registration: Registration,
+        source: EngineSource,
+    ) -> Result<(), FleetError> {
+        let worker_id = registration.worker_id;
+        check_source(&source, &registration)?;
+        let _turn = self.turn(worker_id).await;
+        if self.router.worker(worker_id).is_some() {
+            if !self.subscriptions.is_configured(worker_id) {
+                return Err(FleetError::MemberIdTaken { worker_id });
+            }
+            let record = self.router.deregister_worker(worker_id)?;
+            self.remove(record).await;
+        }
+        self.register_in_turn(registration, Some(source), true)
+            .await
+            .map(|_| ())
     }
 
     async fn register_in_turn(

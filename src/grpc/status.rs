@@ -71,9 +71,9 @@ impl From<FleetError> for Status {
             FleetError::Registry(e) => registry_status(e),
             FleetError::Ingest(e) => e.into(),
             FleetError::InvalidSource { .. } => Status::invalid_argument(error.to_string()),
-            FleetError::ConfiguredEngine { .. } | FleetError::DuplicateEngine { .. } => {
-                Status::failed_precondition(error.to_string())
-            }
+            FleetError::ConfiguredEngine { .. }
+            | FleetError::DuplicateEngine { .. }
+            | FleetError::MemberIdTaken { .. } => Status::failed_precondition(error.to_string()),
             FleetError::Replication(ReplicationError::Unavailable(message)) => {
                 Status::unavailable(message)
             }

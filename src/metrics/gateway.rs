@@ -1,7 +1,7 @@
-//! The endpoint picker's families (`crate::gateway`): requests by the
-//! status they were answered with, prompts kvroute could not tokenize
-//! and why, what Envoy sent that the protocol did not expect, and where a
-//! pick's time went.
+//! The front door's families: the endpoint picker's (`crate::gateway`)
+//! requests by the status they were answered with, prompts kvroute could
+//! not tokenize and why, what Envoy sent that the protocol did not expect,
+//! where a pick's time went; and the pools' members (`crate::pools`).
 
 use prometheus::{HistogramVec, IntCounterVec, IntGauge};
 
@@ -26,6 +26,11 @@ pub struct GatewayFamilies {
     pub buffered_bytes: IntGauge,
     /// Seconds of each part of a pick: `part` = parse, tokenize, select.
     pub pick_seconds: HistogramVec,
+    /// Pool members registered now (`--pool`).
+    pub pool_members: IntGauge,
+    /// `outcome`: read, failed (a file or name; its members stay),
+    /// member_refused (the endpoint allow-list).
+    pub pool_refreshes: IntCounterVec,
 }
 
 impl GatewayFamilies {
@@ -67,6 +72,15 @@ impl GatewayFamilies {
                     0.05, 0.1, 0.25, 1.0,
                 ],
                 &["part"],
+            )?,
+            pool_members: families.int_gauge(
+                "pool_members",
+                "Engines registered from pool files (--pool)",
+            )?,
+            pool_refreshes: families.counter_vec(
+                "pool_refreshes_total",
+                "Pool file refreshes by outcome: read, failed, member_refused",
+                &["outcome"],
             )?,
         })
     }

@@ -18,6 +18,7 @@ mod gateway;
 mod layering;
 mod limits;
 mod packed_tokens;
+mod pools;
 mod routing;
 mod security;
 mod workers;
