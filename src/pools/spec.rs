@@ -255,7 +255,7 @@ mod tests {
             (LISTED.replace("http_port = 8000", "http_port = 0"), "ports"),
             (
                 LISTED.replace("http_port = 8000", "http_port = 70000"),
-                "http_port",
+                "u16",
             ),
             (
                 LISTED.replace("members = [\"10.0.0.5\", \"fd00::7\"]", ""),
