@@ -382,12 +382,19 @@ impl Exchange {
             }
         };
         timer("tokenize", started);
-        if let Tokens::ByLoad(reason) = tokens {
-            gateway
+        match &tokens {
+            Tokens::ByLoad(reason) => gateway
                 .metrics
                 .untokenized
                 .with_label_values(&[reason])
-                .inc();
+                .inc(),
+            Tokens::Ids { ids, cached } => {
+                let tokens = &gateway.metrics.prompt_tokens;
+                tokens.with_label_values(&["cached"]).inc_by(*cached);
+                tokens
+                    .with_label_values(&["tokenized"])
+                    .inc_by((ids.len() as u64).saturating_sub(*cached));
+            }
         }
         #[allow(clippy::disallowed_methods)]
         let started = Instant::now();

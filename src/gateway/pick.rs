@@ -134,7 +134,7 @@ pub(crate) fn prepare(
         .collect();
     let block_size = view.block_size();
     let (hashes, prompt_tokens) = match ask.tokens {
-        Tokens::Ids(ids) => {
+        Tokens::Ids { ids, .. } => {
             let options = HashOptions {
                 lora_name: ask.lora_name,
                 cache_namespace: ask.cache_salt,

@@ -30,10 +30,11 @@ pub(crate) struct Served {
     pub tokenizer: Option<Arc<ModelTokenizer>>,
 }
 
-/// A prompt's token ids, or why it is routed by load (a metric label).
+/// A prompt's token ids (and how many came from the tokenizer's segment
+/// cache), or why it is routed by load (a metric label).
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Tokens {
-    Ids(Vec<u32>),
+    Ids { ids: Vec<u32>, cached: u64 },
     ByLoad(&'static str),
 }
 
@@ -92,13 +93,16 @@ pub(crate) fn tokenize(
     request: &OpenAiRequest,
 ) -> Result<Tokens, PromptError> {
     if let Prompt::TokenIds(ids) = &request.prompt {
-        return Ok(Tokens::Ids(ids.clone()));
+        return Ok(Tokens::Ids {
+            ids: ids.clone(),
+            cached: 0,
+        });
     }
     let Some(tokenizer) = tokenizer else {
         return Ok(Tokens::ByLoad("no_tokenizer"));
     };
-    match tokenizer.prompt_ids(request) {
-        Ok(ids) => Ok(Tokens::Ids(ids)),
+    match tokenizer.prompt_ids_counted(request) {
+        Ok((ids, cached)) => Ok(Tokens::Ids { ids, cached }),
         Err(PromptError::Untokenizable(_)) => Ok(Tokens::ByLoad("untokenizable")),
         Err(PromptError::NoTemplate) => Ok(Tokens::ByLoad("no_template")),
         Err(PromptError::Tokenize(_) | PromptError::Files { .. }) => {
@@ -153,7 +157,13 @@ mod tests {
             br#"{"model":"m","prompt":[1,2,3]}"#,
         )
         .unwrap();
-        assert_eq!(tokenize(None, &ids).unwrap(), Tokens::Ids(vec![1, 2, 3]));
+        assert_eq!(
+            tokenize(None, &ids).unwrap(),
+            Tokens::Ids {
+                ids: vec![1, 2, 3],
+                cached: 0
+            }
+        );
         let text = request::parse(
             Some(Endpoint::Completions),
             br#"{"model":"m","prompt":"hi"}"#,

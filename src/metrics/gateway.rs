@@ -15,6 +15,9 @@ pub struct GatewayFamilies {
     pub requests: IntCounterVec,
     /// `reason`: why a prompt was routed by load instead of by its cache.
     pub untokenized: IntCounterVec,
+    /// Prompt token ids by `source`: cached (a chat's earlier turns, from
+    /// the tokenizer's segment cache), tokenized (computed for this pick).
+    pub prompt_tokens: IntCounterVec,
     /// `what`: ext_proc messages out of order or repeated (Envoy's resent
     /// final chunk, a body after the decision, ...), ignored.
     pub protocol_oddities: IntCounterVec,
@@ -45,6 +48,11 @@ impl GatewayFamilies {
                 "epp_untokenized_total",
                 "Endpoint picker prompts routed by load, by why they were not tokenized",
                 &["reason"],
+            )?,
+            prompt_tokens: families.counter_vec(
+                "epp_prompt_tokens_total",
+                "Endpoint picker prompt token ids by source: cached (segment cache), tokenized",
+                &["source"],
             )?,
             protocol_oddities: families.counter_vec(
                 "epp_protocol_oddities_total",

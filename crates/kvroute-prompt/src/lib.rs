@@ -14,6 +14,7 @@
 mod error;
 mod pyjson;
 pub mod request;
+mod segments;
 pub mod template;
 
 use std::path::Path;
@@ -27,6 +28,8 @@ pub use template::{ChatRequest, ChatTemplate};
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     template: Option<ChatTemplate>,
+    /// Rendered chats are tokenized in cached segments (`segments.rs`).
+    segments: segments::Segments,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -58,10 +61,23 @@ impl ModelTokenizer {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(files(&config_path, e.to_string())),
         };
+        let segments = segments::Segments::new(&tokenizer);
         Ok(Self {
             tokenizer,
             template,
+            segments,
         })
+    }
+
+    /// Ids served from the segment cache, and ids of rendered chats in
+    /// all, since the start.
+    pub fn segment_cache_ids(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stats = &self.segments.stats;
+        (
+            stats.cached_ids.load(Relaxed),
+            stats.total_ids.load(Relaxed),
+        )
     }
 
     /// The chat template, if the model has one.
@@ -75,13 +91,22 @@ impl ModelTokenizer {
     pub fn chat_ids(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptError> {
         let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
         let text = template.render(request)?;
-        self.encode(&text, false)
+        Ok(self.segments.encode(&self.tokenizer, &text)?.0)
     }
 
     /// The token ids the engine computes for `request`: its chat rendered
     /// with the request's `chat_template` or the model's, its completion
     /// text tokenized, or its token ids as given.
     pub fn prompt_ids(&self, request: &OpenAiRequest) -> Result<Vec<u32>, PromptError> {
+        self.prompt_ids_counted(request).map(|(ids, _)| ids)
+    }
+
+    /// [`Self::prompt_ids`], and how many of the ids came from the segment
+    /// cache (a chat's earlier turns).
+    pub fn prompt_ids_counted(
+        &self,
+        request: &OpenAiRequest,
+    ) -> Result<(Vec<u32>, u64), PromptError> {
         match &request.prompt {
             Prompt::Chat(prompt) => {
                 let chat = ChatRequest {
@@ -102,13 +127,13 @@ impl ModelTokenizer {
                     (None, Some(template)) => template.render(&chat)?,
                     (None, None) => return Err(PromptError::NoTemplate),
                 };
-                self.encode(&text, false)
+                self.segments.encode(&self.tokenizer, &text)
             }
             Prompt::Text {
                 text,
                 add_special_tokens,
-            } => self.encode(text, *add_special_tokens),
-            Prompt::TokenIds(ids) => Ok(ids.clone()),
+            } => Ok((self.encode(text, *add_special_tokens)?, 0)),
+            Prompt::TokenIds(ids) => Ok((ids.clone(), 0)),
             Prompt::Untokenizable(why) => Err(PromptError::Untokenizable(why)),
         }
     }

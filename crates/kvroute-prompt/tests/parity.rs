@@ -33,6 +33,7 @@ fn chat_ids_equal_transformers_on_every_generated_case() {
         let family = file.file_stem().unwrap().to_string_lossy().into_owned();
         let model = ModelTokenizer::from_dir(&models.join(&family)).unwrap();
         let mut checked = 0;
+        let mut cached_again = 0;
         let mut mismatches = Vec::new();
         for (n, line) in std::fs::read_to_string(&file).unwrap().lines().enumerate() {
             let case: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -51,6 +52,18 @@ fn chat_ids_equal_transformers_on_every_generated_case() {
             let parsed = request::parse(Some(endpoint), body.to_string().as_bytes()).unwrap();
             let got = model.prompt_ids(&parsed);
             checked += 1;
+            // Again: the same ids, now from the segment cache where a
+            // segment is long enough to be kept.
+            let (cached_before, _) = model.segment_cache_ids();
+            let again = model.prompt_ids(&parsed);
+            assert_eq!(
+                again.as_ref().ok(),
+                got.as_ref().ok(),
+                "case {n}: cached ids differ"
+            );
+            if endpoint == Endpoint::ChatCompletions && got.is_ok() {
+                cached_again += model.segment_cache_ids().0 - cached_before;
+            }
             match got {
                 Ok(ids) if ids == expected => {}
                 Ok(ids) => {
@@ -76,5 +89,9 @@ fn chat_ids_equal_transformers_on_every_generated_case() {
             mismatches[..mismatches.len().min(10)].join("\n")
         );
         assert!(checked >= 400, "{family}: only {checked} cases");
+        assert!(
+            cached_again > 0,
+            "{family}: the repeated chats found nothing cached"
+        );
     }
 }

@@ -1,0 +1,195 @@
+//! A rendered chat tokenized in segments, each segment's ids cached: a
+//! conversation's next turn repeats the previous turns' text, and should
+//! not pay to tokenize it again.
+//!
+//! Why this is exact: a Hugging Face tokenizer first cuts the text at its
+//! added tokens, then normalizes and pre-tokenizes each piece between them
+//! on its own. So cutting the text just before a special token (one that
+//! strips no whitespace around it and is not single-word) and tokenizing
+//! the pieces apart gives the same ids as tokenizing the whole. Special
+//! tokens that strip whitespace are never cut at. The parity test runs
+//! through this path.
+//!
+//! Bounds: segments shorter than [`MIN_CACHED_BYTES`] are tokenized each
+//! time; the cache holds at most its capacity in ids over two generations
+//! (the older dropped whole when the newer fills), so memory is fixed
+//! whatever prompts arrive.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use xxhash_rust::xxh3::xxh3_128;
+
+use crate::PromptError;
+
+/// Segments shorter than this are not worth a lookup.
+const MIN_CACHED_BYTES: usize = 64;
+
+/// Ids the cache holds per generation (two generations: twice this).
+const GENERATION_IDS: usize = 1 << 20;
+
+/// Ids served from the cache and ids in all, since the start.
+#[derive(Debug, Default)]
+pub struct SegmentStats {
+    pub cached_ids: AtomicU64,
+    pub total_ids: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Generations {
+    young: HashMap<u128, Arc<[u32]>>,
+    young_ids: usize,
+    old: HashMap<u128, Arc<[u32]>>,
+}
+
+impl Generations {
+    fn get(&mut self, key: u128) -> Option<Arc<[u32]>> {
+        if let Some(ids) = self.young.get(&key) {
+            return Some(ids.clone());
+        }
+        let ids = self.old.remove(&key)?;
+        self.insert(key, ids.clone());
+        Some(ids)
+    }
+
+    fn insert(&mut self, key: u128, ids: Arc<[u32]>) {
+        if ids.len() > GENERATION_IDS {
+            return;
+        }
+        if self.young_ids + ids.len() > GENERATION_IDS {
+            self.old = std::mem::take(&mut self.young);
+            self.young_ids = 0;
+        }
+        self.young_ids += ids.len();
+        self.young.insert(key, ids);
+    }
+}
+
+/// Where a text may be cut, and the cache of its segments' ids.
+#[derive(Debug)]
+pub(crate) struct Segments {
+    /// Special tokens it is safe to cut before, by first byte.
+    markers: Vec<Vec<String>>,
+    cache: Mutex<Generations>,
+    pub(crate) stats: SegmentStats,
+}
+
+impl Segments {
+    /// The cut points of `tokenizer`'s special tokens.
+    pub(crate) fn new(tokenizer: &tokenizers::Tokenizer) -> Self {
+        let mut markers = vec![Vec::new(); 256];
+        for token in tokenizer.get_added_tokens_decoder().values() {
+            let safe = token.special && !token.lstrip && !token.rstrip && !token.single_word;
+            if safe && let Some(first) = token.content.bytes().next() {
+                markers[usize::from(first)].push(token.content.clone());
+            }
+        }
+        Self {
+            markers,
+            cache: Mutex::new(Generations::default()),
+            stats: SegmentStats::default(),
+        }
+    }
+
+    /// The byte offsets where a special token starts (0 excluded).
+    fn cuts(&self, text: &str) -> Vec<usize> {
+        let bytes = text.as_bytes();
+        let mut cuts = Vec::new();
+        for (at, byte) in bytes.iter().enumerate() {
+            let candidates = &self.markers[usize::from(*byte)];
+            if at > 0
+                && !candidates.is_empty()
+                && candidates
+                    .iter()
+                    .any(|m| bytes[at..].starts_with(m.as_bytes()))
+            {
+                cuts.push(at);
+            }
+        }
+        cuts
+    }
+
+    /// The ids of `text` (no special tokens added), segment by segment,
+    /// and how many of them came from the cache.
+    pub(crate) fn encode(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+    ) -> Result<(Vec<u32>, u64), PromptError> {
+        let encode = |piece: &str| -> Result<Vec<u32>, PromptError> {
+            tokenizer
+                .encode_fast(piece, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| PromptError::Tokenize(e.to_string()))
+        };
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut cached = 0u64;
+        let mut start = 0;
+        let cuts = self.cuts(text);
+        for end in cuts.into_iter().chain(std::iter::once(text.len())) {
+            let Some(piece) = text.get(start..end) else {
+                // Not a char boundary (cannot happen at an ASCII marker's
+                // start): tokenize the rest whole.
+                break;
+            };
+            start = end;
+            if piece.len() < MIN_CACHED_BYTES {
+                ids.extend(encode(piece)?);
+                continue;
+            }
+            let key = xxh3_128(piece.as_bytes());
+            let hit = self.cache.lock().ok().and_then(|mut c| c.get(key));
+            match hit {
+                Some(piece_ids) => {
+                    cached += piece_ids.len() as u64;
+                    ids.extend_from_slice(&piece_ids);
+                }
+                None => {
+                    let piece_ids: Arc<[u32]> = encode(piece)?.into();
+                    ids.extend_from_slice(&piece_ids);
+                    if let Ok(mut cache) = self.cache.lock() {
+                        cache.insert(key, piece_ids);
+                    }
+                }
+            }
+        }
+        if start < text.len() {
+            ids.extend(encode(&text[start..])?);
+        }
+        self.stats.cached_ids.fetch_add(cached, Ordering::Relaxed);
+        self.stats
+            .total_ids
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        Ok((ids, cached))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generations_hold_a_fixed_number_of_ids() {
+        let mut cache = Generations::default();
+        for key in 0..10_000u128 {
+            cache.insert(key, vec![0u32; 1000].into());
+        }
+        let held: usize = cache
+            .young
+            .values()
+            .chain(cache.old.values())
+            .map(|v| v.len())
+            .sum();
+        assert!(held <= 2 * GENERATION_IDS, "{held}");
+        // The newest is there; a lookup in the old generation promotes it.
+        assert!(cache.get(9_999).is_some());
+        let old_key = *cache.old.keys().next().unwrap();
+        assert!(cache.get(old_key).is_some());
+        assert!(cache.young.contains_key(&old_key));
+    }
+}
