@@ -729,3 +729,144 @@ async fn health_reports_on_the_ext_proc_port_for_envoys_checks() {
         );
     }
 }
+
+/// The committed tiny tokenizer (tests/data/tokenizer-tiny).
+fn tiny_tokenizer() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer-tiny")
+}
+
+fn words(range: std::ops::Range<u32>) -> String {
+    range.map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
+}
+
+#[tokio::test]
+async fn chats_are_tokenized_as_the_engine_does_and_later_turns_reuse_the_prefix() {
+    use kvroute::config::TokenizerDir;
+    use kvroute_prompt::{ModelTokenizer, request};
+    let (server, ext_proc) = server(|c| {
+        c.gateway.epp_tokenizer = vec![TokenizerDir {
+            model: MODEL.into(),
+            dir: tiny_tokenizer(),
+        }];
+    })
+    .await;
+    worker(&server, 1, 8001, 1).await;
+    worker(&server, 2, 8002, 1).await;
+    let first = serde_json::json!({"model": MODEL, "messages": [
+        {"role": "system", "content": words(0..40)},
+        {"role": "user", "content": words(40..80)},
+    ]});
+    // The engine's ids for this chat, as the engine's tokenizer gives them:
+    // worker 2 holds them.
+    let tokenizer = ModelTokenizer::from_dir(&tiny_tokenizer()).unwrap();
+    let parsed = request::parse(
+        Some(request::Endpoint::ChatCompletions),
+        first.to_string().as_bytes(),
+    )
+    .unwrap();
+    let ids = tokenizer.prompt_ids(&parsed).unwrap();
+    assert!(ids.len() >= 80, "{}", ids.len());
+    holds(&server, 2, 0, 1, &ids, HashOptions::plain()).await;
+    let (_s, answer) = request(
+        ext_proc,
+        "/v1/chat/completions",
+        first.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(
+        answer.endpoints()[0],
+        "127.0.0.1:8002",
+        "the chat's blocks are on worker 2"
+    );
+    // The next turn repeats the first: its earlier segments come from the
+    // cache, and it still goes where its prefix is.
+    let second = serde_json::json!({"model": MODEL, "messages": [
+        {"role": "system", "content": words(0..40)},
+        {"role": "user", "content": words(40..80)},
+        {"role": "assistant", "content": words(80..90)},
+        {"role": "user", "content": words(90..120)},
+    ]});
+    let (_s, answer) = request(
+        ext_proc,
+        "/v1/chat/completions",
+        second.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(answer.endpoints()[0], "127.0.0.1:8002");
+    let metrics = server.http_get("/metrics").await.1;
+    let cached: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvroute_epp_prompt_tokens_total{source=\"cached\"} "))
+        .and_then(|v| v.parse().ok())
+        .expect("cached tokens counted");
+    assert!(
+        cached >= 80,
+        "the first turn's segments were cached: {cached}\n{metrics}"
+    );
+
+    // A request's own template that loops, or raises, is the client's error.
+    for template in [
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        "{{ raise_exception('no system messages here') }}",
+        "{% for %}",
+    ] {
+        let body = serde_json::json!({"model": MODEL, "chat_template": template,
+            "messages": [{"role": "user", "content": "w1"}]});
+        let (_s, answer) = request(
+            ext_proc,
+            "/v1/chat/completions",
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(answer.status(), 400, "{template}: {answer:?}");
+    }
+    // Images cannot be tokenized here: routed by load, counted.
+    let image = serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]});
+    let (_s, answer) = request(
+        ext_proc,
+        "/v1/chat/completions",
+        image.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(answer.status(), 200);
+    let metrics = server.http_get("/metrics").await.1;
+    assert!(
+        metrics.contains("kvroute_epp_untokenized_total{reason=\"untokenizable\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_lora_adapter_routes_among_its_base_models_workers_with_its_own_hashes() {
+    use kvroute::config::AdapterOf;
+    let (server, ext_proc) = server(|c| {
+        c.gateway.epp_lora = vec![AdapterOf {
+            adapter: "sql".into(),
+            base: MODEL.into(),
+        }];
+    })
+    .await;
+    worker(&server, 1, 8001, 1).await;
+    worker(&server, 2, 8002, 1).await;
+    let prompt = tokens(9, 8);
+    // Worker 1 holds the base model's blocks, worker 2 the adapter's.
+    holds(&server, 1, 0, 1, &prompt, HashOptions::plain()).await;
+    holds(
+        &server,
+        2,
+        0,
+        1,
+        &prompt,
+        HashOptions {
+            lora_name: Some("sql"),
+            cache_namespace: None,
+        },
+    )
+    .await;
+    let body = |model: &str| serde_json::json!({"model": model, "prompt": prompt}).to_string();
+    let (_s, base) = request(ext_proc, "/v1/completions", body(MODEL).as_bytes()).await;
+    assert_eq!(base.endpoints()[0], "127.0.0.1:8001");
+    let (_s, adapter) = request(ext_proc, "/v1/completions", body("sql").as_bytes()).await;
+    assert_eq!(adapter.endpoints()[0], "127.0.0.1:8002");
+}
