@@ -41,6 +41,12 @@ impl BodyBudget {
         taken
     }
 
+    /// Counts bytes already held, whatever the limit.
+    fn count(&self, bytes: u64) {
+        self.used.fetch_add(bytes, Ordering::AcqRel);
+        self.gauge.add(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
     fn give_back(&self, bytes: u64) {
         self.used.fetch_sub(bytes, Ordering::AcqRel);
         self.gauge.sub(i64::try_from(bytes).unwrap_or(i64::MAX));
@@ -73,16 +79,30 @@ impl Body {
         }
     }
 
-    /// Appends a chunk, within both limits.
+    /// Appends a chunk, within both limits. The budget counts the bytes
+    /// the body holds, its spare capacity included.
     pub(crate) fn push(&mut self, chunk: &[u8]) -> Result<(), Refused> {
         let grown = self.bytes.len() as u64 + chunk.len() as u64;
         if grown > self.limit {
             return Err(Refused::TooLarge);
         }
-        if !self.budget.take(chunk.len() as u64) {
+        let held = self.bytes.capacity();
+        // Doubling as a Vec does, but never past the body's own limit.
+        let wanted = if grown as usize <= held {
+            held
+        } else {
+            (held * 2).max(grown as usize).min(self.limit as usize)
+        };
+        if !self.budget.take((wanted - held) as u64) {
             return Err(Refused::Crowded);
         }
+        self.bytes.reserve_exact(wanted - self.bytes.len());
         self.bytes.extend_from_slice(chunk);
+        // `reserve_exact` may give more than asked: count what is held.
+        let extra = self.bytes.capacity().saturating_sub(wanted);
+        if extra > 0 {
+            self.budget.count(extra as u64);
+        }
         Ok(())
     }
 
@@ -97,7 +117,7 @@ impl Body {
 
 impl Drop for Body {
     fn drop(&mut self) {
-        self.budget.give_back(self.bytes.len() as u64);
+        self.budget.give_back(self.bytes.capacity() as u64);
     }
 }
 
@@ -107,6 +127,19 @@ mod tests {
 
     fn gauge() -> IntGauge {
         IntGauge::new("test_bytes", "test").unwrap()
+    }
+
+    #[test]
+    fn what_a_body_holds_is_what_it_counts() {
+        let budget = BodyBudget::new(1 << 30, gauge());
+        let mut body = Body::new(8 << 20, budget.clone());
+        for _ in 0..1000 {
+            body.push(&[7u8; 4099]).unwrap();
+            assert_eq!(
+                budget.used.load(Ordering::Acquire),
+                body.bytes.capacity() as u64
+            );
+        }
     }
 
     #[test]
@@ -121,7 +154,9 @@ mod tests {
         assert_eq!(budget.gauge.get(), 10);
         drop(first);
         assert_eq!(budget.gauge.get(), 5);
+        // Growing takes spare capacity too, never past the body's limit.
         second.push(b"678").unwrap();
+        assert_eq!(budget.gauge.get(), 8);
         drop(second);
         assert_eq!(budget.used.load(Ordering::Acquire), 0);
         assert_eq!(budget.gauge.get(), 0);

@@ -366,9 +366,16 @@ impl Exchange {
         #[allow(clippy::disallowed_methods)]
         let started = Instant::now();
         let tokenizer = served.tokenizer.clone();
-        // Templates and tokenizers are CPU work: off the runtime's threads.
+        // Templates and tokenizers are CPU work: off the runtime's threads,
+        // one per core at a time.
+        // The permit goes with the work: released when it ends, even if
+        // this stream is gone by then.
+        let Ok(permit) = gateway.tokenizing.clone().acquire_owned().await else {
+            return self.refuse(Refusal::new(503, "shutting down")).await;
+        };
         let tokenized = tokio::task::spawn_blocking(move || {
             let tokens = tokenize(tokenizer.as_deref(), &request);
+            drop(permit);
             (request, tokens)
         })
         .await;

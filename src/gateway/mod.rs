@@ -77,6 +77,10 @@ pub(crate) struct Gateway {
     settings: Settings,
     metrics: GatewayFamilies,
     body_budget: Arc<BodyBudget>,
+    /// Templates and tokenizers run on the blocking pool, at most one per
+    /// core at a time: a flood of long prompts queues here instead of
+    /// taking every thread.
+    tokenizing: Arc<tokio::sync::Semaphore>,
     /// Bookings are named `epp-<instance>-<n>`: unique per process, and
     /// across replicas, whatever `x-request-id` a client sends.
     instance: u32,
@@ -121,6 +125,9 @@ impl Gateway {
             },
             metrics,
             body_budget,
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
             instance: rand::random(),
             next_id: AtomicU64::new(0),
         }))
