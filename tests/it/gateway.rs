@@ -820,6 +820,19 @@ async fn chats_are_tokenized_as_the_engine_does_and_later_turns_reuse_the_prefix
         .await;
         assert_eq!(answer.status(), 400, "{template}: {answer:?}");
     }
+    // 100,000 messages render and tokenize (within the template's fuel)
+    // and are routed like any chat.
+    let many: Vec<_> = (0..100_000)
+        .map(|i| serde_json::json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("w{}", i % 512)}))
+        .collect();
+    let body = serde_json::json!({"model": MODEL, "messages": many});
+    let (_s, answer) = request(
+        ext_proc,
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(answer.status(), 200, "{answer:?}");
     // Images cannot be tokenized here: routed by load, counted.
     let image = serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]});
