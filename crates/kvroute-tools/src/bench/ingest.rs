@@ -66,6 +66,11 @@ const MODEL: &str = "bench-ingest";
 
 /// Runs the benchmark; fails when the server's block counts differ from
 /// the in-process replay's.
+/// Unanswered batches (and their bytes) a stream keeps in flight: half of
+/// what the server accepts before ending the stream (1,024 and 1 MiB).
+const UNANSWERED_BATCHES: usize = 512;
+const UNANSWERED_BYTES: usize = 512 * 1024;
+
 pub async fn run(args: &IngestBenchArgs) -> Result<IngestReport, BenchError> {
     let Workload {
         block_size,
@@ -265,8 +270,9 @@ impl Round<'_> {
         Ok(())
     }
 
-    /// Sends every worker's batches on its own stream, each after the
-    /// previous one's reply, and waits for the last replies.
+    /// Sends every worker's batches on its own stream, pipelined within
+    /// the server's window of unanswered batches, and waits for the last
+    /// replies.
     pub(crate) async fn stream(self) -> Result<Streamed, BenchError> {
         let started = Instant::now();
         let mut tasks = Vec::new();
@@ -284,12 +290,38 @@ impl Round<'_> {
                         _ => 0,
                     })
                     .sum();
+                let (tx, rx) = tokio::sync::mpsc::channel(UNANSWERED_BATCHES);
                 let mut replies = client
-                    .publish_events(tokio_stream::iter(batches))
+                    .publish_events(tokio_stream::wrappers::ReceiverStream::new(rx))
                     .await?
                     .into_inner();
                 let mut rejected = 0u64;
-                for _ in 0..count {
+                // Pipelined, within the server's window for unanswered
+                // batches (a stream past it is ended RESOURCE_EXHAUSTED).
+                let mut unanswered: std::collections::VecDeque<usize> = Default::default();
+                let mut unanswered_bytes = 0usize;
+                let mut answered = 0usize;
+                for batch in batches {
+                    let size = prost::Message::encoded_len(&batch);
+                    while !unanswered.is_empty()
+                        && (unanswered.len() >= UNANSWERED_BATCHES
+                            || unanswered_bytes + size > UNANSWERED_BYTES)
+                    {
+                        match replies.message().await? {
+                            Some(reply) => rejected += u64::from(reply.rejected),
+                            None => break,
+                        }
+                        unanswered_bytes -= unanswered.pop_front().unwrap_or(0);
+                        answered += 1;
+                    }
+                    if tx.send(batch).await.is_err() {
+                        break;
+                    }
+                    unanswered.push_back(size);
+                    unanswered_bytes += size;
+                }
+                drop(tx);
+                for _ in answered..count {
                     match replies.message().await? {
                         Some(reply) => rejected += u64::from(reply.rejected),
                         None => break,
