@@ -1,0 +1,59 @@
+//! How fast a model's tokenizer turns text into ids here, fresh and
+//! through the segment cache: `cargo run --release -p kvroute-prompt
+//! --example tokenize_throughput -- DIR [WORDS]` (DIR holds tokenizer.json
+//! and tokenizer_config.json, e.g. ~/.cache/kvroute/tokenizers/qwen3).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Instant;
+
+use kvroute_prompt::{ModelTokenizer, request};
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let dir = args.next().expect("a tokenizer directory");
+    let words: usize = args.next().map_or(10_000, |w| w.parse().unwrap());
+    let model = ModelTokenizer::from_dir(std::path::Path::new(&dir)).unwrap();
+    let vocabulary = [
+        "time", "year", "people", "way", "day", "thing", "world", "school",
+    ];
+    let text: String = (0..words)
+        .map(|i| vocabulary[(i * 7 + i / 3) % vocabulary.len()])
+        .collect::<Vec<_>>()
+        .join(" ");
+    #[allow(clippy::disallowed_methods)]
+    let started = Instant::now();
+    let ids = model.encode(&text, false).unwrap();
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "plain text: {} ids in {:.2} ms, {:.0} k ids/s",
+        ids.len(),
+        secs * 1e3,
+        ids.len() as f64 / secs / 1e3
+    );
+    // A chat of 20 messages of words/20 each, then again (all cached).
+    let per = words / 20;
+    let messages: Vec<_> = (0..20)
+        .map(|m| {
+            let content = text
+                .split(' ')
+                .skip(m * per)
+                .take(per)
+                .collect::<Vec<_>>()
+                .join(" ");
+            serde_json::json!({"role": if m % 2 == 0 { "user" } else { "assistant" }, "content": content})
+        })
+        .collect();
+    let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+    let parsed = request::parse(Some(request::Endpoint::ChatCompletions), body.as_bytes()).unwrap();
+    for pass in ["fresh", "cached"] {
+        #[allow(clippy::disallowed_methods)]
+        let started = Instant::now();
+        let (ids, cached) = model.prompt_ids_counted(&parsed).unwrap();
+        let secs = started.elapsed().as_secs_f64();
+        println!(
+            "chat, {pass}: {} ids ({cached} from the cache) in {:.2} ms",
+            ids.len(),
+            secs * 1e3
+        );
+    }
+}
