@@ -71,6 +71,12 @@ pub struct GatewayOptions {
           value_parser = parse_bytes)]
     pub epp_max_buffered_bytes: u64,
 
+    /// Token ids each model's prompt cache keeps (4 bytes each): a
+    /// conversation's earlier turns are not tokenized again while they are
+    /// held. 0 turns it off.
+    #[arg(long, env = "KVROUTE_EPP_PROMPT_CACHE_TOKENS", default_value_t = 1 << 24)]
+    pub epp_prompt_cache_tokens: usize,
+
     /// When every candidate is busy: `wait` (within `request_timeout`) or
     /// `reject` (429).
     #[arg(
@@ -113,6 +119,7 @@ impl Default for GatewayOptions {
             epp_lora: Vec::new(),
             epp_max_body_bytes: 8 << 20,
             epp_max_buffered_bytes: 256 << 20,
+            epp_prompt_cache_tokens: 1 << 24,
             epp_admission: EppAdmission::Wait,
             epp_fallbacks: 2,
             pool: Vec::new(),

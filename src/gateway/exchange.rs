@@ -373,6 +373,9 @@ impl Exchange {
         let Ok(permit) = gateway.tokenizing.clone().acquire_owned().await else {
             return self.refuse(Refusal::new(503, "shutting down")).await;
         };
+        timer("wait", started);
+        #[allow(clippy::disallowed_methods)]
+        let started = Instant::now();
         let tokenized = tokio::task::spawn_blocking(move || {
             let tokens = tokenize(tokenizer.as_deref(), &request);
             drop(permit);

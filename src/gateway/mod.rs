@@ -103,7 +103,11 @@ impl Gateway {
         options: &GatewayOptions,
         request_timeout: Duration,
     ) -> Result<Arc<Self>, String> {
-        let prompts = Prompts::load(&options.epp_tokenizer, &options.epp_lora)?;
+        let prompts = Prompts::load(
+            &options.epp_tokenizer,
+            &options.epp_lora,
+            options.epp_prompt_cache_tokens,
+        )?;
         let metrics = core.metrics().gateway.clone();
         let body_budget = BodyBudget::new(
             options.epp_max_buffered_bytes,

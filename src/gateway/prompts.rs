@@ -40,11 +40,16 @@ pub(crate) enum Tokens {
 
 impl Prompts {
     /// Loads every tokenizer directory; an error names the model and file.
-    pub(crate) fn load(dirs: &[TokenizerDir], adapters: &[AdapterOf]) -> Result<Self, String> {
+    pub(crate) fn load(
+        dirs: &[TokenizerDir],
+        adapters: &[AdapterOf],
+        cached_ids: usize,
+    ) -> Result<Self, String> {
         let mut tokenizers = HashMap::new();
         for TokenizerDir { model, dir } in dirs {
             let tokenizer = ModelTokenizer::from_dir(dir)
-                .map_err(|e| format!("--epp-tokenizer {model}={}: {e}", dir.display()))?;
+                .map_err(|e| format!("--epp-tokenizer {model}={}: {e}", dir.display()))?
+                .with_segment_cache(cached_ids);
             if tokenizers
                 .insert(model.clone(), Arc::new(tokenizer))
                 .is_some()
@@ -125,6 +130,7 @@ mod tests {
                 adapter: "sql".into(),
                 base: "llama".into(),
             }],
+            0,
         )
         .unwrap();
         let served = prompts.resolve("sql");
@@ -142,6 +148,7 @@ mod tests {
                 dir: "/nonexistent/kvroute-test".into(),
             }],
             &[],
+            0,
         )
         .unwrap_err();
         assert!(

@@ -27,7 +27,8 @@ pub struct GatewayFamilies {
     pub streams_open: IntGauge,
     /// Bytes of request bodies held while they are read.
     pub buffered_bytes: IntGauge,
-    /// Seconds of each part of a pick: `part` = parse, tokenize, select.
+    /// Seconds of each part of a pick: `part` = parse, wait (for a core to
+    /// tokenize on), tokenize, select.
     pub pick_seconds: HistogramVec,
     /// Pool members registered now (`--pool`).
     pub pool_members: IntGauge,
@@ -74,7 +75,7 @@ impl GatewayFamilies {
             )?,
             pick_seconds: families.histogram_vec(
                 "epp_pick_seconds",
-                "Seconds of each part of a pick: parse, tokenize, select",
+                "Seconds of each part of a pick: parse, wait (for a core), tokenize, select",
                 &[
                     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
                     0.05, 0.1, 0.25, 1.0,

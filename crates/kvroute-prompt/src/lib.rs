@@ -21,6 +21,7 @@ use std::path::Path;
 
 pub use error::PromptError;
 pub use request::{ChatPrompt, Endpoint, OpenAiRequest, Prompt, RequestError};
+pub use segments::DEFAULT_CACHED_IDS;
 pub use template::{ChatRequest, ChatTemplate};
 
 /// A served model's tokenizer and chat template, from the two files
@@ -61,12 +62,19 @@ impl ModelTokenizer {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(files(&config_path, e.to_string())),
         };
-        let segments = segments::Segments::new(&tokenizer);
+        let segments = segments::Segments::new(&tokenizer, DEFAULT_CACHED_IDS);
         Ok(Self {
             tokenizer,
             template,
             segments,
         })
+    }
+
+    /// The same tokenizer with a segment cache of at most `cached_ids`
+    /// ids (0: none).
+    pub fn with_segment_cache(mut self, cached_ids: usize) -> Self {
+        self.segments = segments::Segments::new(&self.tokenizer, cached_ids);
+        self
     }
 
     /// Ids served from the segment cache, and ids of rendered chats in

@@ -11,9 +11,9 @@
 //! through this path.
 //!
 //! Bounds: segments shorter than [`MIN_CACHED_BYTES`] are tokenized each
-//! time; the cache holds at most its capacity in ids over two generations
-//! (the older dropped whole when the newer fills), so memory is fixed
-//! whatever prompts arrive.
+//! time; the cache holds at most its capacity in ids (4 bytes each) over
+//! two generations (the older dropped whole when the newer fills), so
+//! memory is fixed whatever prompts arrive.
 
 use std::{
     collections::HashMap,
@@ -30,8 +30,8 @@ use crate::PromptError;
 /// Segments shorter than this are not worth a lookup.
 const MIN_CACHED_BYTES: usize = 64;
 
-/// Ids the cache holds per generation (two generations: twice this).
-const GENERATION_IDS: usize = 1 << 20;
+/// Ids the cache holds by default (in two generations of half each).
+pub const DEFAULT_CACHED_IDS: usize = 1 << 24;
 
 /// Ids served from the cache and ids in all, since the start.
 #[derive(Debug, Default)]
@@ -45,6 +45,8 @@ struct Generations {
     young: HashMap<u128, Arc<[u32]>>,
     young_ids: usize,
     old: HashMap<u128, Arc<[u32]>>,
+    /// Ids one generation holds at most.
+    generation_ids: usize,
 }
 
 impl Generations {
@@ -58,10 +60,10 @@ impl Generations {
     }
 
     fn insert(&mut self, key: u128, ids: Arc<[u32]>) {
-        if ids.len() > GENERATION_IDS {
+        if ids.len() > self.generation_ids {
             return;
         }
-        if self.young_ids + ids.len() > GENERATION_IDS {
+        if self.young_ids + ids.len() > self.generation_ids {
             self.old = std::mem::take(&mut self.young);
             self.young_ids = 0;
         }
@@ -80,8 +82,9 @@ pub(crate) struct Segments {
 }
 
 impl Segments {
-    /// The cut points of `tokenizer`'s special tokens.
-    pub(crate) fn new(tokenizer: &tokenizers::Tokenizer) -> Self {
+    /// The cut points of `tokenizer`'s special tokens, and a cache of at
+    /// most `cached_ids` ids.
+    pub(crate) fn new(tokenizer: &tokenizers::Tokenizer, cached_ids: usize) -> Self {
         let mut markers = vec![Vec::new(); 256];
         for token in tokenizer.get_added_tokens_decoder().values() {
             let safe = token.special && !token.lstrip && !token.rstrip && !token.single_word;
@@ -91,7 +94,10 @@ impl Segments {
         }
         Self {
             markers,
-            cache: Mutex::new(Generations::default()),
+            cache: Mutex::new(Generations {
+                generation_ids: cached_ids / 2,
+                ..Generations::default()
+            }),
             stats: SegmentStats::default(),
         }
     }
@@ -175,7 +181,10 @@ mod tests {
 
     #[test]
     fn generations_hold_a_fixed_number_of_ids() {
-        let mut cache = Generations::default();
+        let mut cache = Generations {
+            generation_ids: 1 << 20,
+            ..Generations::default()
+        };
         for key in 0..10_000u128 {
             cache.insert(key, vec![0u32; 1000].into());
         }
@@ -185,11 +194,15 @@ mod tests {
             .chain(cache.old.values())
             .map(|v| v.len())
             .sum();
-        assert!(held <= 2 * GENERATION_IDS, "{held}");
+        assert!(held <= 2 << 20, "{held}");
         // The newest is there; a lookup in the old generation promotes it.
         assert!(cache.get(9_999).is_some());
         let old_key = *cache.old.keys().next().unwrap();
         assert!(cache.get(old_key).is_some());
         assert!(cache.young.contains_key(&old_key));
+        // Off: nothing is kept.
+        let mut off = Generations::default();
+        off.insert(1, vec![1u32].into());
+        assert!(off.get(1).is_none());
     }
 }
