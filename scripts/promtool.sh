@@ -1,0 +1,18 @@
+# Sourced by scripts/test.sh: tests/python/test_observability.py checks the
+# alert rules with promtool (`promtool check rules`, `promtool test rules`);
+# install Debian's package prometheus, which ships it, when it is missing.
+# Only the tool is wanted: no recommends (no node exporter), and where
+# systemd started the Prometheus server the package brings, it is stopped
+# and disabled again.
+if ! command -v promtool >/dev/null; then
+  echo "installing promtool (Debian package prometheus) for the alert rule tests" >&2
+  sudo=
+  if [ "$(id -u)" != 0 ]; then
+    sudo=sudo
+  fi
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+  if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+    $sudo systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+fi
