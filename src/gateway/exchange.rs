@@ -22,6 +22,7 @@ use envoy_types::pb::{
     },
     google::protobuf::value::Kind,
 };
+use kvroute_prompt::OpenAiRequest;
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -29,7 +30,7 @@ use super::{
     Gateway,
     body::{Body, Refused},
     pick::{self, Ask, Refusal},
-    prompts::{Tokens, tokenize},
+    prompts::{Served, Tokens, tokenize},
     reply::{self, SUBSET_KEY, SUBSET_NAMESPACE},
     usage::CachedTokensScanner,
 };
@@ -357,41 +358,30 @@ impl Exchange {
         };
         #[allow(clippy::disallowed_methods)] // how long the work took, not a deadline
         let started = Instant::now();
-        let request = match pick::read_body(&self.path, body.bytes()) {
-            Ok(request) => request,
-            Err(refusal) => return self.refuse(refusal).await,
-        };
-        timer("parse", started);
-        let served = gateway.prompts.resolve(&request.model);
-        #[allow(clippy::disallowed_methods)]
-        let started = Instant::now();
-        let tokenizer = served.tokenizer.clone();
-        // Templates and tokenizers are CPU work: off the runtime's threads,
-        // one per core at a time.
-        // The permit goes with the work: released when it ends, even if
-        // this stream is gone by then.
+        // Parsing, templates and tokenizers are CPU work, and a parsed body
+        // takes several times its size: off the runtime's threads, one per
+        // core at a time. The permit goes with the work: released when it
+        // ends, even if this stream is gone by then.
         let Ok(permit) = gateway.tokenizing.clone().acquire_owned().await else {
             return self.refuse(Refusal::new(503, "shutting down")).await;
         };
         timer("wait", started);
-        #[allow(clippy::disallowed_methods)]
-        let started = Instant::now();
-        let tokenized = tokio::task::spawn_blocking(move || {
-            let tokens = tokenize(tokenizer.as_deref(), &request);
+        let (path, worker) = (self.path.clone(), gateway.clone());
+        let prepared = tokio::task::spawn_blocking(move || {
+            let read = read_and_tokenize(&worker, &path, &body);
             drop(permit);
-            (request, tokens)
+            (body, read)
         })
         .await;
-        let (request, tokens) = match tokenized {
-            Ok((request, Ok(tokens))) => (request, tokens),
-            Ok((_, Err(error))) => return self.refuse(error.into()).await,
+        let (body, request, served, tokens) = match prepared {
+            Ok((body, Ok((request, served, tokens)))) => (body, request, served, tokens),
+            Ok((_, Err(refusal))) => return self.refuse(refusal).await,
             Err(_) => {
                 return self
                     .refuse(Refusal::new(503, "tokenization did not finish"))
                     .await;
             }
         };
-        timer("tokenize", started);
         match &tokens {
             Tokens::ByLoad(reason) => gateway
                 .metrics
@@ -487,6 +477,32 @@ impl Exchange {
             booking.release(if succeeded { "finished" } else { "failed" }, cached);
         }
     }
+}
+
+/// The body read as an OpenAI request, its model resolved and its prompt
+/// tokenized, each part timed (on a blocking thread).
+fn read_and_tokenize(
+    gateway: &Gateway,
+    path: &str,
+    body: &Body,
+) -> Result<(OpenAiRequest, Served, Tokens), Refusal> {
+    let timer = |part: &str, since: Instant| {
+        gateway
+            .metrics
+            .pick_seconds
+            .with_label_values(&[part])
+            .observe(since.elapsed().as_secs_f64());
+    };
+    #[allow(clippy::disallowed_methods)] // how long the work took, not a deadline
+    let started = Instant::now();
+    let request = pick::read_body(path, body.bytes())?;
+    timer("parse", started);
+    let served = gateway.prompts.resolve(&request.model);
+    #[allow(clippy::disallowed_methods)]
+    let started = Instant::now();
+    let tokens = tokenize(served.tokenizer.as_deref(), &request)?;
+    timer("tokenize", started);
+    Ok((request, served, tokens))
 }
 
 /// A header's value (`raw_value` as Envoy sends it, or `value`).
