@@ -25,7 +25,7 @@ use std::{
 
 use xxhash_rust::xxh3::xxh3_128;
 
-use crate::PromptError;
+use crate::error::PromptError;
 
 /// Segments shorter than this are not worth a lookup.
 const MIN_CACHED_BYTES: usize = 64;
