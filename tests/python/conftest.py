@@ -31,9 +31,14 @@ def kvroute_bin() -> str:
 @pytest.fixture(scope="session")
 def kvroute_pb(tmp_path_factory):
     """kvroute's protobuf modules, generated from proto/ with grpcio-tools."""
+    return kvroute_protos(tmp_path_factory.mktemp("pb"))
+
+
+def kvroute_protos(out: Path):
+    """kvroute's protobuf modules, generated into `out` (also for scripts/)."""
     from grpc_tools import protoc
 
-    out = tmp_path_factory.mktemp("pb")
+    out.mkdir(parents=True, exist_ok=True)
     protos = sorted(str(p.relative_to(REPO / "proto")) for p in (REPO / "proto").rglob("*.proto"))
     rc = protoc.main(["protoc", f"-I{REPO / 'proto'}", f"--python_out={out}", f"--grpc_python_out={out}", *protos])
     assert rc == 0, "protoc failed"

@@ -16,6 +16,10 @@ Listeners (each its own port):
 * subset listeners: first `envoy.filters.http.set_metadata` puts a fixed
   `x-gateway-destination-endpoint-subset` list into `envoy.lb.subset_hint`,
   which the ext_proc filter forwards to kvroute.
+
+scripts/epp-bench.py builds its two front doors here too: one with the
+picker, and one without ext_proc (`epp_cluster=None`) routing round robin to
+`round_robin_cluster`, its baseline.
 """
 
 import json
@@ -74,12 +78,16 @@ def set_subset_filter(subset: list[str]) -> dict:
     }
 
 
-def listener(name: str, addr: str, *, epp_cluster: str, failure_mode_allow: bool = False,
-             subset: list[str] | None = None, access_log: str | None = None) -> dict:
+def listener(name: str, addr: str, *, epp_cluster: str | None, failure_mode_allow: bool = False,
+             subset: list[str] | None = None, access_log: str | None = None,
+             cluster: str = "engines") -> dict:
+    """A front door routing to `cluster`; without `epp_cluster`, no ext_proc."""
     filters = []
     if subset is not None:
         filters.append(set_subset_filter(subset))
-    filters.append(ext_proc_filter(epp_cluster, failure_mode_allow, forward_subset=subset is not None))
+    if epp_cluster is not None:
+        filters.append(ext_proc_filter(epp_cluster, failure_mode_allow,
+                                       forward_subset=subset is not None))
     filters.append({
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
@@ -93,7 +101,7 @@ def listener(name: str, addr: str, *, epp_cluster: str, failure_mode_allow: bool
             "routes": [{
                 "match": {"prefix": "/"},
                 "route": {
-                    "cluster": "engines",
+                    "cluster": cluster,
                     "timeout": "0s",
                     "retry_policy": {"retry_on": "connect-failure,reset", "num_retries": 2},
                 },
@@ -143,6 +151,19 @@ def engines_cluster(endpoints: list[str]) -> dict:
                 }}]},
             },
         }}]},
+    }
+
+
+def round_robin_cluster(name: str, endpoints: list[str]) -> dict:
+    """The same engines as `engines_cluster`, plain round robin (no picker)."""
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "0.5s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": socket_address(e)}} for e in endpoints
+        ]}]},
     }
 
 
