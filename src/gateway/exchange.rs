@@ -349,13 +349,6 @@ impl Exchange {
             return Ok(());
         };
         let gateway = self.gateway.clone();
-        let timer = |part: &str, since: Instant| {
-            gateway
-                .metrics
-                .pick_seconds
-                .with_label_values(&[part])
-                .observe(since.elapsed().as_secs_f64());
-        };
         #[allow(clippy::disallowed_methods)] // how long the work took, not a deadline
         let started = Instant::now();
         // Parsing, templates and tokenizers are CPU work, and a parsed body
@@ -365,7 +358,7 @@ impl Exchange {
         let Ok(permit) = gateway.tokenizing.clone().acquire_owned().await else {
             return self.refuse(Refusal::new(503, "shutting down")).await;
         };
-        timer("wait", started);
+        gateway.time("wait", started);
         let (path, worker) = (self.path.clone(), gateway.clone());
         let prepared = tokio::task::spawn_blocking(move || {
             let read = read_and_tokenize(&worker, &path, &body);
@@ -442,7 +435,7 @@ impl Exchange {
                 .refuse(Refusal::new(503, "the chosen worker has no HTTP endpoint"))
                 .await;
         };
-        timer("select", started);
+        gateway.time("select", started);
         self.booking = booking;
         self.stage = Stage::Routed;
         gateway
@@ -486,22 +479,15 @@ fn read_and_tokenize(
     path: &str,
     body: &Body,
 ) -> Result<(OpenAiRequest, Served, Tokens), Refusal> {
-    let timer = |part: &str, since: Instant| {
-        gateway
-            .metrics
-            .pick_seconds
-            .with_label_values(&[part])
-            .observe(since.elapsed().as_secs_f64());
-    };
     #[allow(clippy::disallowed_methods)] // how long the work took, not a deadline
     let started = Instant::now();
     let request = pick::read_body(path, body.bytes())?;
-    timer("parse", started);
+    gateway.time("parse", started);
     let served = gateway.prompts.resolve(&request.model);
     #[allow(clippy::disallowed_methods)]
     let started = Instant::now();
     let tokens = tokenize(served.tokenizer.as_deref(), &request)?;
-    timer("tokenize", started);
+    gateway.time("tokenize", started);
     Ok((request, served, tokens))
 }
 

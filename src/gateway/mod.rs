@@ -142,6 +142,14 @@ impl Gateway {
         format!("epp-{:08x}-{n}", self.instance)
     }
 
+    /// Records how long one part of a pick took (`pick_seconds{part}`).
+    fn time(&self, part: &str, since: std::time::Instant) {
+        self.metrics
+            .pick_seconds
+            .with_label_values(&[part])
+            .observe(since.elapsed().as_secs_f64());
+    }
+
     /// The tonic service.
     pub(crate) fn service(self: &Arc<Self>) -> ExternalProcessorServer<ExtProc> {
         ExternalProcessorServer::new(ExtProc(self.clone()))

@@ -87,13 +87,11 @@ pub(crate) fn read_body(path: &str, body: &[u8]) -> Result<OpenAiRequest, Refusa
 /// and in `subset` when the proxy gave one.
 pub(crate) fn reachable<'a>(
     workers: &'a [WorkerSnapshot],
-    subset: Option<&HashSet<String>>,
+    subset: Option<&'a HashSet<String>>,
 ) -> impl Iterator<Item = (&'a WorkerSnapshot, &'a str)> + 'a {
-    let subset = subset.cloned();
     workers.iter().filter_map(move |w| {
         let address = http_address(&w.endpoint)?;
         subset
-            .as_ref()
             .is_none_or(|s| s.contains(address))
             .then_some((w, address))
     })
