@@ -104,25 +104,10 @@ impl pb::workers_server::Workers for WorkersService {
         // No connection is made to a host the worker may not name; the
         // answer is the same whether or not anything listens there.
         // The HTTP endpoint too: the endpoint picker sends requests there.
-        let http = endpoint_allow::http_address(&registration.endpoint)
-            .map(|address| format!("tcp://{address}"));
-        if let Some(field) = [
-            ("endpoint", http.as_ref()),
-            (
-                "events_endpoint",
-                source.as_ref().map(|source| &source.endpoint),
-            ),
-            (
-                "replay_endpoint",
-                source.as_ref().and_then(|s| s.replay_endpoint.as_ref()),
-            ),
-        ]
-        .into_iter()
-        .find_map(|(field, endpoint)| {
-            endpoint
-                .filter(|e| !self.endpoint_allow.permits(e, peer))
-                .map(|_| field)
-        }) {
+        if let Some(field) =
+            self.endpoint_allow
+                .refused_field(&registration.endpoint, source.as_ref(), peer)
+        {
             self.fleet
                 .router()
                 .metrics()

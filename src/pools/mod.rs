@@ -27,10 +27,7 @@ use std::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    engine_events::EngineSource,
-    fleet::Fleet,
-    metrics::GatewayFamilies,
-    security::{EndpointAllow, endpoint_allow::http_address},
+    engine_events::EngineSource, fleet::Fleet, metrics::GatewayFamilies, security::EndpointAllow,
 };
 use kvroute_core::{registry::Registration, types::WorkerId};
 
@@ -186,15 +183,9 @@ impl Pools {
     /// for a worker registering from loopback.
     fn admitted(&self, registration: &Registration, source: &EngineSource) -> bool {
         let peer = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
-        let http = http_address(&registration.endpoint).map(|a| format!("tcp://{a}"));
-        [
-            http.as_ref(),
-            Some(&source.endpoint),
-            source.replay_endpoint.as_ref(),
-        ]
-        .into_iter()
-        .flatten()
-        .all(|endpoint| self.allow.permits(endpoint, peer))
+        self.allow
+            .refused_field(&registration.endpoint, Some(source), peer)
+            .is_none()
     }
 }
 

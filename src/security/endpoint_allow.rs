@@ -10,6 +10,8 @@
 
 use std::net::IpAddr;
 
+use crate::engine_events::EngineSource;
+
 /// `--engine-endpoint-allow`, parsed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EndpointAllow {
@@ -98,6 +100,30 @@ impl EndpointAllow {
                 None => peer_is_loopback && host.eq_ignore_ascii_case("localhost"),
             },
         }
+    }
+}
+
+impl EndpointAllow {
+    /// The first of a worker's endpoints kvroute may not connect or route
+    /// to, by its field name: its HTTP `endpoint` (when it is `host:port`),
+    /// then its engine's events and replay endpoints.
+    pub(crate) fn refused_field(
+        &self,
+        endpoint: &str,
+        source: Option<&EngineSource>,
+        peer: Option<IpAddr>,
+    ) -> Option<&'static str> {
+        let http = http_address(endpoint).map(|address| format!("tcp://{address}"));
+        [
+            ("endpoint", http.as_ref()),
+            ("events_endpoint", source.map(|s| &s.endpoint)),
+            (
+                "replay_endpoint",
+                source.and_then(|s| s.replay_endpoint.as_ref()),
+            ),
+        ]
+        .into_iter()
+        .find_map(|(field, endpoint)| endpoint.filter(|e| !self.permits(e, peer)).map(|_| field))
     }
 }
 
