@@ -12,7 +12,11 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let dir = args.next().expect("a tokenizer directory");
     let words: usize = args.next().map_or(10_000, |w| w.parse().unwrap());
+    let reference = ModelTokenizer::from_dir(std::path::Path::new(&dir))
+        .unwrap()
+        .with_fast_path(false);
     let model = ModelTokenizer::from_dir(std::path::Path::new(&dir)).unwrap();
+    println!("ids-only byte-level encoder: {}", model.has_fast_path());
     let vocabulary = [
         "time", "year", "people", "way", "day", "thing", "world", "school",
     ];
@@ -20,16 +24,26 @@ fn main() {
         .map(|i| vocabulary[(i * 7 + i / 3) % vocabulary.len()])
         .collect::<Vec<_>>()
         .join(" ");
-    #[allow(clippy::disallowed_methods)]
-    let started = Instant::now();
-    let ids = model.encode(&text, false).unwrap();
-    let secs = started.elapsed().as_secs_f64();
-    println!(
-        "plain text: {} ids in {:.2} ms, {:.0} k ids/s",
-        ids.len(),
-        secs * 1e3,
-        ids.len() as f64 / secs / 1e3
-    );
+    let mut expected = Vec::new();
+    for (path, tokenizer) in [("Hugging Face", &reference), ("ids-only", &model)] {
+        for pass in ["first", "second"] {
+            #[allow(clippy::disallowed_methods)]
+            let started = Instant::now();
+            let ids = tokenizer.encode(&text, false).unwrap();
+            let secs = started.elapsed().as_secs_f64();
+            println!(
+                "plain text, {path}, {pass}: {} ids in {:.2} ms, {:.0} k ids/s",
+                ids.len(),
+                secs * 1e3,
+                ids.len() as f64 / secs / 1e3
+            );
+            if expected.is_empty() {
+                expected = ids;
+            } else {
+                assert_eq!(ids, expected, "{path} differs");
+            }
+        }
+    }
     // A chat of 20 messages of words/20 each, then again (all cached).
     let per = words / 20;
     let messages: Vec<_> = (0..20)

@@ -11,6 +11,7 @@
 //! * a template cannot run forever or without bound: rendering has fuel,
 //!   and a template's own `raise_exception` is an error, never a panic.
 
+mod bytelevel;
 mod error;
 mod pyjson;
 pub mod request;
@@ -28,6 +29,9 @@ pub use template::{ChatRequest, ChatTemplate};
 /// Hugging Face keeps in a model's directory.
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
+    /// The ids-only encoder, where the tokenizer is byte-level BPE
+    /// (`bytelevel.rs`); `None`: Hugging Face's own path.
+    fast: Option<bytelevel::ByteLevelBpe>,
     template: Option<ChatTemplate>,
     /// Rendered chats are tokenized in cached segments (`segments.rs`).
     segments: segments::Segments,
@@ -37,6 +41,7 @@ impl std::fmt::Debug for ModelTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelTokenizer")
             .field("template", &self.template.is_some())
+            .field("fast", &self.fast.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -50,8 +55,15 @@ impl ModelTokenizer {
             why,
         };
         let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        let tokenizer_text = std::fs::read_to_string(&tokenizer_path)
             .map_err(|e| files(&tokenizer_path, e.to_string()))?;
+        let tokenizer: tokenizers::Tokenizer = tokenizer_text
+            .parse()
+            .map_err(|e: tokenizers::Error| files(&tokenizer_path, e.to_string()))?;
+        let fast = serde_json::from_str(&tokenizer_text)
+            .ok()
+            .and_then(|json| bytelevel::ByteLevelBpe::from_json(&json));
+        drop(tokenizer_text);
         let config_path = dir.join("tokenizer_config.json");
         let template = match std::fs::read_to_string(&config_path) {
             Ok(text) => {
@@ -65,6 +77,7 @@ impl ModelTokenizer {
         let segments = segments::Segments::new(&tokenizer, DEFAULT_CACHED_IDS);
         Ok(Self {
             tokenizer,
+            fast,
             template,
             segments,
         })
@@ -75,6 +88,21 @@ impl ModelTokenizer {
     pub fn with_segment_cache(mut self, cached_ids: usize) -> Self {
         self.segments = segments::Segments::new(&self.tokenizer, cached_ids);
         self
+    }
+
+    /// The same tokenizer on Hugging Face's own path only (`false`), or
+    /// with the ids-only encoder where it applies (`true`, the default):
+    /// for comparing the two.
+    pub fn with_fast_path(mut self, on: bool) -> Self {
+        if !on {
+            self.fast = None;
+        }
+        self
+    }
+
+    /// Whether the ids-only byte-level BPE encoder serves this model.
+    pub fn has_fast_path(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Ids served from the segment cache, and ids of rendered chats in
@@ -99,7 +127,10 @@ impl ModelTokenizer {
     pub fn chat_ids(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptError> {
         let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
         let text = template.render(request)?;
-        Ok(self.segments.encode(&self.tokenizer, &text)?.0)
+        Ok(self
+            .segments
+            .encode(&text, |piece| self.encode_plain(piece))?
+            .0)
     }
 
     /// The token ids the engine computes for `request`: its chat rendered
@@ -135,7 +166,8 @@ impl ModelTokenizer {
                     (None, Some(template)) => template.render(&chat)?,
                     (None, None) => return Err(PromptError::NoTemplate),
                 };
-                self.segments.encode(&self.tokenizer, &text)
+                self.segments
+                    .encode(&text, |piece| self.encode_plain(piece))
             }
             Prompt::Text {
                 text,
@@ -149,8 +181,46 @@ impl ModelTokenizer {
     /// The ids of `text`; `add_special_tokens` as the tokenizer's own
     /// post-processor adds them (a completion prompt).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+        if !add_special_tokens {
+            return self.encode_plain(text);
+        }
         self.tokenizer
             .encode_fast(text, add_special_tokens)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|e| PromptError::Tokenize(e.to_string()))
+    }
+}
+
+impl ModelTokenizer {
+    /// The ids of `text` with no special tokens added: by the ids-only
+    /// encoder where there is one, else by Hugging Face's path.
+    fn encode_plain(&self, text: &str) -> Result<Vec<u32>, PromptError> {
+        let Some(fast) = &self.fast else {
+            return self
+                .tokenizer
+                .encode_fast(text, false)
+                .map(|encoding| encoding.get_ids().to_vec())
+                .map_err(|e| PromptError::Tokenize(e.to_string()));
+        };
+        fast.encode(text, |piece| {
+            use tokenizers::Normalizer;
+            let Some(normalizer) = self.tokenizer.get_normalizer() else {
+                return Ok(piece.to_owned());
+            };
+            let mut normalized = tokenizers::NormalizedString::from(piece);
+            normalizer
+                .normalize(&mut normalized)
+                .map_err(|e| PromptError::Tokenize(e.to_string()))?;
+            Ok(normalized.get().to_owned())
+        })
+    }
+
+    /// Hugging Face's ids for `text` (no special tokens added), whatever
+    /// encoder serves the model: the reference the fast path is tested
+    /// against.
+    pub fn reference_ids(&self, text: &str) -> Result<Vec<u32>, PromptError> {
+        self.tokenizer
+            .encode_fast(text, false)
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|e| PromptError::Tokenize(e.to_string()))
     }

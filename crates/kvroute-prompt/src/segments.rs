@@ -121,18 +121,13 @@ impl Segments {
     }
 
     /// The ids of `text` (no special tokens added), segment by segment,
-    /// and how many of them came from the cache.
+    /// each segment's by `encode` unless cached, and how many of them came
+    /// from the cache.
     pub(crate) fn encode(
         &self,
-        tokenizer: &tokenizers::Tokenizer,
         text: &str,
+        encode: impl Fn(&str) -> Result<Vec<u32>, PromptError>,
     ) -> Result<(Vec<u32>, u64), PromptError> {
-        let encode = |piece: &str| -> Result<Vec<u32>, PromptError> {
-            tokenizer
-                .encode_fast(piece, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| PromptError::Tokenize(e.to_string()))
-        };
         let mut ids = Vec::with_capacity(text.len() / 3);
         let mut cached = 0u64;
         let mut start = 0;

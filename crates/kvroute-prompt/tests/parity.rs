@@ -5,8 +5,12 @@
 //! kvroute-prompt, read as the picker reads them: an OpenAI request body
 //! through `request::parse`, then `ModelTokenizer::prompt_ids`. Run by `scripts/tokenizer-parity.sh`,
 //! which fetches real tokenizer files and makes the cases; ignored by a
-//! plain `cargo test`, which has neither.
+//! plain `cargo test`, which has neither. Also here: the ids-only
+//! byte-level encoder against Hugging Face's own path on the same real
+//! files, over generated text of every kind.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
 
 use std::path::PathBuf;
 
@@ -93,5 +97,56 @@ fn chat_ids_equal_transformers_on_every_generated_case() {
             cached_again > 0,
             "{family}: the repeated chats found nothing cached"
         );
+    }
+}
+
+#[test]
+#[ignore = "needs real tokenizer files: run scripts/tokenizer-parity.sh"]
+fn the_ids_only_encoder_equals_hugging_face_on_real_tokenizers() {
+    let models = dir("KVROUTE_TOKENIZER_MODELS");
+    for family in ["qwen3", "llama3"] {
+        let model = ModelTokenizer::from_dir(&models.join(family)).unwrap();
+        assert!(model.has_fast_path(), "{family}: no ids-only encoder");
+        let mut g = common::Gen::new(7);
+        let mut ids = 0;
+        for case in 0..3_000 {
+            let text = common::text(&mut g, 1 + case % 60);
+            let reference = model.reference_ids(&text).unwrap();
+            let fast = model.encode(&text, false).unwrap();
+            assert_eq!(fast, reference, "{family}, case {case}: {text:?}");
+            ids += fast.len();
+        }
+        eprintln!("{family}: 3000 texts, {ids} ids, all equal");
+    }
+}
+
+#[test]
+#[ignore = "needs real tokenizer files: run scripts/tokenizer-parity.sh"]
+fn the_ids_only_encoder_classifies_code_points_as_hugging_face_does() {
+    // Scalar values between letters, digits and spaces, in chunks: a
+    // character the two regex engines class differently (a letter of a
+    // newer Unicode, say) cuts a piece differently and shows here. Every
+    // one in a release build (about a minute); every 29th in a debug one.
+    let step = if cfg!(debug_assertions) { 29 } else { 1 };
+    let models = dir("KVROUTE_TOKENIZER_MODELS");
+    for family in ["qwen3", "llama3"] {
+        let model = ModelTokenizer::from_dir(&models.join(family)).unwrap();
+        let chars: Vec<char> = (0..=0x10FFFFu32)
+            .step_by(step)
+            .filter_map(char::from_u32)
+            .collect();
+        for chunk in chars.chunks(256) {
+            let mut text = String::new();
+            for c in chunk {
+                text.extend(['a', *c, 'b', ' ', *c, '1', ' ', *c, *c, ' ', ' ', *c, '\n']);
+            }
+            assert_eq!(
+                model.encode(&text, false).unwrap(),
+                model.reference_ids(&text).unwrap(),
+                "{family}: between U+{:04X} and U+{:04X}",
+                u32::from(chunk[0]),
+                u32::from(chunk[chunk.len() - 1])
+            );
+        }
     }
 }

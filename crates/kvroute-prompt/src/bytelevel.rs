@@ -1,0 +1,653 @@
+//! An ids-only encoder for byte-level BPE tokenizers (Qwen, Llama 3,
+//! GPT-2 and their kin), the front door's hot path.
+//!
+//! Why: Hugging Face's pipeline keeps, for every byte of the prompt, its
+//! offsets and alignments through normalizer, pre-tokenizer and model, and
+//! builds an `Encoding` with token strings; the router needs the ids only.
+//! On 14k-token prompts that bookkeeping was most of a pick's time (#33).
+//! This encoder does the same steps on plain bytes: the added tokens cut
+//! out (leftmost-longest, as HF matches them), the text between them
+//! normalized (by the tokenizer's own normalizer, and only when it is not
+//! ASCII), split by the pre-tokenizer's regex, and each piece's bytes
+//! merged by rank, the pieces' ids cached.
+//!
+//! Invariants:
+//! * it is built only for the pipeline shape it reproduces (see
+//!   [`ByteLevelBpe::from_json`]); any other tokenizer keeps HF's path;
+//! * the pre-tokenizer's lookahead `\s+(?!\S)`, which the `regex` engines
+//!   lack, is replaced by two patterns that give the same matches: `\s+\z`
+//!   and `\s+\s` with its last character given back;
+//! * the same ids as HF for every text: `tests/bytelevel.rs` compares the
+//!   two on generated text over a trained tokenizer, and the parity test on
+//!   real Qwen3 and Llama 3 files (against `transformers`) runs through it;
+//! * bounded: the piece cache holds at most [`CACHE_SHARDS`] ×
+//!   [`SHARD_PIECES`] pieces of at most [`MAX_CACHED_PIECE`] bytes; a
+//!   piece of any length merges in O(n log n).
+
+use std::{
+    collections::{BinaryHeap, HashMap},
+    hash::{BuildHasherDefault, Hasher},
+    sync::Mutex,
+};
+
+use regex_automata::{meta::Regex, util::syntax};
+use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Pieces longer than this are merged each time, not cached.
+pub const MAX_CACHED_PIECE: usize = 48;
+/// Shards of the piece cache (a piece's hash picks one).
+pub const CACHE_SHARDS: usize = 16;
+/// Pieces one shard holds; a full shard starts again empty.
+pub const SHARD_PIECES: usize = 4096;
+/// Pieces of at most this many symbols merge by a scan; longer ones by a
+/// heap.
+const SCAN_MERGE_SYMBOLS: usize = 24;
+
+/// The pre-tokenizer's lookahead, and GPT-2's own split pattern (a
+/// `ByteLevel` pre-tokenizer with `use_regex`).
+const LOOKAHEAD: &str = r"\s+(?!\S)";
+const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// A hasher for keys that are already hashes or small integers.
+#[derive(Default)]
+struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.0 = (self.0 << 8 | u64::from(*byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<PassThrough>>;
+
+/// GPT-2's map from bytes to the printable characters the vocabulary is
+/// written in.
+fn byte_chars() -> [char; 256] {
+    let mut chars = ['\0'; 256];
+    let mut next = 256u32;
+    for byte in 0..=255u8 {
+        let printable = matches!(byte, 33..=126 | 161..=172 | 174..=255);
+        let code = if printable {
+            u32::from(byte)
+        } else {
+            next += 1;
+            next - 1
+        };
+        chars[usize::from(byte)] = char::from_u32(code).unwrap_or('\0');
+    }
+    chars
+}
+
+/// The pre-tokenizer's regex, split into its top-level alternatives, with
+/// the lookahead alternative replaced; `None` for a pattern this encoder
+/// cannot reproduce (another lookaround, or a syntax `regex` refuses).
+struct Splitter {
+    regex: Regex,
+    /// The pattern whose match gives its last character back.
+    give_back: usize,
+}
+
+fn top_level_alternatives(pattern: &str) -> Vec<String> {
+    let mut alternatives = vec![String::new()];
+    let (mut parens, mut brackets) = (0usize, 0usize);
+    let mut chars = pattern.chars();
+    while let Some(c) = chars.next() {
+        let last = alternatives.len() - 1;
+        match c {
+            '\\' => {
+                alternatives[last].push(c);
+                if let Some(escaped) = chars.next() {
+                    alternatives[last].push(escaped);
+                }
+                continue;
+            }
+            '[' => brackets += 1,
+            ']' if brackets > 0 => brackets -= 1,
+            '(' if brackets == 0 => parens += 1,
+            ')' if brackets == 0 => parens = parens.saturating_sub(1),
+            '|' if brackets == 0 && parens == 0 => {
+                alternatives.push(String::new());
+                continue;
+            }
+            _ => {}
+        }
+        alternatives[last].push(c);
+    }
+    alternatives
+}
+
+impl Splitter {
+    fn new(pattern: &str) -> Option<Self> {
+        let mut patterns = Vec::new();
+        let mut give_back = None;
+        for alternative in top_level_alternatives(pattern) {
+            if alternative == LOOKAHEAD && give_back.is_none() {
+                patterns.push(r"\s+\z".to_owned());
+                give_back = Some(patterns.len());
+                patterns.push(r"\s+\s".to_owned());
+            } else if alternative.contains("(?=")
+                || alternative.contains("(?!")
+                || alternative.contains("(?<")
+                || alternative.is_empty()
+            {
+                return None;
+            } else {
+                patterns.push(alternative);
+            }
+        }
+        let regex = Regex::builder()
+            .syntax(syntax::Config::new().unicode(true).utf8(true))
+            .build_many(&patterns)
+            .ok()?;
+        Some(Self {
+            regex,
+            give_back: give_back.unwrap_or(usize::MAX),
+        })
+    }
+
+    /// Calls `piece` with each piece of `text` in order: the regex's
+    /// matches, and any text between them, as HF's `Isolated` split.
+    fn split(&self, text: &str, mut piece: impl FnMut(&str)) {
+        let mut at = 0;
+        while at < text.len() {
+            let input = regex_automata::Input::new(text).span(at..text.len());
+            let Some(found) = self.regex.find(input) else {
+                piece(&text[at..]);
+                return;
+            };
+            let mut end = found.end();
+            if found.pattern().as_usize() == self.give_back {
+                // `\s+\s`: the last whitespace character is not the
+                // lookahead's; it starts the next piece.
+                end = text[..end]
+                    .char_indices()
+                    .next_back()
+                    .map_or(end, |(i, _)| i);
+            }
+            if found.start() > at {
+                piece(&text[at..found.start()]);
+            }
+            if end <= found.start() {
+                // An empty match (no supported pattern has one): move on
+                // by a character so the loop ends.
+                let step = text[found.start()..]
+                    .chars()
+                    .next()
+                    .map_or(1, char::len_utf8);
+                piece(&text[found.start()..found.start() + step]);
+                at = found.start() + step;
+                continue;
+            }
+            piece(&text[found.start()..end]);
+            at = end;
+        }
+    }
+}
+
+/// A merge the heap holds: the lowest rank first, then the leftmost.
+#[derive(PartialEq, Eq)]
+struct Merge {
+    rank: u32,
+    at: usize,
+}
+
+impl Ord for Merge {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other
+            .rank
+            .cmp(&self.rank)
+            .then_with(|| other.at.cmp(&self.at))
+    }
+}
+
+impl PartialOrd for Merge {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// A cached piece: its bytes (to tell hash collisions apart) and ids.
+type CacheShard = FastMap<u64, (Box<[u8]>, Box<[u32]>)>;
+
+/// The encoder. Build it with [`ByteLevelBpe::from_json`].
+pub(crate) struct ByteLevelBpe {
+    /// Each byte's id on its own.
+    byte_ids: [u32; 256],
+    /// (left, right) ids → (rank, merged id).
+    merges: FastMap<u64, (u32, u32)>,
+    /// Whole pieces that are one token (`ignore_merges`).
+    whole: Option<HashMap<Box<[u8]>, u32>>,
+    splitter: Splitter,
+    /// The added tokens, matched leftmost-longest, and their ids.
+    added: Option<(aho_corasick::AhoCorasick, Vec<u32>)>,
+    /// Whether the tokenizer normalizes (NFC): non-ASCII text between
+    /// added tokens then goes through its normalizer first.
+    normalizes: bool,
+    cache: Vec<Mutex<CacheShard>>,
+}
+
+impl std::fmt::Debug for ByteLevelBpe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ByteLevelBpe")
+            .field("merges", &self.merges.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn pair(left: u32, right: u32) -> u64 {
+    u64::from(left) << 32 | u64::from(right)
+}
+
+impl ByteLevelBpe {
+    /// The encoder for the tokenizer in `json` (a `tokenizer.json`), or
+    /// `None` unless its pipeline is exactly: no normalizer or NFC; a
+    /// regex `Split` (isolated) then `ByteLevel` without prefix space, or
+    /// `ByteLevel` with its own regex; a BPE model without dropout,
+    /// subword prefix or suffix, or byte fallback; added tokens that strip
+    /// nothing, match anywhere and are matched before normalizing.
+    pub(crate) fn from_json(json: &Value) -> Option<Self> {
+        let normalizes = match &json["normalizer"] {
+            Value::Null => false,
+            normalizer if normalizer["type"] == "NFC" => true,
+            _ => return None,
+        };
+        let pattern = split_pattern(&json["pre_tokenizer"])?;
+        let splitter = Splitter::new(&pattern)?;
+        let model = &json["model"];
+        let empty = |field: &str| match &model[field] {
+            Value::Null => true,
+            Value::String(s) => s.is_empty(),
+            _ => false,
+        };
+        if model["type"] != "BPE"
+            || !model["dropout"].is_null()
+            || !empty("continuing_subword_prefix")
+            || !empty("end_of_word_suffix")
+            || model["byte_fallback"] == Value::Bool(true)
+        {
+            return None;
+        }
+        let vocab: HashMap<&str, u32> = model["vocab"]
+            .as_object()?
+            .iter()
+            .map(|(token, id)| Some((token.as_str(), u32::try_from(id.as_u64()?).ok()?)))
+            .collect::<Option<_>>()?;
+        let chars = byte_chars();
+        let mut byte_ids = [0u32; 256];
+        for (byte, c) in chars.iter().enumerate() {
+            byte_ids[byte] = *vocab.get(c.to_string().as_str())?;
+        }
+        let mut merges = FastMap::default();
+        for (rank, merge) in model["merges"].as_array()?.iter().enumerate() {
+            let (left, right) = match merge {
+                Value::String(both) => both.split_once(' ')?,
+                Value::Array(parts) if parts.len() == 2 => (parts[0].as_str()?, parts[1].as_str()?),
+                _ => return None,
+            };
+            let merged = vocab.get(format!("{left}{right}").as_str());
+            let (Some(&left), Some(&right), Some(&merged)) =
+                (vocab.get(left), vocab.get(right), merged)
+            else {
+                // HF refuses such a file; so does this encoder.
+                return None;
+            };
+            // A pair listed twice keeps its last rank, as HF's map does.
+            merges.insert(pair(left, right), (u32::try_from(rank).ok()?, merged));
+        }
+        let whole = (model["ignore_merges"] == Value::Bool(true)).then(|| {
+            let mut byte_of = HashMap::new();
+            for (byte, c) in chars.iter().enumerate() {
+                byte_of.insert(*c, byte as u8);
+            }
+            vocab
+                .iter()
+                .filter_map(|(token, id)| {
+                    let bytes: Option<Vec<u8>> =
+                        token.chars().map(|c| byte_of.get(&c).copied()).collect();
+                    Some((bytes?.into_boxed_slice(), *id))
+                })
+                .collect()
+        });
+        let added = added_tokens(&json["added_tokens"])?;
+        Some(Self {
+            byte_ids,
+            merges,
+            whole,
+            splitter,
+            added,
+            normalizes,
+            cache: (0..CACHE_SHARDS).map(|_| Mutex::default()).collect(),
+        })
+    }
+
+    /// The ids of `text`, no special tokens added; `normalize` applies the
+    /// tokenizer's own normalizer to a piece of text between added tokens.
+    pub(crate) fn encode<E>(
+        &self,
+        text: &str,
+        normalize: impl Fn(&str) -> Result<String, E>,
+    ) -> Result<Vec<u32>, E> {
+        let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        let mut at = 0;
+        if let Some((matcher, added_ids)) = &self.added {
+            for found in matcher.find_iter(text) {
+                self.encode_plain(&text[at..found.start()], &normalize, &mut ids)?;
+                ids.push(added_ids[found.pattern().as_usize()]);
+                at = found.end();
+            }
+        }
+        self.encode_plain(&text[at..], &normalize, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// Text with no added token in it.
+    fn encode_plain<E>(
+        &self,
+        text: &str,
+        normalize: &impl Fn(&str) -> Result<String, E>,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), E> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        if self.normalizes && !text.is_ascii() {
+            let normalized = normalize(text)?;
+            self.splitter.split(&normalized, |piece| {
+                self.encode_piece(piece.as_bytes(), ids)
+            });
+        } else {
+            self.splitter
+                .split(text, |piece| self.encode_piece(piece.as_bytes(), ids));
+        }
+        Ok(())
+    }
+
+    /// One pre-tokenized piece, through the cache.
+    fn encode_piece(&self, piece: &[u8], ids: &mut Vec<u32>) {
+        if piece.len() == 1 {
+            ids.push(self.byte_ids[usize::from(piece[0])]);
+            return;
+        }
+        if piece.len() > MAX_CACHED_PIECE {
+            self.merge_piece(piece, ids);
+            return;
+        }
+        let hash = xxh3_64(piece);
+        let shard = &self.cache[(hash >> 60) as usize % CACHE_SHARDS];
+        if let Ok(cache) = shard.lock()
+            && let Some((bytes, cached)) = cache.get(&hash)
+            && **bytes == *piece
+        {
+            ids.extend_from_slice(cached);
+            return;
+        }
+        let from = ids.len();
+        self.merge_piece(piece, ids);
+        if let Ok(mut cache) = shard.lock() {
+            if cache.len() >= SHARD_PIECES {
+                cache.clear();
+            }
+            cache
+                .entry(hash)
+                .or_insert_with(|| (piece.into(), ids[from..].into()));
+        }
+    }
+
+    /// BPE on one piece's bytes: the lowest-ranked adjacent pair merges
+    /// first, the leftmost of equal rank first, until none merges.
+    fn merge_piece(&self, piece: &[u8], ids: &mut Vec<u32>) {
+        if let Some(whole) = &self.whole
+            && let Some(&id) = whole.get(piece)
+        {
+            ids.push(id);
+            return;
+        }
+        let mut symbols: Vec<u32> = piece
+            .iter()
+            .map(|b| self.byte_ids[usize::from(*b)])
+            .collect();
+        if symbols.len() <= SCAN_MERGE_SYMBOLS {
+            self.merge_by_scan(&mut symbols);
+            ids.extend_from_slice(&symbols);
+        } else {
+            self.merge_by_heap(&symbols, ids);
+        }
+    }
+
+    fn merge_by_scan(&self, symbols: &mut Vec<u32>) {
+        loop {
+            let mut best: Option<(u32, usize, u32)> = None;
+            for at in 0..symbols.len().saturating_sub(1) {
+                if let Some(&(rank, merged)) = self.merges.get(&pair(symbols[at], symbols[at + 1]))
+                    && best.is_none_or(|(best_rank, _, _)| rank < best_rank)
+                {
+                    best = Some((rank, at, merged));
+                }
+            }
+            let Some((_, at, merged)) = best else { return };
+            symbols[at] = merged;
+            symbols.remove(at + 1);
+        }
+    }
+
+    /// The same merges in O(n log n): symbols in a linked list, candidate
+    /// merges in a heap, stale candidates skipped when popped.
+    fn merge_by_heap(&self, initial: &[u32], ids: &mut Vec<u32>) {
+        const NONE: usize = usize::MAX;
+        let n = initial.len();
+        let mut symbol = initial.to_vec();
+        let mut next: Vec<usize> = (1..=n).map(|i| if i == n { NONE } else { i }).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+        let mut alive = vec![true; n];
+        let mut heap = BinaryHeap::with_capacity(n);
+        let rank_at = |symbol: &[u32], next: &[usize], at: usize| -> Option<(u32, u32)> {
+            let right = next[at];
+            if right == NONE {
+                return None;
+            }
+            self.merges.get(&pair(symbol[at], symbol[right])).copied()
+        };
+        for at in 0..n.saturating_sub(1) {
+            if let Some((rank, _)) = rank_at(&symbol, &next, at) {
+                heap.push(Merge { rank, at });
+            }
+        }
+        while let Some(Merge { rank, at }) = heap.pop() {
+            if !alive[at] {
+                continue;
+            }
+            // Stale: the pair at `at` changed since this was pushed.
+            let Some((current, merged)) = rank_at(&symbol, &next, at) else {
+                continue;
+            };
+            if current != rank {
+                continue;
+            }
+            let right = next[at];
+            symbol[at] = merged;
+            alive[right] = false;
+            next[at] = next[right];
+            if next[at] != NONE {
+                prev[next[at]] = at;
+            }
+            if prev[at] != NONE
+                && let Some((rank, _)) = rank_at(&symbol, &next, prev[at])
+            {
+                heap.push(Merge { rank, at: prev[at] });
+            }
+            if let Some((rank, _)) = rank_at(&symbol, &next, at) {
+                heap.push(Merge { rank, at });
+            }
+        }
+        let mut at = 0;
+        while at != NONE {
+            ids.push(symbol[at]);
+            at = next[at];
+        }
+    }
+}
+
+/// The split regex of a pre-tokenizer this encoder reproduces.
+fn split_pattern(pre: &Value) -> Option<String> {
+    let byte_level_plain =
+        |p: &Value| p["type"] == "ByteLevel" && p["add_prefix_space"] != Value::Bool(true);
+    match pre["type"].as_str()? {
+        "ByteLevel" if byte_level_plain(pre) && pre["use_regex"] != Value::Bool(false) => {
+            Some(GPT2_PATTERN.to_owned())
+        }
+        "Sequence" => {
+            let steps = pre["pretokenizers"].as_array()?;
+            let [split, byte_level] = steps.as_slice() else {
+                return None;
+            };
+            let isolated = split["type"] == "Split"
+                && split["behavior"] == "Isolated"
+                && split["invert"] != Value::Bool(true);
+            let plain =
+                byte_level_plain(byte_level) && byte_level["use_regex"] == Value::Bool(false);
+            if !(isolated && plain) {
+                return None;
+            }
+            split["pattern"]["Regex"].as_str().map(str::to_owned)
+        }
+        _ => None,
+    }
+}
+
+/// The added tokens' matcher, if all of them can be cut out of the raw text
+/// (none strips, is single-word or is matched after normalizing); `None`
+/// when one cannot.
+#[allow(clippy::type_complexity)]
+fn added_tokens(tokens: &Value) -> Option<Option<(aho_corasick::AhoCorasick, Vec<u32>)>> {
+    let tokens = match tokens {
+        Value::Null => return Some(None),
+        tokens => tokens.as_array()?,
+    };
+    if tokens.is_empty() {
+        return Some(None);
+    }
+    let mut contents = Vec::with_capacity(tokens.len());
+    let mut ids = Vec::with_capacity(tokens.len());
+    for token in tokens {
+        let on = |flag: &str| token[flag] == Value::Bool(true);
+        if on("lstrip") || on("rstrip") || on("single_word") || on("normalized") {
+            return None;
+        }
+        let content = token["content"].as_str()?;
+        if content.is_empty() {
+            return None;
+        }
+        contents.push(content.to_owned());
+        ids.push(u32::try_from(token["id"].as_u64()?).ok()?);
+    }
+    let matcher = aho_corasick::AhoCorasick::builder()
+        .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+        .build(&contents)
+        .ok()?;
+    Some(Some((matcher, ids)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alternatives_split_at_the_top_level_only() {
+        let pattern = r"(?i:'s|'t)|[^\r\n\p{L}|]?\p{L}+|\p{N}{1,3}|\s+(?!\S)|\s+";
+        assert_eq!(
+            top_level_alternatives(pattern),
+            [
+                r"(?i:'s|'t)",
+                r"[^\r\n\p{L}|]?\p{L}+",
+                r"\p{N}{1,3}",
+                LOOKAHEAD,
+                r"\s+"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_lookahead_is_given_back_as_the_backtracking_engine_does() {
+        let splitter = Splitter::new(GPT2_PATTERN).unwrap();
+        let pieces = |text: &str| {
+            let mut out = Vec::new();
+            splitter.split(text, |p| out.push(p.to_owned()));
+            out
+        };
+        // Three spaces before a word: two alone, the third goes with it.
+        assert_eq!(pieces("a   b"), ["a", "  ", " b"]);
+        // At the end of the text the whole run is one piece.
+        assert_eq!(pieces("a   "), ["a", "   "]);
+        // One space before a word stays with it.
+        assert_eq!(pieces("a b"), ["a", " b"]);
+        assert_eq!(pieces("it's 12"), ["it", "'s", " 12"]);
+        // A multi-byte space given back whole (GPT-2 joins only an ASCII
+        // space to a word).
+        assert_eq!(
+            pieces("a\u{3000}\u{3000}\u{3000}b"),
+            ["a", "\u{3000}\u{3000}", "\u{3000}", "b"]
+        );
+    }
+
+    #[test]
+    fn lookarounds_other_than_the_known_one_are_refused() {
+        assert!(Splitter::new(r"\p{L}+(?=\d)|\s+").is_none());
+        assert!(Splitter::new(r"(?<=a)b").is_none());
+    }
+
+    #[test]
+    fn heap_and_scan_merge_alike() {
+        // A toy vocabulary over "a" and "b" where the order of merges
+        // matters: every string of up to 40 symbols merges the same way.
+        let mut vocab = serde_json::Map::new();
+        let chars = byte_chars();
+        for (byte, c) in chars.iter().enumerate() {
+            vocab.insert(c.to_string(), Value::from(byte));
+        }
+        let merges = ["a a", "a b", "aa b", "b a", "ab ab", "ba a", "aab aa"];
+        for (n, merge) in merges.iter().enumerate() {
+            vocab.insert(merge.replace(' ', ""), Value::from(256 + n));
+        }
+        let json = serde_json::json!({
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "vocab": vocab, "merges": merges},
+            "added_tokens": [],
+        });
+        let bpe = ByteLevelBpe::from_json(&json).unwrap();
+        for seed in 0u64..2_000 {
+            let len = 2 + (seed % 39) as usize;
+            let piece: Vec<u8> = (0..len)
+                .map(|i| {
+                    if ((seed >> (i % 13)) & 1 == 1) ^ (i % 3 == 0) {
+                        b'a'
+                    } else {
+                        b'b'
+                    }
+                })
+                .collect();
+            let mut by_scan: Vec<u32> = piece
+                .iter()
+                .map(|b| bpe.byte_ids[usize::from(*b)])
+                .collect();
+            bpe.merge_by_scan(&mut by_scan);
+            let mut by_heap = Vec::new();
+            let initial: Vec<u32> = piece
+                .iter()
+                .map(|b| bpe.byte_ids[usize::from(*b)])
+                .collect();
+            bpe.merge_by_heap(&initial, &mut by_heap);
+            assert_eq!(by_scan, by_heap, "{}", String::from_utf8_lossy(&piece));
+        }
+    }
+}
