@@ -30,7 +30,7 @@ use std::{
     sync::Mutex,
 };
 
-use regex_automata::{meta::Regex, util::syntax};
+use regex_automata::{Anchored, Input, meta::Regex, util::syntax};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -95,7 +95,12 @@ struct Splitter {
     regex: Regex,
     /// The pattern whose match gives its last character back.
     give_back: usize,
+    /// Search caches (the lazy DFA's states), one per encode at a time.
+    caches: Mutex<Vec<regex_automata::meta::Cache>>,
 }
+
+/// Search caches kept between encodes.
+const MAX_IDLE_CACHES: usize = 8;
 
 fn top_level_alternatives(pattern: &str) -> Vec<String> {
     let mut alternatives = vec![String::new()];
@@ -152,21 +157,42 @@ impl Splitter {
         Some(Self {
             regex,
             give_back: give_back.unwrap_or(usize::MAX),
+            caches: Mutex::default(),
         })
     }
 
     /// Calls `piece` with each piece of `text` in order: the regex's
     /// matches, and any text between them, as HF's `Isolated` split.
+    ///
+    /// Each match is searched anchored where the last one ended, forward
+    /// only (the start is known): a half search, a third of a full one's
+    /// work. Text no pattern matches there is found by an unanchored
+    /// search and given as a piece of its own.
     fn split(&self, text: &str, mut piece: impl FnMut(&str)) {
+        let mut cache = self
+            .caches
+            .lock()
+            .ok()
+            .and_then(|mut caches| caches.pop())
+            .unwrap_or_else(|| self.regex.create_cache());
         let mut at = 0;
         while at < text.len() {
-            let input = regex_automata::Input::new(text).span(at..text.len());
-            let Some(found) = self.regex.find(input) else {
-                piece(&text[at..]);
-                return;
+            let anchored = Input::new(text)
+                .span(at..text.len())
+                .anchored(Anchored::Yes);
+            let (start, end, pattern) = match self.regex.search_half_with(&mut cache, &anchored) {
+                Some(half) => (at, half.offset(), half.pattern().as_usize()),
+                None => {
+                    let rest = Input::new(text).span(at..text.len());
+                    let Some(found) = self.regex.search_with(&mut cache, &rest) else {
+                        piece(&text[at..]);
+                        break;
+                    };
+                    (found.start(), found.end(), found.pattern().as_usize())
+                }
             };
-            let mut end = found.end();
-            if found.pattern().as_usize() == self.give_back {
+            let mut end = end;
+            if pattern == self.give_back {
                 // `\s+\s`: the last whitespace character is not the
                 // lookahead's; it starts the next piece.
                 end = text[..end]
@@ -174,22 +200,24 @@ impl Splitter {
                     .next_back()
                     .map_or(end, |(i, _)| i);
             }
-            if found.start() > at {
-                piece(&text[at..found.start()]);
+            if start > at {
+                piece(&text[at..start]);
             }
-            if end <= found.start() {
+            if end <= start {
                 // An empty match (no supported pattern has one): move on
                 // by a character so the loop ends.
-                let step = text[found.start()..]
-                    .chars()
-                    .next()
-                    .map_or(1, char::len_utf8);
-                piece(&text[found.start()..found.start() + step]);
-                at = found.start() + step;
+                let step = text[start..].chars().next().map_or(1, char::len_utf8);
+                piece(&text[start..start + step]);
+                at = start + step;
                 continue;
             }
-            piece(&text[found.start()..end]);
+            piece(&text[start..end]);
             at = end;
+        }
+        if let Ok(mut caches) = self.caches.lock()
+            && caches.len() < MAX_IDLE_CACHES
+        {
+            caches.push(cache);
         }
     }
 }
