@@ -244,8 +244,9 @@ class Phase:
 
     def __init__(self) -> None:
         self.latencies, self.failed, self.lags, self.elapsed = [], 0, [], 0.0
+        self.by_request: dict[int, float] = {}
 
-    async def send(self, pool: Pool, body: bytes) -> None:
+    async def send(self, pool: Pool, body: bytes, request: int | None = None) -> None:
         started = time.perf_counter()
         try:
             status = await asyncio.wait_for(pool.post(body), REQUEST_TIMEOUT)
@@ -254,6 +255,8 @@ class Phase:
             status = 0
         if status == 200:
             self.latencies.append(time.perf_counter() - started)
+            if request is not None:
+                self.by_request[request] = self.latencies[-1]
         else:
             self.failed += 1
 
@@ -267,7 +270,7 @@ async def open_loop(port: int, chats: Chats, indices: range, rate: float) -> Pha
         if (delay := due - time.perf_counter()) > 0:
             await asyncio.sleep(delay)
         phase.lags.append(max(time.perf_counter() - due, 0.0))
-        tasks.append(asyncio.create_task(phase.send(pool, chats.body(i))))
+        tasks.append(asyncio.create_task(phase.send(pool, chats.body(i), i)))
     await asyncio.gather(*tasks)
     phase.elapsed = time.perf_counter() - start
     return phase
@@ -511,6 +514,7 @@ async def measure(args, stack: Stack, chats: Chats) -> dict:
             log(f"round {r + 1}/{args.rounds}: {name}, {per_round} requests at {args.rate:g}/s")
             got = await open_loop(port, chats, indices, args.rate)
             total.latencies += got.latencies
+            total.by_request.update(got.by_request)
             total.failed += got.failed
             total.lags += got.lags
             total.elapsed += got.elapsed
@@ -577,9 +581,29 @@ async def measure(args, stack: Stack, chats: Chats) -> dict:
                               * 1e3 / max(first_tokenized - again_tokenized, 1)
                               if first_tok.get("count") and again_tok.get("count") else None),
         },
+        "added_by_size": added_by_size(chats, a, b),
         "saturation_a_new": saturation, "saturation_a_cached_16": cached_saturation,
         "saturation_b_16": b_saturation,
     }
+
+
+def added_by_size(chats: Chats, a: Phase, b: Phase) -> list[dict]:
+    """The same requests through A and B, by prompt size (words): what A
+    added to each, at p50 and p99, per band of sizes."""
+    sizes = {i: sum(w for _, w in chats.blocks(i)) for i in a.by_request if i in b.by_request}
+    order = sorted(sizes, key=sizes.get)
+    bands = [(0.0, 0.5), (0.5, 0.9), (0.9, 0.99), (0.99, 1.0)]
+    rows = []
+    for lo, hi in bands:
+        band = order[int(lo * len(order)):int(hi * len(order))]
+        if not band:
+            continue
+        added = [a.by_request[i] - b.by_request[i] for i in band]
+        rows.append({"from": lo, "to": hi, "requests": len(band),
+                     "words_min": sizes[band[0]], "words_max": sizes[band[-1]],
+                     "added_p50_ms": quantile(added, 0.5) * 1e3,
+                     "added_p99_ms": quantile(added, 0.99) * 1e3})
+    return rows
 
 
 def bound(ms: float) -> str:
@@ -614,6 +638,11 @@ def print_report(r: dict, command: str) -> None:
           f"   (client's send lag p99 {r['client_send_lag_p99_ms']:.2f} ms)")
     if r["not_routed"]:
         print(f"   kvroute did not route: {r['not_routed']}")
+    print("   by prompt size, what A added to each request over the same request through B:")
+    for band in r["added_by_size"]:
+        print(f"     {band['from']:>4.0%}-{band['to']:<4.0%} of sizes ({band['words_min']:>6,}-"
+              f"{band['words_max']:>7,} words, {band['requests']:>4} requests): "
+              f"added p50 {band['added_p50_ms']:6.2f} ms, p99 {band['added_p99_ms']:6.2f} ms")
     print()
     print(f"2. where A's added time goes ({r['picks']:.0f} picks; kvroute's histograms, "
           "p50/p99 are the bounds of their buckets)")

@@ -44,9 +44,9 @@ fn main() {
             }
         }
     }
-    // A chat of 20 messages of words/20 each, then again (all cached).
-    let per = words / 20;
-    let messages: Vec<_> = (0..20)
+    // A chat of messages of 512 words each, then again (all cached).
+    let per = 512;
+    let messages: Vec<_> = (0..words / 512)
         .map(|m| {
             let content = text
                 .split(' ')
@@ -58,7 +58,31 @@ fn main() {
         })
         .collect();
     let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+    #[allow(clippy::disallowed_methods)]
+    let started = Instant::now();
     let parsed = request::parse(Some(request::Endpoint::ChatCompletions), body.as_bytes()).unwrap();
+    println!(
+        "chat, parse a {} KiB body: {:.2} ms",
+        body.len() / 1024,
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    if let (Some(template), request::Prompt::Chat(chat)) = (model.template(), &parsed.prompt) {
+        let chat = kvroute_prompt::ChatRequest {
+            messages: &chat.messages,
+            tools: None,
+            add_generation_prompt: chat.add_generation_prompt,
+            continue_final_message: false,
+            kwargs: None,
+        };
+        #[allow(clippy::disallowed_methods)]
+        let started = Instant::now();
+        let text = template.render(&chat).unwrap();
+        println!(
+            "chat, the template alone: {} KiB in {:.2} ms",
+            text.len() / 1024,
+            started.elapsed().as_secs_f64() * 1e3
+        );
+    }
     for pass in ["fresh", "cached"] {
         #[allow(clippy::disallowed_methods)]
         let started = Instant::now();

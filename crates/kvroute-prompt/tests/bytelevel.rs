@@ -81,7 +81,12 @@ fn same_ids_on_generated_text(dir: &std::path::Path, seed: u64) {
     let mut g = common::Gen::new(seed);
     let mut ids = 0;
     for case in 0..1_500 {
-        let text = common::text(&mut g, 1 + case % 50);
+        // Odd cases ASCII only: the split's scan instead of its regex.
+        let text = if case % 2 == 1 {
+            common::ascii_text(&mut g, 1 + case % 50)
+        } else {
+            common::text(&mut g, 1 + case % 50)
+        };
         let reference = model.reference_ids(&text).unwrap();
         let fast = model.encode(&text, false).unwrap();
         assert_eq!(fast, reference, "{}, case {case}: {text:?}", dir.display());

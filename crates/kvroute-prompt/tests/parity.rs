@@ -110,7 +110,12 @@ fn the_ids_only_encoder_equals_hugging_face_on_real_tokenizers() {
         let mut g = common::Gen::new(7);
         let mut ids = 0;
         for case in 0..3_000 {
-            let text = common::text(&mut g, 1 + case % 60);
+            // Odd cases ASCII only: the split's scan instead of its regex.
+            let text = if case % 2 == 1 {
+                common::ascii_text(&mut g, 1 + case % 60)
+            } else {
+                common::text(&mut g, 1 + case % 60)
+            };
             let reference = model.reference_ids(&text).unwrap();
             let fast = model.encode(&text, false).unwrap();
             assert_eq!(fast, reference, "{family}, case {case}: {text:?}");

@@ -220,3 +220,9 @@ pub fn text(g: &mut Gen, pieces: usize) -> String {
     }
     out
 }
+
+/// The same text with its non-ASCII characters left out: what the ASCII
+/// scan of the split (`bytelevel/split.rs`) sees.
+pub fn ascii_text(g: &mut Gen, pieces: usize) -> String {
+    text(g, pieces).chars().filter(char::is_ascii).collect()
+}

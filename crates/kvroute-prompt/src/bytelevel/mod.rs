@@ -24,13 +24,16 @@
 //!   [`SHARD_PIECES`] pieces of at most [`MAX_CACHED_PIECE`] bytes; a
 //!   piece of any length merges in O(n log n).
 
+mod split;
+
 use std::{
     collections::{BinaryHeap, HashMap},
     hash::{BuildHasherDefault, Hasher},
     sync::Mutex,
 };
 
-use regex_automata::{Anchored, Input, meta::Regex, util::syntax};
+use split::{GPT2_PATTERN, Splitter};
+
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -43,12 +46,6 @@ pub const SHARD_PIECES: usize = 4096;
 /// Pieces of at most this many symbols merge by a scan; longer ones by a
 /// heap.
 const SCAN_MERGE_SYMBOLS: usize = 24;
-
-/// The pre-tokenizer's lookahead, and GPT-2's own split pattern (a
-/// `ByteLevel` pre-tokenizer with `use_regex`).
-const LOOKAHEAD: &str = r"\s+(?!\S)";
-const GPT2_PATTERN: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 /// A hasher for keys that are already hashes or small integers.
 #[derive(Default)]
@@ -86,140 +83,6 @@ fn byte_chars() -> [char; 256] {
         chars[usize::from(byte)] = char::from_u32(code).unwrap_or('\0');
     }
     chars
-}
-
-/// The pre-tokenizer's regex, split into its top-level alternatives, with
-/// the lookahead alternative replaced; `None` for a pattern this encoder
-/// cannot reproduce (another lookaround, or a syntax `regex` refuses).
-struct Splitter {
-    regex: Regex,
-    /// The pattern whose match gives its last character back.
-    give_back: usize,
-    /// Search caches (the lazy DFA's states), one per encode at a time.
-    caches: Mutex<Vec<regex_automata::meta::Cache>>,
-}
-
-/// Search caches kept between encodes.
-const MAX_IDLE_CACHES: usize = 8;
-
-fn top_level_alternatives(pattern: &str) -> Vec<String> {
-    let mut alternatives = vec![String::new()];
-    let (mut parens, mut brackets) = (0usize, 0usize);
-    let mut chars = pattern.chars();
-    while let Some(c) = chars.next() {
-        let last = alternatives.len() - 1;
-        match c {
-            '\\' => {
-                alternatives[last].push(c);
-                if let Some(escaped) = chars.next() {
-                    alternatives[last].push(escaped);
-                }
-                continue;
-            }
-            '[' => brackets += 1,
-            ']' if brackets > 0 => brackets -= 1,
-            '(' if brackets == 0 => parens += 1,
-            ')' if brackets == 0 => parens = parens.saturating_sub(1),
-            '|' if brackets == 0 && parens == 0 => {
-                alternatives.push(String::new());
-                continue;
-            }
-            _ => {}
-        }
-        alternatives[last].push(c);
-    }
-    alternatives
-}
-
-impl Splitter {
-    fn new(pattern: &str) -> Option<Self> {
-        let mut patterns = Vec::new();
-        let mut give_back = None;
-        for alternative in top_level_alternatives(pattern) {
-            if alternative == LOOKAHEAD && give_back.is_none() {
-                patterns.push(r"\s+\z".to_owned());
-                give_back = Some(patterns.len());
-                patterns.push(r"\s+\s".to_owned());
-            } else if alternative.contains("(?=")
-                || alternative.contains("(?!")
-                || alternative.contains("(?<")
-                || alternative.is_empty()
-            {
-                return None;
-            } else {
-                patterns.push(alternative);
-            }
-        }
-        let regex = Regex::builder()
-            .syntax(syntax::Config::new().unicode(true).utf8(true))
-            .build_many(&patterns)
-            .ok()?;
-        Some(Self {
-            regex,
-            give_back: give_back.unwrap_or(usize::MAX),
-            caches: Mutex::default(),
-        })
-    }
-
-    /// Calls `piece` with each piece of `text` in order: the regex's
-    /// matches, and any text between them, as HF's `Isolated` split.
-    ///
-    /// Each match is searched anchored where the last one ended, forward
-    /// only (the start is known): a half search, a third of a full one's
-    /// work. Text no pattern matches there is found by an unanchored
-    /// search and given as a piece of its own.
-    fn split(&self, text: &str, mut piece: impl FnMut(&str)) {
-        let mut cache = self
-            .caches
-            .lock()
-            .ok()
-            .and_then(|mut caches| caches.pop())
-            .unwrap_or_else(|| self.regex.create_cache());
-        let mut at = 0;
-        while at < text.len() {
-            let anchored = Input::new(text)
-                .span(at..text.len())
-                .anchored(Anchored::Yes);
-            let (start, end, pattern) = match self.regex.search_half_with(&mut cache, &anchored) {
-                Some(half) => (at, half.offset(), half.pattern().as_usize()),
-                None => {
-                    let rest = Input::new(text).span(at..text.len());
-                    let Some(found) = self.regex.search_with(&mut cache, &rest) else {
-                        piece(&text[at..]);
-                        break;
-                    };
-                    (found.start(), found.end(), found.pattern().as_usize())
-                }
-            };
-            let mut end = end;
-            if pattern == self.give_back {
-                // `\s+\s`: the last whitespace character is not the
-                // lookahead's; it starts the next piece.
-                end = text[..end]
-                    .char_indices()
-                    .next_back()
-                    .map_or(end, |(i, _)| i);
-            }
-            if start > at {
-                piece(&text[at..start]);
-            }
-            if end <= start {
-                // An empty match (no supported pattern has one): move on
-                // by a character so the loop ends.
-                let step = text[start..].chars().next().map_or(1, char::len_utf8);
-                piece(&text[start..start + step]);
-                at = start + step;
-                continue;
-            }
-            piece(&text[start..end]);
-            at = end;
-        }
-        if let Ok(mut caches) = self.caches.lock()
-            && caches.len() < MAX_IDLE_CACHES
-        {
-            caches.push(cache);
-        }
-    }
 }
 
 /// A merge the heap holds: the lowest rank first, then the leftmost.
@@ -588,50 +451,6 @@ fn added_tokens(tokens: &Value) -> Option<Option<(aho_corasick::AhoCorasick, Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn alternatives_split_at_the_top_level_only() {
-        let pattern = r"(?i:'s|'t)|[^\r\n\p{L}|]?\p{L}+|\p{N}{1,3}|\s+(?!\S)|\s+";
-        assert_eq!(
-            top_level_alternatives(pattern),
-            [
-                r"(?i:'s|'t)",
-                r"[^\r\n\p{L}|]?\p{L}+",
-                r"\p{N}{1,3}",
-                LOOKAHEAD,
-                r"\s+"
-            ]
-        );
-    }
-
-    #[test]
-    fn the_lookahead_is_given_back_as_the_backtracking_engine_does() {
-        let splitter = Splitter::new(GPT2_PATTERN).unwrap();
-        let pieces = |text: &str| {
-            let mut out = Vec::new();
-            splitter.split(text, |p| out.push(p.to_owned()));
-            out
-        };
-        // Three spaces before a word: two alone, the third goes with it.
-        assert_eq!(pieces("a   b"), ["a", "  ", " b"]);
-        // At the end of the text the whole run is one piece.
-        assert_eq!(pieces("a   "), ["a", "   "]);
-        // One space before a word stays with it.
-        assert_eq!(pieces("a b"), ["a", " b"]);
-        assert_eq!(pieces("it's 12"), ["it", "'s", " 12"]);
-        // A multi-byte space given back whole (GPT-2 joins only an ASCII
-        // space to a word).
-        assert_eq!(
-            pieces("a\u{3000}\u{3000}\u{3000}b"),
-            ["a", "\u{3000}\u{3000}", "\u{3000}", "b"]
-        );
-    }
-
-    #[test]
-    fn lookarounds_other_than_the_known_one_are_refused() {
-        assert!(Splitter::new(r"\p{L}+(?=\d)|\s+").is_none());
-        assert!(Splitter::new(r"(?<=a)b").is_none());
-    }
 
     #[test]
     fn heap_and_scan_merge_alike() {
