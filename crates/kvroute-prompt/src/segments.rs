@@ -75,8 +75,8 @@ impl Generations {
 /// Where a text may be cut, and the cache of its segments' ids.
 #[derive(Debug)]
 pub(crate) struct Segments {
-    /// Special tokens it is safe to cut before, by first byte.
-    markers: Vec<Vec<String>>,
+    /// Special tokens it is safe to cut before; `None` when there are none.
+    markers: Option<aho_corasick::AhoCorasick>,
     cache: Mutex<Generations>,
     pub(crate) stats: SegmentStats,
 }
@@ -85,13 +85,22 @@ impl Segments {
     /// The cut points of `tokenizer`'s special tokens, and a cache of at
     /// most `cached_ids` ids.
     pub(crate) fn new(tokenizer: &tokenizers::Tokenizer, cached_ids: usize) -> Self {
-        let mut markers = vec![Vec::new(); 256];
-        for token in tokenizer.get_added_tokens_decoder().values() {
-            let safe = token.special && !token.lstrip && !token.rstrip && !token.single_word;
-            if safe && let Some(first) = token.content.bytes().next() {
-                markers[usize::from(first)].push(token.content.clone());
-            }
-        }
+        let added = tokenizer.get_added_tokens_decoder();
+        let markers: Vec<&str> = added
+            .values()
+            .filter(|t| t.special && !t.lstrip && !t.rstrip && !t.single_word)
+            .map(|t| t.content.as_str())
+            .filter(|content| !content.is_empty())
+            .collect();
+        // Where none can be built, nothing is cut: every cut is optional.
+        let markers = (!markers.is_empty())
+            .then(|| {
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(&markers)
+                    .ok()
+            })
+            .flatten();
         Self {
             markers,
             cache: Mutex::new(Generations {
@@ -102,22 +111,18 @@ impl Segments {
         }
     }
 
-    /// The byte offsets where a special token starts (0 excluded).
+    /// The byte offsets where a special token starts (0 excluded). Any
+    /// set of such offsets gives the same ids, so the matches need not
+    /// overlap.
     fn cuts(&self, text: &str) -> Vec<usize> {
-        let bytes = text.as_bytes();
-        let mut cuts = Vec::new();
-        for (at, byte) in bytes.iter().enumerate() {
-            let candidates = &self.markers[usize::from(*byte)];
-            if at > 0
-                && !candidates.is_empty()
-                && candidates
-                    .iter()
-                    .any(|m| bytes[at..].starts_with(m.as_bytes()))
-            {
-                cuts.push(at);
-            }
-        }
-        cuts
+        let Some(markers) = &self.markers else {
+            return Vec::new();
+        };
+        markers
+            .find_iter(text)
+            .map(|m| m.start())
+            .filter(|at| *at > 0)
+            .collect()
     }
 
     /// The ids of `text` (no special tokens added), segment by segment,
