@@ -205,12 +205,15 @@ impl Exchange {
                 if self.stage == Stage::Refused {
                     return Ok(());
                 }
-                if let Some(booking) = &mut self.booking {
-                    booking.first_response_bytes();
-                }
+                // The chunk goes back to Envoy before the booking's
+                // bookkeeping (prefill complete, release): that is not on
+                // the client's path. The cached-token scan reads it first.
                 self.cached_tokens.feed(&chunk.body);
                 let end = chunk.end_of_stream;
                 self.send(reply::streamed(chunk.body, end, false)).await?;
+                if let Some(booking) = &mut self.booking {
+                    booking.first_response_bytes();
+                }
                 if end {
                     self.response_ended();
                 }

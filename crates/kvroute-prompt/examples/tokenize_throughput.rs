@@ -48,12 +48,15 @@ fn main() {
     let per = 512;
     let messages: Vec<_> = (0..words / 512)
         .map(|m| {
-            let content = text
+            // Each message its own (a block number first), so the first
+            // pass finds nothing cached.
+            let words = text
                 .split(' ')
                 .skip(m * per)
                 .take(per)
                 .collect::<Vec<_>>()
                 .join(" ");
+            let content = format!("Block {m}. {words}");
             serde_json::json!({"role": if m % 2 == 0 { "user" } else { "assistant" }, "content": content})
         })
         .collect();

@@ -133,3 +133,53 @@ fn other_pipelines_keep_hugging_faces_path() {
         model.reference_ids(text).unwrap()
     );
 }
+
+#[test]
+fn long_chats_tokenized_in_two_halves_equal_the_reference() {
+    // A chat past the size at which its segments are tokenized on two
+    // threads (and again, from the segment cache): the same ids as the
+    // rendered text tokenized whole by Hugging Face.
+    let dir = trained("chat", Some(QWEN_SPLIT), true, false);
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )
+    .unwrap();
+    let model = ModelTokenizer::from_dir(&dir).unwrap();
+    let mut g = common::Gen::new(5);
+    let messages: Vec<_> = (0..120)
+        .map(|m| {
+            let role = if m % 2 == 0 { "user" } else { "assistant" };
+            serde_json::json!({"role": role, "content": common::text(&mut g, 200)})
+        })
+        .collect();
+    let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+    let request = kvroute_prompt::request::parse(
+        Some(kvroute_prompt::Endpoint::ChatCompletions),
+        body.as_bytes(),
+    )
+    .unwrap();
+    let kvroute_prompt::Prompt::Chat(chat) = &request.prompt else {
+        panic!("not a chat")
+    };
+    let rendered = model
+        .template()
+        .unwrap()
+        .render(&kvroute_prompt::ChatRequest {
+            messages: &chat.messages,
+            tools: None,
+            add_generation_prompt: true,
+            continue_final_message: false,
+            kwargs: None,
+        })
+        .unwrap();
+    assert!(rendered.len() > 256 << 10, "{} bytes", rendered.len());
+    let reference = model.reference_ids(&rendered).unwrap();
+    let (first, cached_first) = model.prompt_ids_counted(&request).unwrap();
+    assert_eq!(first, reference);
+    assert_eq!(cached_first, 0);
+    let (again, cached_again) = model.prompt_ids_counted(&request).unwrap();
+    assert_eq!(again, reference);
+    assert!(cached_again > reference.len() as u64 / 2, "{cached_again}");
+}

@@ -40,9 +40,9 @@ use xxhash_rust::xxh3::xxh3_64;
 /// Pieces longer than this are merged each time, not cached.
 pub const MAX_CACHED_PIECE: usize = 48;
 /// Shards of the piece cache (a piece's hash picks one).
-pub const CACHE_SHARDS: usize = 16;
+pub const CACHE_SHARDS: usize = 64;
 /// Pieces one shard holds; a full shard starts again empty.
-pub const SHARD_PIECES: usize = 4096;
+pub const SHARD_PIECES: usize = 1024;
 /// Pieces of at most this many symbols merge by a scan; longer ones by a
 /// heap.
 const SCAN_MERGE_SYMBOLS: usize = 24;
@@ -110,6 +110,51 @@ impl PartialOrd for Merge {
 /// A cached piece: its bytes (to tell hash collisions apart) and ids.
 type CacheShard = FastMap<u64, (Box<[u8]>, Box<[u32]>)>;
 
+/// The ids of one encode, and its memo of the pieces it has met.
+struct Output {
+    ids: Vec<u32>,
+    memo: Memo,
+}
+
+/// The pieces one encode has met, by hash: where their bytes are in
+/// `bytes` and their ids in the output. A word met again in the same text
+/// (most are) costs no lock on the shared cache, so a long prompt's two
+/// halves, tokenized at once, do not contend for its hot shards. Bounded
+/// by [`MEMO_PIECES`] and by the text's own size.
+#[derive(Default)]
+struct Memo {
+    pieces: FastMap<u64, (std::ops::Range<usize>, std::ops::Range<usize>)>,
+    bytes: Vec<u8>,
+}
+
+/// Pieces one encode remembers.
+const MEMO_PIECES: usize = 4096;
+
+impl Memo {
+    fn get(&self, hash: u64, piece: &[u8]) -> Option<std::ops::Range<usize>> {
+        let (bytes, ids) = self.pieces.get(&hash)?;
+        (self.bytes[bytes.clone()] == *piece).then(|| ids.clone())
+    }
+
+    fn put(&mut self, hash: u64, piece: &[u8], ids: std::ops::Range<usize>) {
+        if self.pieces.len() >= MEMO_PIECES {
+            return;
+        }
+        let at = self.bytes.len();
+        self.bytes.extend_from_slice(piece);
+        self.pieces
+            .entry(hash)
+            .or_insert((at..self.bytes.len(), ids));
+    }
+}
+
+/// A shard on cache lines of its own: a long prompt's two halves are
+/// tokenized at once (`segments.rs`), and shards sharing a line would make
+/// the two cores pass it back and forth on every lookup.
+#[derive(Default)]
+#[repr(align(128))]
+struct Padded(Mutex<CacheShard>);
+
 /// The encoder. Build it with [`ByteLevelBpe::from_json`].
 pub(crate) struct ByteLevelBpe {
     /// Each byte's id on its own.
@@ -124,7 +169,7 @@ pub(crate) struct ByteLevelBpe {
     /// Whether the tokenizer normalizes (NFC): non-ASCII text between
     /// added tokens then goes through its normalizer first.
     normalizes: bool,
-    cache: Vec<Mutex<CacheShard>>,
+    cache: Vec<Padded>,
 }
 
 impl std::fmt::Debug for ByteLevelBpe {
@@ -217,7 +262,7 @@ impl ByteLevelBpe {
             splitter,
             added,
             normalizes,
-            cache: (0..CACHE_SHARDS).map(|_| Mutex::default()).collect(),
+            cache: (0..CACHE_SHARDS).map(|_| Padded::default()).collect(),
         })
     }
 
@@ -228,17 +273,20 @@ impl ByteLevelBpe {
         text: &str,
         normalize: impl Fn(&str) -> Result<String, E>,
     ) -> Result<Vec<u32>, E> {
-        let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        let mut out = Output {
+            ids: Vec::with_capacity(text.len() / 4 + 1),
+            memo: Memo::default(),
+        };
         let mut at = 0;
         if let Some((matcher, added_ids)) = &self.added {
             for found in matcher.find_iter(text) {
-                self.encode_plain(&text[at..found.start()], &normalize, &mut ids)?;
-                ids.push(added_ids[found.pattern().as_usize()]);
+                self.encode_plain(&text[at..found.start()], &normalize, &mut out)?;
+                out.ids.push(added_ids[found.pattern().as_usize()]);
                 at = found.end();
             }
         }
-        self.encode_plain(&text[at..], &normalize, &mut ids)?;
-        Ok(ids)
+        self.encode_plain(&text[at..], &normalize, &mut out)?;
+        Ok(out.ids)
     }
 
     /// Text with no added token in it.
@@ -246,7 +294,7 @@ impl ByteLevelBpe {
         &self,
         text: &str,
         normalize: &impl Fn(&str) -> Result<String, E>,
-        ids: &mut Vec<u32>,
+        out: &mut Output,
     ) -> Result<(), E> {
         if text.is_empty() {
             return Ok(());
@@ -254,44 +302,55 @@ impl ByteLevelBpe {
         if self.normalizes && !text.is_ascii() {
             let normalized = normalize(text)?;
             self.splitter.split(&normalized, |piece| {
-                self.encode_piece(piece.as_bytes(), ids)
+                self.encode_piece(piece.as_bytes(), out)
             });
         } else {
             self.splitter
-                .split(text, |piece| self.encode_piece(piece.as_bytes(), ids));
+                .split(text, |piece| self.encode_piece(piece.as_bytes(), out));
         }
         Ok(())
     }
 
-    /// One pre-tokenized piece, through the cache.
-    fn encode_piece(&self, piece: &[u8], ids: &mut Vec<u32>) {
+    /// One pre-tokenized piece: from this encode's memo, else the shared
+    /// cache, else merged (and kept in both).
+    fn encode_piece(&self, piece: &[u8], out: &mut Output) {
         if piece.len() == 1 {
-            ids.push(self.byte_ids[usize::from(piece[0])]);
+            out.ids.push(self.byte_ids[usize::from(piece[0])]);
             return;
         }
         if piece.len() > MAX_CACHED_PIECE {
-            self.merge_piece(piece, ids);
+            self.merge_piece(piece, &mut out.ids);
             return;
         }
         let hash = xxh3_64(piece);
-        let shard = &self.cache[(hash >> 60) as usize % CACHE_SHARDS];
-        if let Ok(cache) = shard.lock()
-            && let Some((bytes, cached)) = cache.get(&hash)
-            && **bytes == *piece
-        {
-            ids.extend_from_slice(cached);
+        if let Some(range) = out.memo.get(hash, piece) {
+            out.ids.extend_from_within(range);
             return;
         }
-        let from = ids.len();
-        self.merge_piece(piece, ids);
-        if let Ok(mut cache) = shard.lock() {
-            if cache.len() >= SHARD_PIECES {
-                cache.clear();
+        let from = out.ids.len();
+        let shard = &self.cache[(hash >> 58) as usize % CACHE_SHARDS].0;
+        let hit = match shard.lock() {
+            Ok(cache) => match cache.get(&hash) {
+                Some((bytes, cached)) if **bytes == *piece => {
+                    out.ids.extend_from_slice(cached);
+                    true
+                }
+                _ => false,
+            },
+            Err(_) => false,
+        };
+        if !hit {
+            self.merge_piece(piece, &mut out.ids);
+            if let Ok(mut cache) = shard.lock() {
+                if cache.len() >= SHARD_PIECES {
+                    cache.clear();
+                }
+                cache
+                    .entry(hash)
+                    .or_insert_with(|| (piece.into(), out.ids[from..].into()));
             }
-            cache
-                .entry(hash)
-                .or_insert_with(|| (piece.into(), ids[from..].into()));
         }
+        out.memo.put(hash, piece, from..out.ids.len());
     }
 
     /// BPE on one piece's bytes: the lowest-ranked adjacent pair merges
