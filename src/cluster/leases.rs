@@ -199,10 +199,23 @@ impl Leases {
         self.seen.lock().remove(&worker_id);
     }
 
-    /// Follows the bucket until `stop`, making each entry true here.
-    pub(crate) async fn watch(self: Arc<Self>, stop: CancellationToken) {
+    /// Applies every entry the bucket holds now; the watch returned goes
+    /// on with later changes (for [`Self::watch`]).
+    pub(crate) async fn read_current(&self) -> Result<kv::Watch, ClusterError> {
+        super::watch_from_current(&self.kv, |entry| self.seen_entry(entry)).await
+    }
+
+    /// Follows the bucket until `stop`, making each entry true here: from
+    /// `first` if given, then (after the watch breaks) from the bucket's
+    /// current values again.
+    pub(crate) async fn watch(self: Arc<Self>, first: Option<kv::Watch>, stop: CancellationToken) {
+        let mut first = first;
         while !stop.is_cancelled() {
-            let mut watch = match self.kv.watch_all().await {
+            let next = match first.take() {
+                Some(watch) => Ok(watch),
+                None => self.kv.watch_with_history(">").await,
+            };
+            let mut watch = match next {
                 Ok(watch) => watch,
                 Err(error) => {
                     tracing::debug!(%error, "workers bucket: cannot watch; retrying");
@@ -249,9 +262,13 @@ impl Leases {
         if record.generation != lease.generation || lease.lapsed {
             return;
         }
-        if unix_ms() < lease.expires_unix_ms {
+        // The lease ends when the entry says, wherever it was renewed: a
+        // whole TTL from now would keep a lease alive here that lapses
+        // everywhere else, and differ between replicas.
+        let remaining_ms = lease.expires_unix_ms.saturating_sub(unix_ms());
+        if remaining_ms > 0 {
             let loads: Vec<_> = lease.load.iter().map(convert::rank_load_from_pb).collect();
-            let _ = router.heartbeat(worker_id, &loads);
+            let _ = router.renew_until(worker_id, &loads, Duration::from_millis(remaining_ms));
         }
         if record.cordoned != lease.cordoned {
             let _ = self.fleet.set_cordoned(worker_id, lease.cordoned);

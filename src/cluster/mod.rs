@@ -33,7 +33,7 @@ use std::{
 };
 
 use async_nats::jetstream::{self, kv, object_store, stream};
-use futures::future::BoxFuture;
+use futures::{StreamExt, future::BoxFuture};
 use tokio::sync::{mpsc, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -136,8 +136,11 @@ impl Cluster {
         let position = catch_up(&fleet, &log, &snapshots, &made.log_stream, tasks, &stop).await?;
         tracing::info!(replica, position, "cluster: caught up with the shared log");
 
+        // Cordons, leases and sessions as the buckets hold them now, before
+        // this replica serves (`watch_from_current`).
         let leases = Arc::new(Leases::new(made.workers, fleet.clone(), log.clone()));
-        tasks.spawn(leases.clone().watch(stop.clone()));
+        let workers_watch = leases.read_current().await?;
+        tasks.spawn(leases.clone().watch(Some(workers_watch), stop.clone()));
         tasks.spawn(leases.clone().housekeeping(LEASE_CHECK, stop.clone()));
         let sync = Arc::new(RoutingSync {
             client: client.clone(),
@@ -147,7 +150,15 @@ impl Cluster {
             replica: replica.clone(),
             router: fleet.router().clone(),
         });
-        share_routing(sync, feed_rx, connected.clone(), tasks, &stop);
+        let sessions_watch = sync.read_sessions().await?;
+        share_routing(
+            sync,
+            sessions_watch,
+            feed_rx,
+            connected.clone(),
+            tasks,
+            &stop,
+        );
         tasks.spawn(
             snapshots
                 .clone()
@@ -272,11 +283,59 @@ async fn catch_up(
     Ok(end)
 }
 
+/// How long a starting replica waits to read a bucket's current values.
+const BUCKET_READ_LIMIT: Duration = Duration::from_secs(30);
+
+/// A watch of every key's newest value and then of each change, after
+/// giving each value the bucket holds now to `apply`: a replica that
+/// starts routes on the buckets' whole state (cordons, leases, sessions),
+/// not only on what changes after it started. (A watch from `watch_all`
+/// would see only later changes.)
+pub(crate) async fn watch_from_current(
+    bucket: &kv::Store,
+    mut apply: impl FnMut(kv::Entry),
+) -> Result<kv::Watch, ClusterError> {
+    let mut watch = bucket
+        .watch_with_history(">")
+        .await
+        .map_err(|e| ClusterError::nats("watch a bucket", e))?;
+    let held = bucket
+        .status()
+        .await
+        .map_err(|e| ClusterError::nats("read a bucket's status", e))?
+        .values();
+    if held == 0 {
+        return Ok(watch);
+    }
+    let until = tokio::time::Instant::now() + BUCKET_READ_LIMIT;
+    loop {
+        match tokio::time::timeout_at(until, watch.next()).await {
+            Ok(Some(Ok(entry))) => {
+                // `delta`: values still to come of those the watch began with.
+                let last = entry.delta == 0;
+                apply(entry);
+                if last {
+                    return Ok(watch);
+                }
+            }
+            Ok(Some(Err(error))) => return Err(ClusterError::nats("read a bucket", error)),
+            Ok(None) => return Err(ClusterError::nats("read a bucket", "the watch ended")),
+            Err(_) => {
+                tracing::warn!(
+                    "cluster: a bucket's current values not all read in {BUCKET_READ_LIMIT:?}; serving, and applying the rest as they come"
+                );
+                return Ok(watch);
+            }
+        }
+    }
+}
+
 /// Sends this replica's bookings and sessions (its router's `feed`) to
 /// the others, and theirs to this replica's router, on `tasks` until
 /// `stop`.
 fn share_routing(
     sync: Arc<RoutingSync>,
+    sessions_watch: kv::Watch,
     feed: mpsc::Receiver<RoutingChange>,
     connected: watch::Receiver<bool>,
     tasks: &TaskTracker,
@@ -284,7 +343,7 @@ fn share_routing(
 ) {
     tasks.spawn(sync.clone().publish(feed, connected));
     tasks.spawn(sync.clone().receive(stop.clone()));
-    tasks.spawn(sync.watch_sessions(stop.clone()));
+    tasks.spawn(sync.watch_sessions(Some(sessions_watch), stop.clone()));
 }
 
 /// Connects to NATS. The client reconnects by itself for as long as the

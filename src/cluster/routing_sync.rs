@@ -35,6 +35,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{
+    error::ClusterError,
     log::ordered_from,
     names::{Names, session_key},
     parts,
@@ -339,9 +340,35 @@ impl RoutingSync {
     }
 
     /// Applies session bindings made at other replicas, until `stop`.
-    pub(crate) async fn watch_sessions(self: Arc<Self>, stop: CancellationToken) {
+    /// Applies every session the bucket holds now; the watch returned
+    /// goes on with later changes (for [`Self::watch_sessions`]).
+    pub(crate) async fn read_sessions(&self) -> Result<kv::Watch, ClusterError> {
+        super::watch_from_current(&self.sessions, |entry| self.session_entry(entry)).await
+    }
+
+    fn session_entry(&self, entry: kv::Entry) {
+        if entry.operation != Operation::Put {
+            return;
+        }
+        if let Ok(session) = pb::SnapshotSession::decode(entry.value) {
+            let session = session_from_pb(session);
+            self.router
+                .apply_remote(RoutingChange::SessionBound(session));
+        }
+    }
+
+    pub(crate) async fn watch_sessions(
+        self: Arc<Self>,
+        first: Option<kv::Watch>,
+        stop: CancellationToken,
+    ) {
+        let mut first = first;
         while !stop.is_cancelled() {
-            let mut watch = match self.sessions.watch_all().await {
+            let next = match first.take() {
+                Some(watch) => Ok(watch),
+                None => self.sessions.watch_with_history(">").await,
+            };
+            let mut watch = match next {
                 Ok(watch) => watch,
                 Err(error) => {
                     tracing::debug!(%error, "sessions bucket: cannot watch; retrying");
@@ -359,14 +386,7 @@ impl RoutingSync {
                         _ => break,
                     },
                 };
-                if entry.operation != Operation::Put {
-                    continue;
-                }
-                if let Ok(session) = pb::SnapshotSession::decode(entry.value) {
-                    let session = session_from_pb(session);
-                    self.router
-                        .apply_remote(RoutingChange::SessionBound(session));
-                }
+                self.session_entry(entry);
             }
         }
     }

@@ -213,6 +213,20 @@ impl RouterCore {
             .heartbeat(worker_id, loads, now())
     }
 
+    /// Renews a worker's lease to end `remaining` from now, as another
+    /// replica's heartbeat set it, and records the load it carried.
+    pub(crate) fn renew_until(
+        &self,
+        worker_id: WorkerId,
+        loads: &[(DpRank, RankLoad)],
+        remaining: Duration,
+    ) -> Result<Duration, RegistryError> {
+        self.members
+            .write()
+            .registry
+            .renew_until(worker_id, loads, remaining, now())
+    }
+
     /// Forgets a worker in the registry (the fleet drops its blocks,
     /// subscription and bookings).
     pub(crate) fn deregister_worker(

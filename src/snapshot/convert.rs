@@ -117,6 +117,7 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
         lease_ttl_ms: millis(w.worker.lease_ttl),
         lease_remaining_ms: millis(w.worker.lease_remaining),
         cordoned: w.worker.cordoned,
+        generation: w.worker.generation,
         load: w
             .worker
             .load
@@ -233,6 +234,7 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
             lease_remaining: Duration::from_millis(w.lease_remaining_ms),
             cordoned: w.cordoned,
             load,
+            generation: w.generation,
         },
         source,
         configured: w.configured,
@@ -339,6 +341,7 @@ mod tests {
                 lease_remaining: Duration::from_secs(5),
                 cordoned: false,
                 load: BTreeMap::new(),
+                generation: 9,
             },
             source: None,
             configured: false,

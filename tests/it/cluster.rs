@@ -245,6 +245,80 @@ async fn a_replica_killed_under_traffic_catches_up_from_snapshot_and_log() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// The order of the held-out check (#35): the cordon made at one replica
+/// and a HARD session at another after the last snapshot, so that the
+/// replica killed in the middle has them only from the buckets; within a
+/// second of serving again it must agree on the cordon, the session and
+/// each lease's deadline.
+async fn a_restarted_replica_agrees_on_cordons_sessions_and_leases() {
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("agree");
+    let mut replicas = three(&nats, "agree", &["--snapshot-interval", "3600s"]).await;
+    let workers: Vec<(u64, Vec<pb::KvEventBatch>)> = (1..=3).map(|w| (w, history(w, 40))).collect();
+    for (w, batches) in &workers {
+        register(&replicas[0].channel, *w).await;
+        publish_all(&replicas[2].channel, &batches[..15]).await;
+    }
+    let written = replicas[0]
+        .admin()
+        .snapshot(pb::SnapshotRequest {})
+        .await
+        .expect("snapshot");
+    assert!(written.into_inner().bytes > 0);
+    // Time passes between the snapshot and the restart: a lease restored
+    // from the snapshot alone would end later than the others'.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    replicas[0]
+        .admin()
+        .cordon_worker(pb::CordonWorkerRequest { worker_id: 2 })
+        .await
+        .expect("cordon");
+    let bound = route(&replicas[2].channel, "q-1", &[1000, 1001], Some("sess-b")).await;
+    assert_ne!(bound, 2, "a cordoned worker takes no new session");
+    // Event traffic through the other two while the middle one restarts.
+    let mut sends = Vec::new();
+    for (w, batches) in workers.clone() {
+        let channel = replicas[if w % 2 == 0 { 0 } else { 2 }].channel.clone();
+        sends.push(tokio::spawn(async move {
+            publish_all(&channel, &batches[15..]).await
+        }));
+    }
+    let killed = replicas.remove(1);
+    let restarted = killed.kill_9_and_restart().await;
+    // Serving: from now on it must already agree (one second of slack for
+    // the calls themselves).
+    let serving = tokio::time::Instant::now();
+    let info = restarted.worker(2).await.expect("worker 2 known");
+    assert!(info.cordoned, "the cordon made at replica 0: {info:?}");
+    let again = route(&restarted.channel, "q-2", &[1000, 1001], Some("sess-b")).await;
+    assert_eq!(again, bound, "the HARD session made at replica 2");
+    for (w, _) in &workers {
+        let here = restarted
+            .worker(*w)
+            .await
+            .expect("known")
+            .lease_remaining_ms;
+        let there = replicas[0]
+            .worker(*w)
+            .await
+            .expect("known")
+            .lease_remaining_ms;
+        assert!(
+            here.abs_diff(there) < 1_000,
+            "worker {w}: lease {here} ms here, {there} ms at replica 0"
+        );
+    }
+    assert!(serving.elapsed() < Duration::from_secs(1));
+    for s in sends {
+        s.await.unwrap();
+    }
+    replicas.insert(1, restarted);
+    let all: Vec<&Replica> = replicas.iter().collect();
+    let digest = converged(&all, Duration::from_secs(20)).await;
+    assert_eq!(digest, single_process_digest(&workers).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_away_for_ten_seconds_loses_no_accepted_event() {
     let _serial = SERIAL.lock().await;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};

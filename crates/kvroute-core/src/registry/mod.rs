@@ -62,6 +62,8 @@ pub struct SavedWorker {
     pub lease_remaining: Duration,
     pub cordoned: bool,
     pub load: BTreeMap<DpRank, RankLoad>,
+    /// The registration's generation; 0: unknown (a fresh one is given).
+    pub generation: u64,
 }
 
 /// One registered worker.
@@ -117,6 +119,7 @@ impl WorkerRecord {
             lease_remaining: self.lease_remaining(now),
             cordoned: self.cordoned,
             load: self.load.clone(),
+            generation: self.generation,
         }
     }
 }
@@ -430,8 +433,10 @@ impl Registry {
         registration.lease_ttl = Some(saved.lease_ttl);
         check_declared(&mut registration)?;
         self.check_limits(&registration)?;
-        let (cordoned, load) = (saved.cordoned, saved.load);
+        let (cordoned, load, generation) = (saved.cordoned, saved.load, saved.generation);
         let deadline = now + saved.lease_remaining.min(saved.lease_ttl);
+        // Later registrations' generations stay above every restored one.
+        self.next_generation = self.next_generation.max(generation);
         self.register_with(
             registration,
             saved.lease_ttl,
@@ -440,6 +445,12 @@ impl Registry {
             |record| {
                 record.cordoned = cordoned;
                 record.lease_deadline = deadline;
+                // The generation the registration had: in cluster mode the
+                // other replicas' lease entries name it, and an entry of
+                // another generation is not applied.
+                if generation != 0 {
+                    record.generation = generation;
+                }
                 record.load = load
                     .into_iter()
                     .filter(|(rank, _)| record.has_rank(*rank))
@@ -453,6 +464,29 @@ impl Registry {
         &mut self,
         worker_id: WorkerId,
         loads: &[(DpRank, RankLoad)],
+        now: Instant,
+    ) -> Result<Duration, RegistryError> {
+        self.renew(worker_id, loads, None, now)
+    }
+
+    /// A heartbeat taken elsewhere (another replica): the lease ends when
+    /// that one's does, `remaining` from `now` (at most the TTL), not a
+    /// whole TTL from now.
+    pub fn renew_until(
+        &mut self,
+        worker_id: WorkerId,
+        loads: &[(DpRank, RankLoad)],
+        remaining: Duration,
+        now: Instant,
+    ) -> Result<Duration, RegistryError> {
+        self.renew(worker_id, loads, Some(remaining), now)
+    }
+
+    fn renew(
+        &mut self,
+        worker_id: WorkerId,
+        loads: &[(DpRank, RankLoad)],
+        remaining: Option<Duration>,
         now: Instant,
     ) -> Result<Duration, RegistryError> {
         let record = self
@@ -481,7 +515,8 @@ impl Registry {
         for (rank, load) in loads {
             record.load.insert(*rank, *load);
         }
-        record.lease_deadline = now + record.lease_ttl;
+        record.lease_deadline =
+            now + remaining.map_or(record.lease_ttl, |r| r.min(record.lease_ttl));
         let (ttl, model) = (record.lease_ttl, record.registration.model.clone());
         if !loads.is_empty() {
             self.refresh_snapshots(&model);

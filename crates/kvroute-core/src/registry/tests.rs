@@ -244,3 +244,45 @@ fn a_full_predicted_cache_takes_less_than_the_budgeted_bytes_a_block() {
         );
     }
 }
+
+#[test]
+fn a_lease_renewed_elsewhere_ends_when_that_one_does() {
+    let mut registry = Registry::new();
+    let start = Instant::now();
+    let ttl = Duration::from_secs(10);
+    registry
+        .register(registration(1, "m", 16), ttl, start)
+        .unwrap();
+    // Another replica's heartbeat left 4 s: not a whole TTL from now.
+    registry
+        .renew_until(1, &[], Duration::from_secs(4), start)
+        .unwrap();
+    assert_eq!(
+        registry.get(1).unwrap().lease_remaining(start),
+        Duration::from_secs(4)
+    );
+    // Never past the TTL, whatever the entry claims.
+    registry
+        .renew_until(1, &[], Duration::from_secs(3600), start)
+        .unwrap();
+    assert_eq!(registry.get(1).unwrap().lease_remaining(start), ttl);
+}
+
+#[test]
+fn a_restored_worker_keeps_its_generation_and_later_ones_stay_above() {
+    let mut saved_from = Registry::new();
+    let start = Instant::now();
+    saved_from.set_next_generation(41);
+    saved_from
+        .register(registration(1, "m", 16), Duration::from_secs(10), start)
+        .unwrap();
+    let saved = saved_from.get(1).unwrap().saved(start);
+    assert_eq!(saved.generation, 41);
+    let mut restored = Registry::new();
+    restored.restore(saved, start).unwrap();
+    assert_eq!(restored.get(1).unwrap().generation, 41);
+    restored
+        .register(registration(2, "m", 16), Duration::from_secs(10), start)
+        .unwrap();
+    assert!(restored.get(2).unwrap().generation > 41);
+}
