@@ -183,3 +183,19 @@ fn long_chats_tokenized_in_two_halves_equal_the_reference() {
     assert_eq!(again, reference);
     assert!(cached_again > reference.len() as u64 / 2, "{cached_again}");
 }
+
+#[test]
+fn a_piece_past_the_limit_is_refused_not_merged() {
+    // One run of letters is one piece: up to the limit it is merged (the
+    // reference's ids), past it the text is refused, not merged in memory
+    // in proportion to the caller's input.
+    let model = ModelTokenizer::from_dir(&trained("long", Some(QWEN_SPLIT), true, false)).unwrap();
+    let within = format!("x {} y", "ab".repeat(30_000));
+    assert_eq!(
+        model.encode(&within, false).unwrap(),
+        model.reference_ids(&within).unwrap()
+    );
+    let past = format!("x {} y", "a".repeat(100_000));
+    let error = model.encode(&past, false).unwrap_err().to_string();
+    assert!(error.contains("100001 bytes"), "{error}");
+}

@@ -17,12 +17,15 @@
 //! * the pre-tokenizer's lookahead `\s+(?!\S)`, which the `regex` engines
 //!   lack, is replaced by two patterns that give the same matches: `\s+\z`
 //!   and `\s+\s` with its last character given back;
-//! * the same ids as HF for every text: `tests/bytelevel.rs` compares the
-//!   two on generated text over a trained tokenizer, and the parity test on
-//!   real Qwen3 and Llama 3 files (against `transformers`) runs through it;
-//! * bounded: the piece cache holds at most [`CACHE_SHARDS`] ×
-//!   [`SHARD_PIECES`] pieces of at most [`MAX_CACHED_PIECE`] bytes; a
-//!   piece of any length merges in O(n log n).
+//! * the same ids as HF for every text it encodes: `tests/bytelevel.rs`
+//!   compares the two on generated text over trained tokenizers, and the
+//!   parity test on real Qwen3 and Llama 3 files (against `transformers`)
+//!   runs through it;
+//! * bounded: a piece over [`MAX_PIECE_BYTES`] is refused (the request is
+//!   routed by load; HF would merge it, in memory in proportion to it),
+//!   one encode's memo holds at most [`MEMO_PIECES`] pieces, and the piece
+//!   cache at most [`CACHE_SHARDS`] × [`SHARD_PIECES`] pieces of at most
+//!   [`MAX_CACHED_PIECE`] bytes; a piece merges in O(n log n).
 
 mod split;
 
@@ -35,8 +38,13 @@ use std::{
 use split::{GPT2_PATTERN, Splitter};
 
 use serde_json::Value;
+
+use crate::error::PromptError;
 use xxhash_rust::xxh3::xxh3_64;
 
+/// The longest piece merged: a heap merge takes about 40 bytes a byte of
+/// the piece, so at most ~2.6 MB here.
+pub const MAX_PIECE_BYTES: usize = 64 << 10;
 /// Pieces longer than this are merged each time, not cached.
 pub const MAX_CACHED_PIECE: usize = 48;
 /// Shards of the piece cache (a piece's hash picks one).
@@ -114,6 +122,8 @@ type CacheShard = FastMap<u64, (Box<[u8]>, Box<[u32]>)>;
 struct Output {
     ids: Vec<u32>,
     memo: Memo,
+    /// A piece over [`MAX_PIECE_BYTES`] was met (its length).
+    too_long: Option<usize>,
 }
 
 /// The pieces one encode has met, by hash: where their bytes are in
@@ -268,14 +278,20 @@ impl ByteLevelBpe {
 
     /// The ids of `text`, no special tokens added; `normalize` applies the
     /// tokenizer's own normalizer to a piece of text between added tokens.
-    pub(crate) fn encode<E>(
+    ///
+    /// A piece longer than [`MAX_PIECE_BYTES`] (a run of letters or marks
+    /// with no break, which no language writes) is an error: merging it
+    /// would take memory in proportion to it, and the request is then
+    /// routed by load.
+    pub(crate) fn encode(
         &self,
         text: &str,
-        normalize: impl Fn(&str) -> Result<String, E>,
-    ) -> Result<Vec<u32>, E> {
+        normalize: impl Fn(&str) -> Result<String, PromptError>,
+    ) -> Result<Vec<u32>, PromptError> {
         let mut out = Output {
             ids: Vec::with_capacity(text.len() / 4 + 1),
             memo: Memo::default(),
+            too_long: None,
         };
         let mut at = 0;
         if let Some((matcher, added_ids)) = &self.added {
@@ -286,16 +302,21 @@ impl ByteLevelBpe {
             }
         }
         self.encode_plain(&text[at..], &normalize, &mut out)?;
-        Ok(out.ids)
+        match out.too_long {
+            Some(bytes) => Err(PromptError::Tokenize(format!(
+                "a pre-tokenized piece of {bytes} bytes, over {MAX_PIECE_BYTES}"
+            ))),
+            None => Ok(out.ids),
+        }
     }
 
     /// Text with no added token in it.
-    fn encode_plain<E>(
+    fn encode_plain(
         &self,
         text: &str,
-        normalize: &impl Fn(&str) -> Result<String, E>,
+        normalize: &impl Fn(&str) -> Result<String, PromptError>,
         out: &mut Output,
-    ) -> Result<(), E> {
+    ) -> Result<(), PromptError> {
         if text.is_empty() {
             return Ok(());
         }
@@ -316,6 +337,10 @@ impl ByteLevelBpe {
     fn encode_piece(&self, piece: &[u8], out: &mut Output) {
         if piece.len() == 1 {
             out.ids.push(self.byte_ids[usize::from(piece[0])]);
+            return;
+        }
+        if piece.len() > MAX_PIECE_BYTES {
+            out.too_long = Some(piece.len());
             return;
         }
         if piece.len() > MAX_CACHED_PIECE {
