@@ -858,6 +858,7 @@ async fn serve_metrics(
         axum::routing::get(move || {
             let metrics = metrics.clone();
             fleet.refresh_subscription_ages();
+            fleet.router().refresh_booked_gauges();
             if let Some(snapshots) = &snapshots {
                 snapshots.refresh_age();
             }

@@ -68,6 +68,8 @@ pub struct Metrics {
     pub bookings_expired: IntCounter,
     /// `bound`: all (every caller's bookings), identity (one caller's).
     pub bookings_refused: IntCounterVec,
+    /// Booked load per (worker, rank), refreshed at each scrape.
+    pub worker_booked: IntGaugeVec,
     // The fleet (`fleet`).
     pub workers: IntGaugeVec,
     pub leases_expired: IntCounter,
@@ -124,6 +126,7 @@ impl Metrics {
             bookings_active: routing.bookings_active,
             bookings_expired: routing.bookings_expired,
             bookings_refused: routing.bookings_refused,
+            worker_booked: routing.worker_booked,
             workers: fleet.workers,
             leases_expired: fleet.leases_expired,
             events: index.events,

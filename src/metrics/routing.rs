@@ -1,7 +1,7 @@
 //! Routing's families: SelectWorker's outcomes and the overlap it found, the
 //! admission queue, and the bookings held until requests are released.
 
-use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::registrar::{LATENCY_BUCKETS, Registrar};
 
@@ -13,6 +13,7 @@ pub(super) struct RoutingFamilies {
     pub(super) bookings_active: IntGauge,
     pub(super) bookings_expired: IntCounter,
     pub(super) bookings_refused: IntCounterVec,
+    pub(super) worker_booked: IntGaugeVec,
 }
 
 impl RoutingFamilies {
@@ -51,6 +52,11 @@ impl RoutingFamilies {
                 "bookings_refused_total",
                 "RESERVE calls refused because open bookings hold their bound (bound: all, identity)",
                 &["bound"],
+            )?,
+            worker_booked: families.int_gauge_vec(
+                "worker_booked",
+                "Load booked on each (worker, rank) and not yet released, set at each scrape (kind: prefill_tokens, decode_blocks, requests); a worker that leaves loses its series",
+                &["worker", "rank", "kind"],
             )?,
         })
     }

@@ -36,6 +36,7 @@
 
 mod clock;
 pub mod config;
+pub mod decisions;
 pub mod feedback;
 mod members;
 #[cfg(test)]
@@ -83,6 +84,8 @@ pub struct RouterCore {
     routing: routing_state::Routing,
     /// Predictions, trust, feedback and events seen (`views.rs`).
     views: views::CacheViews,
+    /// The last decisions, for the web view (`decisions.rs`).
+    decisions: decisions::DecisionLog,
 }
 
 impl std::fmt::Debug for RouterCore {
@@ -114,6 +117,7 @@ impl RouterCore {
             members: RwLock::new(Members::new(config.registry_limits)),
             routing: routing_state::Routing::new(&config, metrics.clone(), clock.clone()),
             views: views::CacheViews::new(&config, metrics.clone(), clock.clone()),
+            decisions: decisions::DecisionLog::default(),
             clock,
             config,
             metrics,
@@ -364,6 +368,32 @@ impl RouterCore {
         self.metrics
             .predicted_blocks
             .set(i64::try_from(self.views.predicted_blocks_total()).unwrap_or(i64::MAX));
+    }
+
+    /// Sets `kvroute_worker_booked` for every (worker, rank) registered
+    /// now, dropping the series of workers gone: as many series as ranks.
+    pub(crate) fn refresh_booked_gauges(&self) {
+        let gauge = &self.metrics.worker_booked;
+        gauge.reset();
+        for record in self.workers(None) {
+            let r = &record.registration;
+            let worker = r.worker_id.to_string();
+            for dp_rank in r.dp_start_rank..r.dp_start_rank.saturating_add(r.dp_size) {
+                let booked = self.booked_load(WorkerRank {
+                    worker_id: r.worker_id,
+                    dp_rank,
+                });
+                let rank = dp_rank.to_string();
+                let set = |kind: &str, value: u64| {
+                    gauge
+                        .with_label_values(&[&worker, &rank, kind])
+                        .set(i64::try_from(value).unwrap_or(i64::MAX));
+                };
+                set("prefill_tokens", booked.prefill_tokens);
+                set("decode_blocks", booked.decode_blocks);
+                set("requests", booked.active_requests);
+            }
+        }
     }
 
     fn refresh_worker_gauges(&self) {

@@ -81,7 +81,13 @@ impl RouterCore {
         } else {
             Admitted::Untracked
         };
-        Ok(self.record(selection, admitted, "admitted"))
+        let request = &prepared.request;
+        Ok(self.record(
+            (&request.request_id, &request.model),
+            selection,
+            admitted,
+            "admitted",
+        ))
     }
 
     /// Routes a request prepared on `model`, the view of its model from
@@ -95,6 +101,8 @@ impl RouterCore {
     ) -> Result<RouteOutcome, RouteError> {
         let inputs = self.inputs(model, &prepared);
         let request_id = prepared.request.request_id.clone();
+        let model_name = prepared.request.model.clone();
+        let named = (request_id.as_str(), model_name.as_str());
         let query_only = prepared.request.mode == SelectMode::QueryOnly;
         if query_only || prepared.admission == AdmissionMode::Advisory {
             // Nothing to book: decide under the read lock, in parallel.
@@ -103,11 +111,11 @@ impl RouterCore {
                 Admission::Advisory => "advisory",
                 _ => "query_only",
             };
-            return Ok(self.record(selection, Admitted::Untracked, outcome));
+            return Ok(self.record(named, selection, Admitted::Untracked, outcome));
         }
         let (answer, target) = match self.routing.reserve(&self.views, prepared, &inputs)? {
             Reserved::Advisory(selection) => {
-                return Ok(self.record(selection, Admitted::Untracked, "advisory"));
+                return Ok(self.record(named, selection, Admitted::Untracked, "advisory"));
             }
             Reserved::Committed { selection, booked } => {
                 let (admitted, outcome) = if booked {
@@ -115,7 +123,7 @@ impl RouterCore {
                 } else {
                     (Admitted::Untracked, "query_only")
                 };
-                return Ok(self.record(selection, admitted, outcome));
+                return Ok(self.record(named, selection, admitted, outcome));
             }
             Reserved::Queued { answer, target } => (answer, target),
         };
@@ -140,6 +148,7 @@ impl RouterCore {
                     .with_label_values(&["admitted"])
                     .observe(waited.as_secs_f64());
                 Ok(self.record(
+                    named,
                     selection,
                     Admitted::AfterQueue(waited),
                     "admitted_after_queue",
@@ -166,8 +175,17 @@ impl RouterCore {
         }
     }
 
-    fn record(&self, selection: Selection, admitted: Admitted, outcome: &str) -> RouteOutcome {
+    /// Counts a decision and keeps it for the web view; `named`: its
+    /// request id and model.
+    fn record(
+        &self,
+        named: (&str, &str),
+        selection: Selection,
+        admitted: Admitted,
+        outcome: &str,
+    ) -> RouteOutcome {
         self.metrics.decisions.with_label_values(&[outcome]).inc();
+        self.decisions.record(named.0, named.1, outcome, &selection);
         if selection.total_blocks > 0 {
             let mode = if admitted == Admitted::Untracked {
                 "untracked"
@@ -183,6 +201,15 @@ impl RouterCore {
             selection,
             admitted,
         }
+    }
+
+    /// The last decisions numbered after `after`, at most `limit`.
+    pub fn decisions_after(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Vec<std::sync::Arc<super::decisions::Decision>> {
+        self.decisions.after(after, limit)
     }
 
     /// Whether an open booking was made by another identity than `caller`
