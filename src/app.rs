@@ -136,6 +136,22 @@ pub async fn run(
     );
     let grpc_local = grpc_listener.local_addr().ok();
     let security = Security::load(&config, grpc_local, &metrics)?;
+    // The web view's own listener, if it has one: bound now, so a taken
+    // address fails the start as the other two do.
+    let web_listener = match (config.web_ui, config.web_addr) {
+        (true, Some(addr)) => {
+            Some(
+                TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| ServeError::Bind {
+                        addr,
+                        setting: "web_addr",
+                        source,
+                    })?,
+            )
+        }
+        _ => None,
+    };
     // Health says NOT_SERVING from the first moment until the snapshot is
     // loaded; the listeners are bound already, so probes get an answer.
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -216,7 +232,7 @@ pub async fn run(
 
     let metrics_addr = metrics_listener.local_addr().ok();
     let background = Background::start(
-        metrics_listener,
+        (metrics_listener, web_listener),
         &metrics,
         &fleet,
         snapshots.clone(),
@@ -754,7 +770,7 @@ struct Background {
 
 impl Background {
     fn start(
-        metrics_listener: TcpListener,
+        (metrics_listener, web_listener): (TcpListener, Option<TcpListener>),
         metrics: &Arc<Metrics>,
         fleet: &Arc<Fleet>,
         snapshots: Option<Arc<Snapshots>>,
@@ -762,12 +778,33 @@ impl Background {
         security: &Security,
     ) -> Self {
         let (tasks, stop) = (TaskTracker::new(), CancellationToken::new());
+        let web = config.web_ui.then(|| {
+            crate::web::routes(crate::web::WebState::new(
+                fleet.clone(),
+                metrics.clone(),
+                crate::web::guard_for(security.policy.as_ref(), metrics),
+                config
+                    .cluster
+                    .nats_url
+                    .as_ref()
+                    .map(|_| config.cluster.replica()),
+            ))
+        });
+        // The view on its own listener, or beside `/metrics`.
+        let (beside_metrics, alone) = match web_listener {
+            Some(listener) => (None, web.map(|routes| (listener, routes))),
+            None => (web, None),
+        };
+        if let Some((listener, routes)) = alone {
+            tasks.spawn(serve_http(listener, None, routes, "web", stop.clone()));
+        }
         tasks.spawn(serve_metrics(
             metrics_listener,
             security.metrics_tls.clone(),
             metrics.clone(),
             fleet.clone(),
             snapshots.clone(),
+            beside_metrics,
             stop.clone(),
         ));
         for tls in [&security.grpc_tls, &security.metrics_tls]
@@ -850,9 +887,11 @@ async fn serve_metrics(
     metrics: Arc<Metrics>,
     fleet: Arc<Fleet>,
     snapshots: Option<Arc<Snapshots>>,
+    web: Option<axum::Router>,
     stop: CancellationToken,
 ) {
     let handshake_failures = metrics.security.tls_handshake_failures.clone();
+    let tls = tls.map(|tls| (tls, handshake_failures.with_label_values(&["metrics"])));
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
@@ -873,9 +912,23 @@ async fn serve_metrics(
             }
         }),
     );
+    let app = match web {
+        Some(web) => app.merge(web),
+        None => app,
+    };
+    serve_http(listener, tls, app, "metrics", stop).await;
+}
+
+/// Serves `app` on `listener` (TLS with `tls`) until `stop`.
+async fn serve_http(
+    listener: TcpListener,
+    tls: Option<(Arc<ServerTls>, prometheus::IntCounter)>,
+    app: axum::Router,
+    name: &'static str,
+    stop: CancellationToken,
+) {
     let served = match tls {
-        Some(tls) => {
-            let failures = handshake_failures.with_label_values(&["metrics"]);
+        Some((tls, failures)) => {
             let listener = TlsListener::new(listener, tls, failures, stop.clone());
             axum::serve(listener, app)
                 .with_graceful_shutdown(stop.cancelled_owned())
@@ -888,7 +941,7 @@ async fn serve_metrics(
         }
     };
     if let Err(error) = served {
-        tracing::error!(%error, "metrics server failed");
+        tracing::error!(%error, server = name, "HTTP server failed");
     }
 }
 

@@ -67,6 +67,16 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_METRICS_ADDR", default_value = "127.0.0.1:9464")]
     pub metrics_addr: SocketAddr,
 
+    /// Serve the operators' web view (`/ui/`): on `--web-addr` if set,
+    /// else on the metrics listener.
+    #[arg(long, env = "KVROUTE_WEB_UI", default_value_t = true, action = clap::ArgAction::Set)]
+    pub web_ui: bool,
+
+    /// Address of the web view's own listener (plain HTTP); unset: the
+    /// view is served on the metrics listener.
+    #[arg(long, env = "KVROUTE_WEB_ADDR")]
+    pub web_addr: Option<SocketAddr>,
+
     /// Tokens per KV block for models whose first worker has not said otherwise.
     #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
@@ -337,6 +347,8 @@ impl ServeConfig {
             config: None,
             grpc_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            web_ui: true,
+            web_addr: None,
             block_size: r.default_block_size,
             log_format: LogFormat::Pretty,
             log_level: "info".into(),

@@ -26,6 +26,7 @@ pub mod security;
 pub mod snapshot;
 pub mod telemetry;
 pub mod tools;
+pub mod web;
 
 /// Code generated from `proto/kvroute/v1/*.proto`, and `TokenIds`, one of
 /// its messages decoded by hand (`pb/token_ids.rs`).

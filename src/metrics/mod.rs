@@ -59,6 +59,8 @@ pub struct Metrics {
     pub rpc_duration: HistogramVec,
     pub input_rejected: IntCounterVec,
     pub event_streams: IntGauge,
+    /// The web view's requests by outcome (`web`).
+    pub web_requests: IntCounterVec,
     // Routing and admission (`routing`).
     pub decisions: IntCounterVec,
     pub overlap_ratio: HistogramVec,
@@ -119,6 +121,7 @@ impl Metrics {
             rpc_duration: rpc.duration,
             input_rejected: rpc.input_rejected,
             event_streams: rpc.event_streams,
+            web_requests: rpc.web_requests,
             decisions: routing.decisions,
             overlap_ratio: routing.overlap_ratio,
             queue_depth: routing.queue_depth,

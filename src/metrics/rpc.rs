@@ -1,5 +1,6 @@
 //! The gRPC surface's families: every call and its latency, requests
-//! refused for bad input, and the PublishEvents streams open. Label values
+//! refused for bad input, the PublishEvents streams open, and the web
+//! view's requests. Label values
 //! are known RPC paths, gRPC code names and fixed reasons only.
 
 use prometheus::{HistogramVec, IntCounterVec, IntGauge};
@@ -11,6 +12,7 @@ pub(super) struct RpcFamilies {
     pub(super) duration: HistogramVec,
     pub(super) input_rejected: IntCounterVec,
     pub(super) event_streams: IntGauge,
+    pub(super) web_requests: IntCounterVec,
 }
 
 impl RpcFamilies {
@@ -33,6 +35,11 @@ impl RpcFamilies {
                 &["area", "reason"],
             )?,
             event_streams: families.int_gauge("event_streams", "Open PublishEvents streams")?,
+            web_requests: families.counter_vec(
+                "web_requests_total",
+                "Requests of the web view by outcome (ok, not_found, too_long, unauthenticated, forbidden, busy)",
+                &["outcome"],
+            )?,
         })
     }
 }

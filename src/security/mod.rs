@@ -32,6 +32,9 @@ use tonic::{
 pub use endpoint_allow::EndpointAllow;
 pub use policy::{Identity, Policy, Role};
 
+/// The pseudo method the operators' web view (`web`) is checked as.
+pub const WEB_VIEW_PATH: &str = "/kvroute.web/View";
+
 /// What a method needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Access {
@@ -73,6 +76,10 @@ pub(crate) fn access(path: &str) -> Access {
         || path.starts_with("/envoy.service.ext_proc.v3.ExternalProcessor/")
     {
         return Access::AnyOf(&[Role::Frontend]);
+    }
+    // The operators' web view (`web`) reads what the Admin reads do.
+    if path == WEB_VIEW_PATH {
+        return Access::AnyOf(&[Role::OperatorRead]);
     }
     if path.starts_with("/kvroute.v1.Workers/") {
         return Access::AnyOf(&[Role::Worker]);
