@@ -279,9 +279,12 @@ async fn index(State(state): State<WebState>) -> Response {
 struct DecisionsQuery {
     #[serde(default)]
     after: u64,
+    /// At most this many (the newest); 50 unless asked, at most all kept.
+    limit: Option<usize>,
 }
 
-/// The kept decisions after `after`, newest last.
+/// The kept decisions after `after`, newest last: a busy router makes
+/// thousands a second, and a page shows the newest few.
 async fn decisions(
     State(state): State<WebState>,
     query: Result<Query<DecisionsQuery>, QueryRejection>,
@@ -289,10 +292,13 @@ async fn decisions(
     let Ok(Query(query)) = query else {
         return refused(StatusCode::BAD_REQUEST, "after is a number");
     };
-    let kept = state
-        .fleet
-        .router()
-        .decisions_after(query.after, crate::router::decisions::KEPT);
+    let kept = state.fleet.router().decisions_after(
+        query.after,
+        query
+            .limit
+            .unwrap_or(50)
+            .min(crate::router::decisions::KEPT),
+    );
     let decisions: Vec<Value> = kept.iter().map(|d| json::decision(d)).collect();
     axum::Json(json!({ "decisions": decisions })).into_response()
 }

@@ -120,10 +120,10 @@ async function drawEvents() {
 }
 
 async function drawDecisions() {
-  const data = await api("/ui/api/decisions?after=" + state.lastSeq);
+  const data = await api(`/ui/api/decisions?after=${state.lastSeq}&limit=50`);
   for (const d of data.decisions) state.decisions.push(d);
   if (data.decisions.length) state.lastSeq = data.decisions[data.decisions.length - 1].seq;
-  state.decisions = state.decisions.slice(-300);
+  state.decisions = state.decisions.slice(-100);
   const shown = state.decisions.slice().reverse().map((d) => el("div", { class: "decision", "data-request": d.request_id },
     el("div", { class: "head" },
       el("b", {}, "#" + d.seq), el("span", {}, new Date(d.at_unix_ms).toLocaleTimeString()),
