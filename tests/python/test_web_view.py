@@ -63,7 +63,7 @@ def fed(kvroute_pb):
     try:
         channel = kv.channel
         for worker_id in WORKERS:
-            register(pb, channel, worker_id, MODEL, max_num_batched_tokens=8192)
+            register(pb, channel, worker_id, MODEL, max_num_batched_tokens=8192, lease_ttl_secs=3600)
         stream = EventStream(pb.workers_grpc.WorkersStub(channel))
         stream.send(pb.workers_pb2.KvEventBatch(
             worker_id=11, dp_rank=0, events=[stored_event(pb, 0, 1000, 0, 4, 100)]))
