@@ -70,6 +70,16 @@ struct SeriesWorkers {
 pub const DEFAULT_ENGINE_SERIES_WORKERS: usize = 64;
 
 impl EngineEventFamilies {
+    /// Most workers with series of their own (also the per-worker booked
+    /// load's bound, `RouterCore::refresh_booked_gauges`).
+    pub(crate) fn series_cap(&self) -> usize {
+        self.series
+            .as_ref()
+            .map_or(DEFAULT_ENGINE_SERIES_WORKERS, |s| {
+                s.cap.load(std::sync::atomic::Ordering::Relaxed)
+            })
+    }
+
     /// Most workers with series of their own.
     pub(crate) fn set_series_cap(&self, cap: usize) {
         if let Some(series) = &self.series {

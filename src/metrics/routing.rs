@@ -55,7 +55,7 @@ impl RoutingFamilies {
             )?,
             worker_booked: families.int_gauge_vec(
                 "worker_booked",
-                "Load booked on each (worker, rank) and not yet released, set at each scrape (kind: prefill_tokens, decode_blocks, requests); a worker that leaves loses its series",
+                "Load booked on a (worker, rank) and not yet released (kind: prefill_tokens, decode_blocks, requests), set at each scrape for the --max-engine-metric-workers ranks with the most booked",
                 &["worker", "rank", "kind"],
             )?,
         })

@@ -370,29 +370,45 @@ impl RouterCore {
             .set(i64::try_from(self.views.predicted_blocks_total()).unwrap_or(i64::MAX));
     }
 
-    /// Sets `kvroute_worker_booked` for every (worker, rank) registered
-    /// now, dropping the series of workers gone: as many series as ranks.
+    /// Sets `kvroute_worker_booked` for the (worker, rank)s with the most
+    /// booked load now, at most `--max-engine-metric-workers` of them (the
+    /// bound on per-worker series), dropping every other series: the hot
+    /// workers are the ones worth a series.
     pub(crate) fn refresh_booked_gauges(&self) {
-        let gauge = &self.metrics.worker_booked;
-        gauge.reset();
+        let mut booked = Vec::new();
         for record in self.workers(None) {
             let r = &record.registration;
-            let worker = r.worker_id.to_string();
             for dp_rank in r.dp_start_rank..r.dp_start_rank.saturating_add(r.dp_size) {
-                let booked = self.booked_load(WorkerRank {
+                let target = WorkerRank {
                     worker_id: r.worker_id,
                     dp_rank,
-                });
-                let rank = dp_rank.to_string();
-                let set = |kind: &str, value: u64| {
-                    gauge
-                        .with_label_values(&[&worker, &rank, kind])
-                        .set(i64::try_from(value).unwrap_or(i64::MAX));
                 };
-                set("prefill_tokens", booked.prefill_tokens);
-                set("decode_blocks", booked.decode_blocks);
-                set("requests", booked.active_requests);
+                booked.push((target, self.booked_load(target)));
             }
+        }
+        let cap = self.metrics.engine.series_cap();
+        if booked.len() > cap {
+            // Ties (idle workers) go to the lowest ids: the same each scrape.
+            booked.select_nth_unstable_by_key(cap, |(target, load)| {
+                (
+                    std::cmp::Reverse((load.prefill_tokens, load.active_requests)),
+                    *target,
+                )
+            });
+            booked.truncate(cap);
+        }
+        let gauge = &self.metrics.worker_booked;
+        gauge.reset();
+        for (target, load) in booked {
+            let (worker, rank) = (target.worker_id.to_string(), target.dp_rank.to_string());
+            let set = |kind: &str, value: u64| {
+                gauge
+                    .with_label_values(&[&worker, &rank, kind])
+                    .set(i64::try_from(value).unwrap_or(i64::MAX));
+            };
+            set("prefill_tokens", load.prefill_tokens);
+            set("decode_blocks", load.decode_blocks);
+            set("requests", load.active_requests);
         }
     }
 
