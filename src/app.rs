@@ -14,6 +14,7 @@ use tonic::transport::{Server, server::TcpIncoming};
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
+use crate::http_listener::Bounded;
 use crate::{
     cluster::{Cluster, ClusterError, ClusterSettings, ReplicatedChanges},
     config::ServeConfig,
@@ -927,15 +928,16 @@ async fn serve_http(
     name: &'static str,
     stop: CancellationToken,
 ) {
+    // Both: at most so many connections, idle ones closed (`http_listener`).
     let served = match tls {
         Some((tls, failures)) => {
             let listener = TlsListener::new(listener, tls, failures, stop.clone());
-            axum::serve(listener, app)
+            axum::serve(Bounded::new(listener), app)
                 .with_graceful_shutdown(stop.cancelled_owned())
                 .await
         }
         None => {
-            axum::serve(listener, app)
+            axum::serve(Bounded::new(listener), app)
                 .with_graceful_shutdown(stop.cancelled_owned())
                 .await
         }

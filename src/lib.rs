@@ -18,6 +18,7 @@ pub mod fleet;
 pub mod fuzzing;
 pub mod gateway;
 pub mod grpc;
+pub mod http_listener;
 pub mod ingest;
 pub mod metrics;
 pub mod pools;
