@@ -1,73 +1,7 @@
-//! The web view's JSON: the Admin service's own messages (what `kvroute ctl`
-//! shows) written as JSON objects, so the page and the gRPC API never
-//! disagree.
+//! The web view's JSON of decisions. Workers are written by
+//! `grpc::json::worker_json`, the JSON `kvroute ctl --json` prints.
 
 use serde_json::{Value, json};
-
-use crate::pb;
-
-fn role(role: i32) -> &'static str {
-    match pb::WorkerRole::try_from(role) {
-        Ok(pb::WorkerRole::Prefill) => "prefill",
-        Ok(pb::WorkerRole::Decode) => "decode",
-        _ => "aggregated",
-    }
-}
-
-fn kv_events(mode: i32) -> &'static str {
-    match pb::KvEventsMode::try_from(mode) {
-        Ok(pb::KvEventsMode::Approximate) => "approximate",
-        Ok(pb::KvEventsMode::Auto) => "auto",
-        _ => "exact",
-    }
-}
-
-/// One worker, its ranks and what routing trusts of its cache.
-pub(super) fn worker(w: &pb::WorkerInfo) -> Value {
-    let ranks: Vec<Value> = w
-        .ranks
-        .iter()
-        .map(|r| {
-            let reported = r.reported_load.unwrap_or_default();
-            let booked = r.booked_load.unwrap_or_default();
-            json!({
-                "rank": r.dp_rank,
-                "running": reported.running_requests,
-                "waiting": reported.waiting_requests,
-                "kv_blocks_used": reported.kv_blocks_used,
-                "booked_prefill_tokens": booked.prefill_tokens,
-                "booked_decode_blocks": booked.decode_blocks,
-                "booked_requests": booked.active_requests,
-                "cached_blocks": r.cached_blocks,
-                "predicted_blocks": r.predicted_blocks,
-                "last_event_id": r.last_event_id,
-                "events_skipped": r.events_skipped,
-                "events_rejected": r.events_rejected,
-            })
-        })
-        .collect();
-    json!({
-        "worker_id": w.worker_id,
-        "model": w.model,
-        "role": role(w.role),
-        "endpoint": w.endpoint,
-        "dp_start_rank": w.dp_start_rank,
-        "dp_size": w.dp_size,
-        "total_kv_blocks": w.total_kv_blocks,
-        "taints": w.taints,
-        "lease_remaining_ms": w.lease_remaining_ms,
-        "cordoned": w.cordoned,
-        "kv_events": kv_events(w.kv_events),
-        "cache_view_reason": w.cache_view_reason,
-        "subscription": w.subscription,
-        "feedback": w.cached_tokens_feedback.map(|f| json!({
-            "reports": f.reports,
-            "mean_abs_error_tokens": f.mean_abs_error_tokens,
-            "contradicted": f.contradicted,
-        })),
-        "ranks": ranks,
-    })
-}
 
 /// One decision and its kept candidates.
 pub(super) fn decision(d: &crate::router::decisions::Decision) -> Value {

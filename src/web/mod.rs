@@ -21,7 +21,10 @@
 
 mod json;
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use axum::{
     Router,
@@ -33,6 +36,8 @@ use axum::{
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
+
+use kvroute_core::types::CacheView;
 
 use crate::{fleet::Fleet, grpc::convert, metrics::Metrics, security::Guard};
 
@@ -194,12 +199,15 @@ async fn fleet(
     let Ok(Query(query)) = query else {
         return refused(StatusCode::BAD_REQUEST, "offset and limit are numbers");
     };
-    let views = state.fleet.worker_views(None);
+    // Registrations for the filter and the totals; a full view (index,
+    // subscription, bookings) only of the page's workers.
+    let router = state.fleet.router();
+    let records = router.workers(None);
     let filter = query.filter.to_lowercase();
-    let matching: Vec<_> = views
+    let matching: Vec<_> = records
         .iter()
-        .filter(|v| {
-            let r = &v.record.registration;
+        .filter(|record| {
+            let r = &record.registration;
             filter.is_empty()
                 || r.worker_id.to_string().contains(&filter)
                 || r.model.to_lowercase().contains(&filter)
@@ -212,15 +220,16 @@ async fn fleet(
         .iter()
         .skip(query.offset)
         .take(limit)
-        .map(|v| json::worker(&convert::worker_view_to_pb(v)))
+        .filter_map(|record| state.fleet.worker_view(record.registration.worker_id).ok())
+        .map(|view| crate::grpc::json::worker_json(&convert::worker_view_to_pb(&view)))
         .collect();
-    let cordoned = views.iter().filter(|v| v.record.cordoned).count();
-    let untrusted = views
+    let cordoned = records.iter().filter(|r| r.cordoned).count();
+    let untrusted = records
         .iter()
-        .filter(|v| v.cache_view.describe().starts_with("blended"))
+        .filter(|r| matches!(router.cache_view(&r.snapshot()), CacheView::Blended(_)))
         .count();
     axum::Json(json!({
-        "total": views.len(),
+        "total": records.len(),
         "matching": matching.len(),
         "cordoned": cordoned,
         "untrusted": untrusted,
@@ -233,12 +242,13 @@ async fn fleet(
 /// Each model's index and each worker's share of its cached blocks.
 async fn index(State(state): State<WebState>) -> Response {
     let router = state.fleet.router();
-    let mut models: BTreeMap<String, ()> = BTreeMap::new();
-    for record in router.workers(None) {
-        models.insert(record.registration.model, ());
-    }
+    let models: BTreeSet<String> = router
+        .workers(None)
+        .into_iter()
+        .map(|record| record.registration.model)
+        .collect();
     let models: Vec<Value> = models
-        .into_keys()
+        .into_iter()
         .filter_map(|model| {
             let index = router.index_of(&model)?;
             let stats = index.stats();

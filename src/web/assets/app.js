@@ -43,8 +43,6 @@ async function api(path) {
   return response.json();
 }
 
-function sum(ranks, key) { return ranks.reduce((a, r) => a + (r[key] || 0), 0); }
-
 function trustTag(reason) {
   if (reason === "exact") return tag("exact", "ok");
   if (reason.startsWith("blended")) return tag(reason, "warn");
@@ -59,12 +57,12 @@ async function drawFleet() {
     el("div", { class: "card" }, el("b", {}, num(data.total)), "workers"),
     el("div", { class: "card" }, el("b", {}, num(data.cordoned)), "cordoned"),
     el("div", { class: "card" }, el("b", {}, num(data.untrusted)), "events untrusted"),
-    el("div", { class: "card" }, el("b", {}, num(data.workers.reduce((a, w) => a + sum(w.ranks, "booked_requests"), 0))), "booked requests (page)"));
+    el("div", { class: "card" }, el("b", {}, num(data.workers.reduce((a, w) => a + w.booked_load.active_requests, 0))), "booked requests (page)"));
   const end = Math.min(data.offset + data.workers.length, data.matching);
   document.getElementById("fleet-range").textContent =
     data.matching ? `${data.offset + 1}-${end} of ${data.matching}` : "none";
   const rows = data.workers.map((w) => {
-    const used = sum(w.ranks, "kv_blocks_used");
+    const used = w.ranks.reduce((a, r) => a + r.reported_load.kv_blocks_used, 0);
     const usedShare = w.total_kv_blocks ? used / (w.total_kv_blocks * Math.max(w.dp_size, 1)) : 0;
     return el("tr", { "data-worker": w.worker_id },
       td(w.worker_id, "num"), td(w.model), td(w.role),
@@ -72,11 +70,11 @@ async function drawFleet() {
       el("td", {}, w.cordoned ? tag("cordoned", "cordoned") : tag("serving", "ok")),
       el("td", {}, ...w.taints.map((t) => tag(t))),
       td(num(w.lease_remaining_ms / 1000, 0), "num"),
-      td(num(sum(w.ranks, "booked_prefill_tokens")), "num"),
-      td(num(sum(w.ranks, "booked_decode_blocks")), "num"),
-      td(num(sum(w.ranks, "booked_requests")), "num"),
+      td(num(w.booked_load.prefill_tokens), "num"),
+      td(num(w.booked_load.decode_blocks), "num"),
+      td(num(w.booked_load.active_requests), "num"),
       td((usedShare * 100).toFixed(1) + " %", "num"),
-      td(num(sum(w.ranks, "cached_blocks")), "num"),
+      td(num(w.cached_blocks), "num"),
       el("td", {}, trustTag(w.cache_view_reason)));
   });
   document.querySelector("#fleet-table tbody").replaceChildren(...rows);
@@ -100,6 +98,11 @@ async function drawIndex() {
     ...(blocks.length ? blocks : [el("p", { class: "hint" }, "No model has cached blocks yet.")]));
 }
 
+function feedbackText(f) {
+  if (!f) return "";
+  return `${f.reports} reports, |error| ${num(f.mean_abs_error_tokens, 1)} tok${f.contradicted ? ", contradicted" : ""}`;
+}
+
 async function drawEvents() {
   const q = new URLSearchParams({ offset: state.offset, limit: PAGE_SIZE, filter: state.filter });
   const data = await api("/ui/api/fleet?" + q);
@@ -107,13 +110,13 @@ async function drawEvents() {
   for (const w of data.workers) {
     for (const r of w.ranks) {
       rows.push(el("tr", {},
-        td(w.worker_id, "num"), td(r.rank, "num"),
+        td(w.worker_id, "num"), td(r.dp_rank, "num"),
         td(w.subscription || (w.kv_events === "approximate" ? "none (approximate)" : "PublishEvents")),
         td(num(r.last_event_id), "num"), td(num(r.events_skipped), "num"),
         el("td", { class: "num" }, r.events_rejected ? tag(num(r.events_rejected), "warn") : "0"),
         td(num(r.predicted_blocks), "num"),
         el("td", {}, trustTag(w.cache_view_reason)),
-        td(w.feedback ? `${w.feedback.reports} reports, |error| ${num(w.feedback.mean_abs_error_tokens, 1)} tok${w.feedback.contradicted ? ", contradicted" : ""}` : "")));
+        td(feedbackText(w.cached_tokens_feedback))));
     }
   }
   document.querySelector("#events-table tbody").replaceChildren(...rows);

@@ -4,30 +4,9 @@
 
 use kvroute::pb;
 
-pub(super) fn role_name(role: pb::WorkerRole) -> &'static str {
-    match role {
-        pb::WorkerRole::Aggregated => "aggregated",
-        pb::WorkerRole::Prefill => "prefill",
-        pb::WorkerRole::Decode => "decode",
-    }
-}
-
-pub(super) fn kv_events_name(mode: pb::KvEventsMode) -> &'static str {
-    match mode {
-        pb::KvEventsMode::Unspecified | pb::KvEventsMode::Exact => "exact",
-        pb::KvEventsMode::Approximate => "approximate",
-        pb::KvEventsMode::Auto => "auto",
-    }
-}
-
-pub(super) fn view_name(view: pb::CacheView) -> &'static str {
-    match view {
-        pb::CacheView::Unspecified => "-",
-        pb::CacheView::Exact => "exact",
-        pb::CacheView::Predicted => "predicted",
-        pb::CacheView::Blended => "blended",
-    }
-}
+// The names of roles, KV event modes and cache views are the server's,
+// so `ctl`'s JSON and the web view spell them alike.
+pub(super) use kvroute::grpc::json::{kv_events_name, role_name, view_name};
 
 pub(super) fn reason_name(reason: pb::IneligibleReason) -> &'static str {
     match reason {

@@ -1,15 +1,15 @@
 //! `kvroute ctl worker ID`: one worker in full, its fields and then a row
-//! per dp rank; also the JSON of one worker, which `workers` and `cordon`
-//! print too.
-
-use serde_json::{Value, json};
+//! per dp rank. Its JSON (`--json`, and `workers` and `cordon`) is the
+//! server's `grpc::json::worker_json`, which the web view serves too.
 
 use kvroute::pb;
+
+pub(super) use kvroute::grpc::json::{booked_of, worker_json};
 
 use super::{
     client::Admin,
     error::CtlError,
-    format::{kv_events_name, lease_text, rank_range, role_name, view_name, yes_no},
+    format::{kv_events_name, lease_text, rank_range, role_name, yes_no},
     output::Output,
     table::Table,
 };
@@ -114,80 +114,4 @@ fn ranks_table(w: &pb::WorkerInfo) -> String {
         ]);
     }
     ranks.render()
-}
-
-/// One booked load, as in `worker_json`.
-fn booked_json(b: &pb::BookedLoad) -> Value {
-    json!({
-        "prefill_tokens": b.prefill_tokens,
-        "prefill_blocks": b.prefill_blocks,
-        "decode_blocks": b.decode_blocks,
-        "active_requests": b.active_requests,
-    })
-}
-
-/// The worker, its ranks and their loads, as `--json` prints it.
-pub(super) fn worker_json(w: &pb::WorkerInfo) -> Value {
-    let ranks: Vec<Value> = w
-        .ranks
-        .iter()
-        .map(|r| {
-            let load = r.reported_load.unwrap_or_default();
-            json!({
-                "dp_rank": r.dp_rank,
-                "reported_load": {
-                    "running_requests": load.running_requests,
-                    "waiting_requests": load.waiting_requests,
-                    "kv_blocks_used": load.kv_blocks_used,
-                },
-                "booked_load": booked_json(&r.booked_load.unwrap_or_default()),
-                "cached_blocks": r.cached_blocks,
-                "predicted_blocks": r.predicted_blocks,
-                "last_event_id": r.last_event_id,
-                "events_skipped": r.events_skipped,
-                "events_rejected": r.events_rejected,
-            })
-        })
-        .collect();
-    json!({
-        "worker_id": w.worker_id,
-        "model": w.model,
-        "role": role_name(w.role()),
-        "endpoint": w.endpoint,
-        "block_size": w.block_size,
-        "dp_start_rank": w.dp_start_rank,
-        "dp_size": w.dp_size,
-        "total_kv_blocks": w.total_kv_blocks,
-        "max_num_batched_tokens": w.max_num_batched_tokens,
-        "taints": w.taints,
-        "lease_remaining_ms": w.lease_remaining_ms,
-        "cordoned": w.cordoned,
-        "subscription": w.subscription,
-        "kv_events": kv_events_name(w.kv_events()),
-        "cache_view": view_name(w.cache_view()),
-        "cache_view_reason": w.cache_view_reason,
-        "cached_tokens_feedback": w.cached_tokens_feedback.as_ref().map_or(Value::Null, |f| json!({
-            "reports": f.reports,
-            "mean_error_tokens": f.mean_error_tokens,
-            "mean_abs_error_tokens": f.mean_abs_error_tokens,
-            "index_error_blocks": f.index_error_blocks,
-            "contradicted": f.contradicted,
-        })),
-        "cached_blocks": w.ranks.iter().map(|r| r.cached_blocks).sum::<u64>(),
-        "booked_load": booked_json(&booked_of(w)),
-        "ranks": ranks,
-    })
-}
-
-/// The load booked on all of the worker's ranks.
-pub(super) fn booked_of(info: &pb::WorkerInfo) -> pb::BookedLoad {
-    info.ranks
-        .iter()
-        .filter_map(|r| r.booked_load)
-        .fold(pb::BookedLoad::default(), |sum, b| pb::BookedLoad {
-            prefill_tokens: sum.prefill_tokens + b.prefill_tokens,
-            prefill_blocks: sum.prefill_blocks + b.prefill_blocks,
-            decode_blocks: sum.decode_blocks + b.decode_blocks,
-            active_requests: sum.active_requests + b.active_requests,
-        })
 }
