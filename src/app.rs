@@ -14,7 +14,6 @@ use tonic::transport::{Server, server::TcpIncoming};
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
-use crate::http_listener::Bounded;
 use crate::{
     cluster::{Cluster, ClusterError, ClusterSettings, ReplicatedChanges},
     config::ServeConfig,
@@ -30,6 +29,7 @@ use crate::{
         startup_gate::StartupGate,
         workers::WorkersService,
     },
+    http_listener::Bounded,
     ingest::{self, EventWriter},
     metrics::Metrics,
     pb,

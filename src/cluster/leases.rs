@@ -208,14 +208,13 @@ impl Leases {
     /// Follows the bucket until `stop`, making each entry true here: from
     /// `first` if given, then (after the watch breaks) from the bucket's
     /// current values again.
-    pub(crate) async fn watch(self: Arc<Self>, first: Option<kv::Watch>, stop: CancellationToken) {
-        let mut first = first;
+    pub(crate) async fn watch(
+        self: Arc<Self>,
+        mut first: Option<kv::Watch>,
+        stop: CancellationToken,
+    ) {
         while !stop.is_cancelled() {
-            let next = match first.take() {
-                Some(watch) => Ok(watch),
-                None => self.kv.watch_with_history(">").await,
-            };
-            let mut watch = match next {
+            let mut watch = match super::next_watch(&self.kv, &mut first).await {
                 Ok(watch) => watch,
                 Err(error) => {
                     tracing::debug!(%error, "workers bucket: cannot watch; retrying");

@@ -295,8 +295,7 @@ pub(crate) async fn watch_from_current(
     bucket: &kv::Store,
     mut apply: impl FnMut(kv::Entry),
 ) -> Result<kv::Watch, ClusterError> {
-    let mut watch = bucket
-        .watch_with_history(">")
+    let mut watch = next_watch(bucket, &mut None)
         .await
         .map_err(|e| ClusterError::nats("watch a bucket", e))?;
     let held = bucket
@@ -327,6 +326,19 @@ pub(crate) async fn watch_from_current(
                 return Ok(watch);
             }
         }
+    }
+}
+
+/// The watch a bucket's follower reads next: `first` if it holds one (the
+/// watch [`watch_from_current`] began), else a new one from every key's
+/// newest value.
+pub(crate) async fn next_watch(
+    bucket: &kv::Store,
+    first: &mut Option<kv::Watch>,
+) -> Result<kv::Watch, kv::WatchError> {
+    match first.take() {
+        Some(watch) => Ok(watch),
+        None => bucket.watch_with_history(">").await,
     }
 }
 

@@ -359,16 +359,11 @@ impl RoutingSync {
 
     pub(crate) async fn watch_sessions(
         self: Arc<Self>,
-        first: Option<kv::Watch>,
+        mut first: Option<kv::Watch>,
         stop: CancellationToken,
     ) {
-        let mut first = first;
         while !stop.is_cancelled() {
-            let next = match first.take() {
-                Some(watch) => Ok(watch),
-                None => self.sessions.watch_with_history(">").await,
-            };
-            let mut watch = match next {
+            let mut watch = match super::next_watch(&self.sessions, &mut first).await {
                 Ok(watch) => watch,
                 Err(error) => {
                     tracing::debug!(%error, "sessions bucket: cannot watch; retrying");

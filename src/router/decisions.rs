@@ -47,7 +47,7 @@ pub struct Decision {
     pub request_id: String,
     pub model: String,
     /// `admitted`, `advisory`, `query_only`, ... as `kvroute_decisions_total`.
-    pub outcome: String,
+    pub outcome: &'static str,
     pub worker_id: u64,
     pub dp_rank: u32,
     pub overlap_blocks: u32,
@@ -131,7 +131,7 @@ impl DecisionLog {
         &self,
         request_id: &str,
         model: &str,
-        outcome: &str,
+        outcome: &'static str,
         selection: &Selection,
     ) {
         let candidates = best_candidates(&selection.candidates);
@@ -143,7 +143,7 @@ impl DecisionLog {
             at_unix_ms,
             request_id: cut(request_id, MAX_REQUEST_ID),
             model: cut(model, MAX_REQUEST_ID),
-            outcome: outcome.to_owned(),
+            outcome,
             worker_id: selection.target.worker_id,
             dp_rank: selection.target.dp_rank,
             overlap_blocks: selection.overlap_blocks,

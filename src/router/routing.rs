@@ -182,7 +182,7 @@ impl RouterCore {
         named: (&str, &str),
         selection: Selection,
         admitted: Admitted,
-        outcome: &str,
+        outcome: &'static str,
     ) -> RouteOutcome {
         self.metrics.decisions.with_label_values(&[outcome]).inc();
         self.decisions.record(named.0, named.1, outcome, &selection);

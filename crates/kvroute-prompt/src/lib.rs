@@ -184,10 +184,7 @@ impl ModelTokenizer {
         if !add_special_tokens {
             return self.encode_plain(text);
         }
-        self.tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map(|encoding| encoding.get_ids().to_vec())
-            .map_err(|e| PromptError::Tokenize(e.to_string()))
+        self.hugging_face_ids(text, true)
     }
 }
 
@@ -196,11 +193,7 @@ impl ModelTokenizer {
     /// encoder where there is one, else by Hugging Face's path.
     fn encode_plain(&self, text: &str) -> Result<Vec<u32>, PromptError> {
         let Some(fast) = &self.fast else {
-            return self
-                .tokenizer
-                .encode_fast(text, false)
-                .map(|encoding| encoding.get_ids().to_vec())
-                .map_err(|e| PromptError::Tokenize(e.to_string()));
+            return self.hugging_face_ids(text, false);
         };
         fast.encode(text, |piece| {
             use tokenizers::Normalizer;
@@ -219,8 +212,17 @@ impl ModelTokenizer {
     /// encoder serves the model: the reference the fast path is tested
     /// against.
     pub fn reference_ids(&self, text: &str) -> Result<Vec<u32>, PromptError> {
+        self.hugging_face_ids(text, false)
+    }
+
+    /// The ids of `text` by the `tokenizers` pipeline.
+    fn hugging_face_ids(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, PromptError> {
         self.tokenizer
-            .encode_fast(text, false)
+            .encode_fast(text, add_special_tokens)
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|e| PromptError::Tokenize(e.to_string()))
     }

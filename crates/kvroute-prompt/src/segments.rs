@@ -149,7 +149,9 @@ impl Segments {
         }
         segments.push(start..text.len());
         let run = |segments: &[std::ops::Range<usize>]| {
-            let mut ids = Vec::with_capacity(text.len() / 3);
+            let bytes =
+                segments.last().map_or(0, |s| s.end) - segments.first().map_or(0, |s| s.start);
+            let mut ids = Vec::with_capacity(bytes / 3);
             let mut cached = 0u64;
             for segment in segments {
                 self.encode_segment(&text[segment.clone()], &encode, &mut ids, &mut cached)?;
