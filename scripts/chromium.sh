@@ -2,11 +2,7 @@
 # view in a real browser, Debian's Chromium (headless), and reads the page
 # it rendered; install the package when it is missing.
 if ! command -v chromium >/dev/null; then
-  echo "installing chromium (Debian) for the web view's browser test" >&2
-  sudo=
-  if [ "$(id -u)" != 0 ]; then
-    sudo=sudo
-  fi
-  $sudo apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+  source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
+  debian_install "chromium (Debian) for the web view's browser test" \
+    --no-install-recommends chromium
 fi

@@ -5,14 +5,14 @@
 # systemd started the Prometheus server the package brings, it is stopped
 # and disabled again.
 if ! command -v promtool >/dev/null; then
-  echo "installing promtool (Debian package prometheus) for the alert rule tests" >&2
-  sudo=
-  if [ "$(id -u)" != 0 ]; then
-    sudo=sudo
-  fi
-  $sudo apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+  source "$(dirname "${BASH_SOURCE[0]}")/debian.sh"
+  debian_install "promtool (Debian package prometheus) for the alert rule tests" \
+    --no-install-recommends prometheus
   if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+    sudo=
+    if [ "$(id -u)" != 0 ]; then
+      sudo=sudo
+    fi
     $sudo systemctl disable --now prometheus >/dev/null 2>&1 || true
   fi
 fi
