@@ -7,7 +7,8 @@
 //! prefill complete, its end releases the booking with the engine's
 //! cached-token count, and a stream that ends any other way (the client
 //! gone, Envoy resetting, an error) releases it when it is dropped. So no
-//! mix of finished, failed and abandoned streams leaves load booked.
+//! mix of finished, failed and abandoned streams leaves load booked. The
+//! booking itself is kept by a task of its own (`booking.rs`).
 //!
 //! Nothing a message holds can make the stream panic or hold more than
 //! its body limit; messages out of order or repeated (Envoy resends a
@@ -29,12 +30,13 @@ use tonic::Status;
 use super::{
     Gateway,
     body::{Body, Refused},
+    booking::BookingHandle,
     pick::{self, Ask, Refusal},
     prompts::{Served, Tokens, tokenize},
     reply::{self, SUBSET_KEY, SUBSET_NAMESPACE},
     usage::CachedTokensScanner,
 };
-use crate::router::{Admitted, RouterCore};
+use crate::router::Admitted;
 
 /// Where the stream is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,47 +58,6 @@ pub(super) type Out = mpsc::Sender<Result<ProcessingResponse, Status>>;
 #[derive(Debug)]
 pub(super) struct Gone;
 
-/// A booking this stream holds: released once, at the response's end or
-/// when the stream is dropped.
-struct Booking {
-    core: Arc<RouterCore>,
-    request_id: String,
-    prefill_done: bool,
-    released: bool,
-    gateway: Arc<Gateway>,
-}
-
-impl Booking {
-    fn first_response_bytes(&mut self) {
-        if !self.prefill_done {
-            self.prefill_done = true;
-            self.core.mark_prefill_complete(&self.request_id);
-        }
-    }
-
-    fn release(&mut self, end: &'static str, cached_tokens: Option<u64>) {
-        if self.released {
-            return;
-        }
-        self.released = true;
-        if let Some(cached) = cached_tokens {
-            self.core.report_cached_tokens(&self.request_id, cached);
-        }
-        self.core.release_request(&self.request_id);
-        self.gateway
-            .metrics
-            .streams_ended
-            .with_label_values(&[end])
-            .inc();
-    }
-}
-
-impl Drop for Booking {
-    fn drop(&mut self) {
-        self.release("abandoned", None);
-    }
-}
-
 /// One stream's state (see the module docs).
 pub(super) struct Exchange {
     gateway: Arc<Gateway>,
@@ -108,7 +69,7 @@ pub(super) struct Exchange {
     body: Option<Body>,
     /// The last request body chunk, to recognise it resent.
     last_chunk_len: usize,
-    booking: Option<Booking>,
+    booking: Option<BookingHandle>,
     response_status: Option<u16>,
     cached_tokens: CachedTokensScanner,
 }
@@ -205,9 +166,9 @@ impl Exchange {
                 if self.stage == Stage::Refused {
                     return Ok(());
                 }
-                // The chunk goes back to Envoy before the booking's
-                // bookkeeping (prefill complete, release): that is not on
-                // the client's path. The cached-token scan reads it first.
+                // The chunk goes back to Envoy before the booking hears of
+                // it; the booking's own task does that work (booking.rs),
+                // off the client's path. The cached-token scan reads it first.
                 self.cached_tokens.feed(&chunk.body);
                 let end = chunk.end_of_stream;
                 self.send(reply::streamed(chunk.body, end, false)).await?;
@@ -420,13 +381,8 @@ impl Exchange {
             Ok(outcome) => outcome,
             Err(error) => return self.refuse(error.into()).await,
         };
-        let booking = (outcome.admitted != Admitted::Untracked).then(|| Booking {
-            core: gateway.core.clone(),
-            request_id,
-            prefill_done: false,
-            released: false,
-            gateway: gateway.clone(),
-        });
+        let booking = (outcome.admitted != Admitted::Untracked)
+            .then(|| BookingHandle::start(gateway.clone(), gateway.core.clone(), request_id));
         let Some(destination) = pick::destination(
             &outcome.selection,
             &view,
@@ -466,7 +422,7 @@ impl Exchange {
         let succeeded = self
             .response_status
             .is_some_and(|s| (200..300).contains(&s));
-        if let Some(mut booking) = self.booking.take() {
+        if let Some(booking) = self.booking.take() {
             let cached = succeeded
                 .then(|| self.cached_tokens.cached_tokens())
                 .flatten();

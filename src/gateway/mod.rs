@@ -17,6 +17,7 @@
 //! fixed carry (`usage`).
 
 mod body;
+mod booking;
 mod exchange;
 mod pick;
 mod prompts;

@@ -633,6 +633,17 @@ async fn every_candidate_busy_under_reject_is_429() {
     assert_eq!(second.status(), 429, "{second:?}");
 }
 
+/// Waits (up to 2 s) for worker 1 to hold no booking.
+async fn no_booking_left(server: &TestServer, why: &str) {
+    for _ in 0..100 {
+        if booked_requests(server, 1).await == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{why}");
+}
+
 #[tokio::test]
 async fn booked_load_returns_to_zero_after_finished_failed_and_abandoned_streams() {
     let (server, ext_proc) = server(|_| {}).await;
@@ -647,25 +658,18 @@ async fn booked_load_returns_to_zero_after_finished_failed_and_abandoned_streams
     finished
         .response(200, &[b"data: {\"choices\":[]}\n\n", usage])
         .await;
+    // The booking's own task releases it, just after the last chunk.
+    no_booking_left(&server, "a finished stream's booking must be released").await;
     assert_eq!(prefill(server.worker_info(1).await), 0);
-    assert_eq!(booked_requests(&server, 1).await, 0, "finished");
 
     let (mut failed, _) = request(ext_proc, "/v1/completions", &completion(&prompt)).await;
     failed.response(500, &[b"{\"error\":\"engine\"}"]).await;
-    assert_eq!(booked_requests(&server, 1).await, 0, "failed");
+    no_booking_left(&server, "a failed stream's booking must be released").await;
 
     let (abandoned, _) = request(ext_proc, "/v1/completions", &completion(&prompt)).await;
     assert_eq!(booked_requests(&server, 1).await, 1);
     abandoned.abandon();
-    let mut waited = 0;
-    while booked_requests(&server, 1).await != 0 {
-        waited += 1;
-        assert!(
-            waited < 100,
-            "an abandoned stream's booking must be released"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    no_booking_left(&server, "an abandoned stream's booking must be released").await;
     // Abandoned mid-response too.
     let (mut cut, _) = request(ext_proc, "/v1/completions", &completion(&prompt)).await;
     cut.send(
@@ -678,15 +682,11 @@ async fn booked_load_returns_to_zero_after_finished_failed_and_abandoned_streams
     .await;
     cut.next().await;
     cut.abandon();
-    let mut waited = 0;
-    while booked_requests(&server, 1).await != 0 {
-        waited += 1;
-        assert!(
-            waited < 100,
-            "a stream cut mid-response must release its booking"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    no_booking_left(
+        &server,
+        "a stream cut mid-response must release its booking",
+    )
+    .await;
     // The finished stream's cached tokens reached the feedback.
     let feedback = server
         .worker_info(1)
