@@ -27,7 +27,7 @@ use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
 use crate::select::BookedLoads;
-use crate::types::{BookedLoad, LocalHash, WorkerId, WorkerRank};
+use crate::types::{BookedLoad, ChainMap, LocalHash, WorkerId, WorkerRank};
 
 use super::AdmissionError;
 
@@ -109,7 +109,7 @@ struct RankTotals {
     prefill_tokens: u64,
     prefill_blocks: u64,
     active_requests: u64,
-    refs: HashMap<u64, u32>,
+    refs: ChainMap<u32>,
 }
 
 /// An open booking as a snapshot keeps it.

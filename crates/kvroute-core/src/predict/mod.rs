@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 
-use crate::types::{WorkerId, WorkerRank};
+use crate::types::{ChainMap, WorkerId, WorkerRank};
 
 /// Most prompt blocks held awaiting their prefill, over every booking: a
 /// caller's open bookings cannot make the held prompts take more than
@@ -57,7 +57,7 @@ struct Node {
 /// took about 106.
 #[derive(Debug)]
 struct TargetCache {
-    slots: HashMap<u64, u32>,
+    slots: ChainMap<u32>,
     nodes: Vec<Node>,
     oldest: u32,
     newest: u32,
@@ -68,7 +68,7 @@ struct TargetCache {
 impl Default for TargetCache {
     fn default() -> Self {
         Self {
-            slots: HashMap::new(),
+            slots: ChainMap::default(),
             nodes: Vec::new(),
             oldest: NIL,
             newest: NIL,
@@ -192,7 +192,7 @@ impl TargetCache {
             return;
         }
         let mut fresh = Self {
-            slots: HashMap::with_capacity(self.len()),
+            slots: ChainMap::with_capacity_and_hasher(self.len(), Default::default()),
             nodes: Vec::with_capacity(self.len()),
             ..Self::default()
         };
