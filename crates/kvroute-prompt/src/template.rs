@@ -7,6 +7,8 @@
 //! `chat_template_kwargs`.
 
 use minijinja::{Environment, Error, ErrorKind, Value, value::Kwargs};
+use std::collections::BTreeMap;
+
 use serde_json::Map;
 
 use crate::{error::PromptError, pyjson};
@@ -118,36 +120,63 @@ impl ChatTemplate {
 
     /// The prompt text of `request`.
     pub fn render(&self, request: &ChatRequest<'_>) -> Result<String, PromptError> {
-        let mut context = Map::new();
+        // Each part goes into the template's context as it is, not copied
+        // into a JSON map first: a long chat's messages are most of a
+        // request body.
+        let mut context: BTreeMap<String, Value> = BTreeMap::new();
         if let Some(kwargs) = request.kwargs {
-            context.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+            context.extend(
+                kwargs
+                    .iter()
+                    .map(|(k, v)| (k.clone(), Value::from_serialize(v))),
+            );
         }
-        context.insert("messages".into(), request.messages.clone());
+        context.insert("messages".into(), Value::from_serialize(request.messages));
         if let Some(tools) = request.tools {
-            context.insert("tools".into(), tools.clone());
+            context.insert("tools".into(), Value::from_serialize(tools));
         }
         context.insert(
             "add_generation_prompt".into(),
             request.add_generation_prompt.into(),
         );
         context
-            .entry("bos_token")
-            .or_insert_with(|| self.bos_token.clone().into());
+            .entry("bos_token".into())
+            .or_insert_with(|| self.bos_token.as_str().into());
         context
-            .entry("eos_token")
-            .or_insert_with(|| self.eos_token.clone().into());
+            .entry("eos_token".into())
+            .or_insert_with(|| self.eos_token.as_str().into());
         let template = self
             .env
             .get_template("chat")
             .map_err(|e| PromptError::Template(e.to_string()))?;
-        let text = template
-            .render(Value::from_serialize(&context))
+        // Sized for the whole prompt at once: grown by doubling, a long
+        // chat's text was copied a dozen times into fresh pages.
+        let mut text = Vec::with_capacity(rendered_size_hint(request.messages));
+        template
+            .render_captured_to(Value::from(context), &mut text)
             .map_err(|e| PromptError::Template(e.to_string()))?;
+        let text = String::from_utf8(text)
+            .map_err(|_| PromptError::Template("the template wrote invalid UTF-8".into()))?;
         if request.continue_final_message {
             return cut_after_final_message(text, request.messages);
         }
         Ok(text)
     }
+}
+
+/// About the prompt's length: its messages' text and a little for each
+/// message's markers (never more than the request body held).
+fn rendered_size_hint(messages: &serde_json::Value) -> usize {
+    let Some(messages) = messages.as_array() else {
+        return 0;
+    };
+    messages
+        .iter()
+        .map(|m| match m.get("content") {
+            Some(serde_json::Value::String(text)) => text.len() + 32,
+            _ => 64,
+        })
+        .sum()
 }
 
 /// Ends the prompt right after the final message's content, as
