@@ -99,6 +99,12 @@ pub struct ReplayArgs {
     /// With --router-replicas: replicas never learn each other's bookings.
     #[arg(long)]
     pub no_replica_sync: bool,
+    /// With --router-replicas: decisions are records of the replicated log
+    /// (cluster mode's ordered decisions): every replica applies every
+    /// decision in one order, and each decision waits
+    /// --replica-sync-delay-ms for its record.
+    #[arg(long, conflicts_with = "no_replica_sync")]
+    pub ordered_decisions: bool,
     /// Seed of every random choice.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -271,6 +277,7 @@ impl ReplayArgs {
         (self.router_replicas > 1).then(|| ReplicaSetup {
             count: self.router_replicas as usize,
             sync_delay_ms: (!self.no_replica_sync).then_some(self.replica_sync_delay_ms),
+            ordered: self.ordered_decisions,
         })
     }
 
@@ -447,8 +454,33 @@ mod tests {
             parse(&["--router-replicas", "3", "--replica-sync-delay-ms", "10"]).ok(),
             Some(Some(ReplicaSetup {
                 count: 3,
-                sync_delay_ms: Some(10.0)
+                sync_delay_ms: Some(10.0),
+                ordered: false,
             }))
+        );
+        assert_eq!(
+            parse(&[
+                "--router-replicas",
+                "3",
+                "--replica-sync-delay-ms",
+                "10",
+                "--ordered-decisions"
+            ])
+            .ok(),
+            Some(Some(ReplicaSetup {
+                count: 3,
+                sync_delay_ms: Some(10.0),
+                ordered: true,
+            }))
+        );
+        assert!(
+            parse(&[
+                "--router-replicas",
+                "3",
+                "--no-replica-sync",
+                "--ordered-decisions"
+            ])
+            .is_err()
         );
         assert_eq!(
             parse(&["--router-replicas", "3"])
@@ -461,7 +493,8 @@ mod tests {
             parse(&["--router-replicas", "3", "--no-replica-sync"]).ok(),
             Some(Some(ReplicaSetup {
                 count: 3,
-                sync_delay_ms: None
+                sync_delay_ms: None,
+                ordered: false,
             }))
         );
         assert!(parse(&["--replica-sync-delay-ms", "1", "--no-replica-sync"]).is_err());

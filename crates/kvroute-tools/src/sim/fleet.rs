@@ -233,7 +233,9 @@ impl<'a> Replay<'a> {
             .route(&request, now, &view)
             .min(self.engines.len() - 1);
         let t = &mut self.tracked[self.next];
-        t.arrival_ms = now;
+        // The request arrived the decision's wait before it can go (see
+        // `Router::decision_delay_ms`): its TTFT counts the wait.
+        t.arrival_ms = now - self.router.decision_delay_ms();
         t.engine = target;
         t.prompt_tokens = request.tokens.len();
         self.engine_stats[target].requests += 1;
@@ -303,6 +305,7 @@ impl<'a> Replay<'a> {
         let cached = self.router.cached_token_predictions();
         Report {
             replicas: self.router.replicas(),
+            divergent_decisions: self.router.divergent_decisions(),
             cached_prediction: (!cached.is_empty()).then(|| PredictionErrors::of(&cached)),
             ttft_prediction: (!predictions.is_empty())
                 .then(|| PredictionAccuracy::of(&predictions)),

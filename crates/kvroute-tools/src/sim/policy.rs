@@ -42,6 +42,19 @@ pub trait Router {
         Vec::new()
     }
 
+    /// Virtual ms each decision waits before its request can go to its
+    /// engine (ordered replicas wait for their record to come back from
+    /// the log); a request's TTFT counts it.
+    fn decision_delay_ms(&self) -> f64 {
+        0.0
+    }
+
+    /// Decisions on which some replica chose another engine than the one
+    /// that answered; `None` where replicas do not all decide.
+    fn divergent_decisions(&self) -> Option<u64> {
+        None
+    }
+
     /// The router replicas this policy models; `None` for one router.
     fn replicas(&self) -> Option<ReplicaSetup> {
         None

@@ -25,6 +25,19 @@
 //! booking before the next decision, so N replicas route exactly as one
 //! router does (tested below).
 //!
+//! **Ordered decisions** (`--ordered-decisions`, issue 35) are the other
+//! way: each decision is a record of the replicated log, and every replica
+//! applies every record (decision, prefill completion, release, KV event)
+//! in the log's one order, so each replica makes every decision itself and
+//! books the same worker. Every record takes the sync delay `d` to come
+//! back from the log. So a request arriving at `t` is decided at `t + d`
+//! and goes to its engine then, from the state of everything that happened
+//! by `t`. The model decides at the request's trace time, counts `d` in its
+//! TTFT (as if it had arrived `d` earlier), and hands every replica the KV
+//! events, prefill completions and releases `d` late; it checks the
+//! premise as it goes: a decision on which some replica chose differently
+//! from the one that answers is counted ([`Router::divergent_decisions`]).
+//!
 //! Each replica's core is told what cluster mode tells it
 //! (`RouterConfig::replicas`): `count` replicas, its index, and the sync
 //! delay, so it estimates the load its peers book before it hears of it
@@ -41,25 +54,32 @@ use super::kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
 use super::policy::Router;
 use super::types::{FleetView, ReplicaSetup, SimRequest};
 
-/// What a replica tells the others about a request it routed.
+/// What a replica tells the others about a request it routed; with
+/// ordered decisions, what the log hands every replica.
 #[derive(Debug)]
 enum Shared {
     Booked(SavedBooking),
     PrefillComplete(u64, u64),
     Released(u64),
+    KvEvents(usize, Vec<EngineKvEvent>),
 }
 
-/// A message on its way from replica `from` to every other replica.
+/// A message on its way from replica `from` to every other replica
+/// (`None`: from the log to every replica).
 #[derive(Debug)]
 struct InFlight {
     due_ms: f64,
-    from: usize,
+    from: Option<usize>,
     what: Shared,
 }
 
 /// What replica `index` of `count` knows of its peers: the sync delay, as
 /// cluster mode would configure it; nothing when they never sync.
 fn replica_settings(setup: ReplicaSetup, count: usize, index: usize) -> ReplicaSettings {
+    if setup.ordered {
+        // Every replica holds every booking when it decides: no estimate.
+        return ReplicaSettings::default();
+    }
     match setup.sync_delay_ms {
         Some(delay_ms) if delay_ms > 0.0 => ReplicaSettings {
             count: u32::try_from(count).unwrap_or(u32::MAX),
@@ -78,6 +98,8 @@ pub struct ReplicatedKvRoute {
     /// Oldest first. Every message is delayed alike and virtual time never
     /// goes back, so due times never decrease along the queue.
     in_flight: VecDeque<InFlight>,
+    /// Ordered decisions some replica made differently.
+    divergent: u64,
 }
 
 impl ReplicatedKvRoute {
@@ -91,6 +113,7 @@ impl ReplicatedKvRoute {
             replicas,
             setup: ReplicaSetup { count, ..setup },
             in_flight: VecDeque::new(),
+            divergent: 0,
         })
     }
 
@@ -105,9 +128,9 @@ impl ReplicatedKvRoute {
         (request_id % self.replicas.len() as u64) as usize
     }
 
-    /// Sends `what` from replica `from` at `now_ms`, unless replicas never
-    /// share.
-    fn share(&mut self, from: usize, now_ms: f64, what: Shared) {
+    /// Sends `what` from replica `from` (`None`: the log) at `now_ms`,
+    /// unless replicas never share.
+    fn share(&mut self, from: Option<usize>, now_ms: f64, what: Shared) {
         if let Some(delay) = self.setup.sync_delay_ms {
             self.in_flight.push_back(InFlight {
                 due_ms: now_ms + delay,
@@ -129,7 +152,7 @@ impl ReplicatedKvRoute {
                 .replicas
                 .iter_mut()
                 .enumerate()
-                .filter(|(i, _)| *i != message.from);
+                .filter(|(i, _)| Some(*i) != message.from);
             for (_, replica) in others {
                 match &message.what {
                     Shared::Booked(booking) => replica.book_for_peer(booking.clone(), now_ms),
@@ -137,9 +160,35 @@ impl ReplicatedKvRoute {
                         replica.on_prefill_complete(*id, now_ms, *cached)
                     }
                     Shared::Released(id) => replica.on_request_complete(*id, now_ms),
+                    Shared::KvEvents(engine, events) => {
+                        replica.on_kv_events(*engine, events, now_ms)
+                    }
                 }
             }
         }
+    }
+}
+
+impl ReplicatedKvRoute {
+    /// An ordered decision: every replica applies the record and decides;
+    /// the answer is replica `from`'s, and any other choice is counted.
+    fn decide_everywhere(
+        &mut self,
+        request: &SimRequest,
+        now_ms: f64,
+        fleet: &FleetView,
+        from: usize,
+    ) -> usize {
+        let choices: Vec<usize> = self
+            .replicas
+            .iter_mut()
+            .map(|replica| replica.route(request, now_ms, fleet))
+            .collect();
+        let answer = choices.get(from).copied().unwrap_or(0);
+        if choices.iter().any(|&c| c != answer) {
+            self.divergent += 1;
+        }
+        answer
     }
 }
 
@@ -158,6 +207,9 @@ impl Router for ReplicatedKvRoute {
         }
         self.deliver(now_ms);
         let from = self.replica_of(request.id);
+        if self.setup.ordered {
+            return self.decide_everywhere(request, now_ms, fleet, from);
+        }
         let Some(replica) = self.replicas.get_mut(from) else {
             return 0;
         };
@@ -165,30 +217,47 @@ impl Router for ReplicatedKvRoute {
         if self.setup.sync_delay_ms.is_some()
             && let Some(booking) = replica.booking(request.id)
         {
-            self.share(from, now_ms, Shared::Booked(booking));
+            self.share(Some(from), now_ms, Shared::Booked(booking));
         }
         engine
     }
 
     fn on_kv_events(&mut self, engine: usize, events: &[EngineKvEvent], now_ms: f64) {
+        if self.setup.ordered {
+            self.share(None, now_ms, Shared::KvEvents(engine, events.to_vec()));
+            return;
+        }
         for replica in &mut self.replicas {
             replica.on_kv_events(engine, events, now_ms);
         }
     }
 
     fn on_prefill_complete(&mut self, request_id: u64, now_ms: f64, cached_tokens: u64) {
+        if self.setup.ordered {
+            let what = Shared::PrefillComplete(request_id, cached_tokens);
+            self.share(None, now_ms, what);
+            return;
+        }
         let from = self.replica_of(request_id);
         if let Some(replica) = self.replicas.get_mut(from) {
             replica.on_prefill_complete(request_id, now_ms, cached_tokens);
         }
         self.share(
-            from,
+            Some(from),
             now_ms,
             Shared::PrefillComplete(request_id, cached_tokens),
         );
     }
 
     fn cached_token_predictions(&self) -> Vec<(f64, f64)> {
+        if self.setup.ordered {
+            // Every replica made every decision: one's predictions are all.
+            return self
+                .replicas
+                .first()
+                .map(Router::cached_token_predictions)
+                .unwrap_or_default();
+        }
         self.replicas
             .iter()
             .flat_map(Router::cached_token_predictions)
@@ -196,11 +265,26 @@ impl Router for ReplicatedKvRoute {
     }
 
     fn on_request_complete(&mut self, request_id: u64, now_ms: f64) {
+        if self.setup.ordered {
+            self.share(None, now_ms, Shared::Released(request_id));
+            return;
+        }
         let from = self.replica_of(request_id);
         if let Some(replica) = self.replicas.get_mut(from) {
             replica.on_request_complete(request_id, now_ms);
         }
-        self.share(from, now_ms, Shared::Released(request_id));
+        self.share(Some(from), now_ms, Shared::Released(request_id));
+    }
+
+    fn decision_delay_ms(&self) -> f64 {
+        match self.setup.sync_delay_ms {
+            Some(delay) if self.setup.ordered => delay,
+            _ => 0.0,
+        }
+    }
+
+    fn divergent_decisions(&self) -> Option<u64> {
+        self.setup.ordered.then_some(self.divergent)
     }
 
     fn replicas(&self) -> Option<ReplicaSetup> {
@@ -246,6 +330,14 @@ mod tests {
             self.inner.on_request_complete(request_id, now_ms);
         }
 
+        fn decision_delay_ms(&self) -> f64 {
+            self.inner.decision_delay_ms()
+        }
+
+        fn divergent_decisions(&self) -> Option<u64> {
+            self.inner.divergent_decisions()
+        }
+
         fn replicas(&self) -> Option<ReplicaSetup> {
             self.inner.replicas()
         }
@@ -280,6 +372,17 @@ mod tests {
         Some(ReplicaSetup {
             count: 3,
             sync_delay_ms,
+            ordered: false,
+        })
+    }
+
+    /// `count` replicas deciding in the log's order, each record back
+    /// `delay_ms` later.
+    fn ordered(count: usize, delay_ms: f64) -> Option<ReplicaSetup> {
+        Some(ReplicaSetup {
+            count,
+            sync_delay_ms: Some(delay_ms),
+            ordered: true,
         })
     }
 
@@ -365,6 +468,74 @@ mod tests {
         // too few to outweigh the cached prefix, so all 6 herd.
         assert_eq!(unsynced, 6, "synced: {synced}");
         assert!(synced < unsynced, "synced replicas spread: {synced} of 6");
+    }
+
+    #[test]
+    fn ordered_replicas_make_the_decisions_of_one_router_fed_the_same_log() {
+        let trace = sample();
+        let cfg = SimConfig {
+            speedup: 4.0,
+            ..SimConfig::default()
+        };
+        for delay_ms in [1.0, 10.0, 50.0] {
+            // One router given the same ordered inputs (the log, one reader).
+            let (one, one_report) = run(&trace, &cfg, ordered(1, delay_ms));
+            for count in [2, 3, 5] {
+                let (replicas, report) = run(&trace, &cfg, ordered(count, delay_ms));
+                assert_eq!(
+                    one, replicas,
+                    "{count} replicas, {delay_ms} ms: same engines"
+                );
+                assert_eq!(report.divergent_decisions, Some(0));
+                assert_eq!(report.ttft_ms, one_report.ttft_ms);
+                assert_eq!(report.reuse_ratio, one_report.reuse_ratio);
+            }
+        }
+    }
+
+    #[test]
+    fn ordered_decisions_wait_for_the_log_but_without_delay_are_one_routers() {
+        let trace = sample();
+        let cfg = SimConfig {
+            speedup: 4.0,
+            ..SimConfig::default()
+        };
+        let (one, one_report) = run(&trace, &cfg, None);
+        let (at_zero, zero_report) = run(&trace, &cfg, ordered(3, 0.0));
+        assert_eq!(one, at_zero, "no delay: one router's engines");
+        assert_eq!(zero_report.ttft_ms, one_report.ttft_ms);
+        // A lone request (nothing else to read late) only waits.
+        let lone = Trace {
+            records: vec![TraceRequest {
+                timestamp: 0,
+                input_length: 4 * 512,
+                output_length: 8,
+                hash_ids: (0..4).collect(),
+            }],
+        };
+        let plain = run(&lone, &cfg, None).1.ttft_ms.mean;
+        let waited = run(&lone, &cfg, ordered(3, 10.0)).1.ttft_ms.mean;
+        assert!(
+            (waited - plain - 10.0).abs() < 1e-9,
+            "{plain} then {waited}"
+        );
+    }
+
+    #[test]
+    fn ordered_replicas_do_not_herd_where_synced_ones_do() {
+        let trace = shared_prefix_burst(6);
+        let cfg = SimConfig::default();
+        let one = on_cached_engine(&run(&trace, &cfg, None).0);
+        let synced = on_cached_engine(&run(&trace, &cfg, three(Some(10.0))).0);
+        let in_order = on_cached_engine(&run(&trace, &cfg, ordered(3, 10.0)).0);
+        // The burst arrives at one instant: 10 ms later every ordered
+        // replica has applied every earlier decision's booking, as one
+        // router has; synced replicas have not heard of each other's yet.
+        assert_eq!(in_order, one);
+        assert!(
+            in_order < synced,
+            "ordered {in_order}, synced {synced} of 6"
+        );
     }
 
     /// `burst` requests of 24 trace blocks each, nothing shared, at one

@@ -85,6 +85,8 @@ pub struct Report {
     pub policy: String,
     /// Router replicas the policy ran as; `None` for one router.
     pub replicas: Option<ReplicaSetup>,
+    /// With ordered decisions: those some replica made differently.
+    pub divergent_decisions: Option<u64>,
     pub workers: usize,
     pub speedup: f64,
     pub requests: usize,
@@ -237,6 +239,7 @@ impl Report {
         Report {
             policy: policy.to_string(),
             replicas: None,
+            divergent_decisions: None,
             workers: config.workers,
             speedup: config.speedup,
             requests: requests.len(),
@@ -296,6 +299,10 @@ impl Report {
         if let (Some(setup), Some(object)) = (self.replicas, json.as_object_mut()) {
             object.insert("router_replicas".into(), setup.count.into());
             object.insert("replica_sync_delay_ms".into(), setup.sync_delay_ms.into());
+            object.insert("ordered_decisions".into(), setup.ordered.into());
+            if let Some(divergent) = self.divergent_decisions {
+                object.insert("divergent_decisions".into(), divergent.into());
+            }
         }
         if let (Some(errors), Some(object)) = (self.cached_prediction, json.as_object_mut()) {
             // The same statistics as for TTFT, in tokens.
@@ -324,7 +331,13 @@ impl Report {
         let mut out = String::new();
         for r in reports {
             if let Some(setup) = r.replicas {
-                out.push_str(&format!("{}: {setup}\n", r.policy));
+                out.push_str(&format!("{}: {setup}", r.policy));
+                if let Some(divergent) = r.divergent_decisions {
+                    out.push_str(&format!(
+                        "; decisions some replica made differently: {divergent}"
+                    ));
+                }
+                out.push('\n');
             }
         }
         out.push_str(&format!(
@@ -460,13 +473,28 @@ mod tests {
             replicas: Some(ReplicaSetup {
                 count: 3,
                 sync_delay_ms: None,
+                ordered: false,
             }),
-            ..r
+            ..r.clone()
         }
         .to_json();
         assert_eq!(replicated["router_replicas"], 3);
         assert!(replicated["replica_sync_delay_ms"].is_null());
-        assert_eq!(replicated.as_object().unwrap().len(), want.len() + 2);
+        assert_eq!(replicated["ordered_decisions"], false);
+        assert_eq!(replicated.as_object().unwrap().len(), want.len() + 3);
+        let ordered = Report {
+            replicas: Some(ReplicaSetup {
+                count: 3,
+                sync_delay_ms: Some(10.0),
+                ordered: true,
+            }),
+            divergent_decisions: Some(0),
+            ..r
+        }
+        .to_json();
+        assert_eq!(ordered["ordered_decisions"], true);
+        assert_eq!(ordered["divergent_decisions"], 0);
+        assert_eq!(ordered.as_object().unwrap().len(), want.len() + 4);
     }
 
     #[test]
@@ -487,6 +515,7 @@ mod tests {
             replicas: Some(ReplicaSetup {
                 count: 3,
                 sync_delay_ms: Some(1.0),
+                ordered: false,
             }),
             ..Report::default()
         };

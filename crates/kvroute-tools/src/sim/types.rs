@@ -42,7 +42,12 @@ pub struct ReplicaSetup {
     pub count: usize,
     /// Virtual milliseconds after which a replica's bookings, prefill
     /// completions and releases reach the other replicas; `None`: never.
+    /// With `ordered`, the time a decision's record takes through the log
+    /// and back.
     pub sync_delay_ms: Option<f64>,
+    /// Decisions ordered through the replicated log (`--ordered-decisions`):
+    /// every replica applies every decision, in one order.
+    pub ordered: bool,
 }
 
 impl std::fmt::Display for ReplicaSetup {
@@ -53,6 +58,11 @@ impl std::fmt::Display for ReplicaSetup {
             self.count, self.count
         )?;
         match self.sync_delay_ms {
+            Some(ms) if self.ordered => write!(
+                f,
+                "decisions ordered through the log: each waits {ms} ms for its record, \
+                 every replica applies it"
+            ),
             Some(ms) => write!(f, "booked load reaches the other replicas after {ms} ms"),
             None => write!(f, "booked load never reaches the other replicas"),
         }
@@ -143,11 +153,22 @@ mod tests {
         let synced = ReplicaSetup {
             count: 3,
             sync_delay_ms: Some(10.0),
+            ordered: false,
         };
         assert_eq!(
             synced.to_string(),
             "3 router replicas (request i routed by replica i mod 3), booked load reaches \
              the other replicas after 10 ms"
+        );
+        let ordered = ReplicaSetup {
+            ordered: true,
+            ..synced
+        };
+        assert!(
+            ordered
+                .to_string()
+                .ends_with("decisions ordered through the log: each waits 10 ms for its record, every replica applies it"),
+            "{ordered}"
         );
         let unsynced = ReplicaSetup {
             sync_delay_ms: None,
