@@ -34,7 +34,8 @@
 //! and goes to its engine then, from the state of everything that happened
 //! by `t`. The model decides at the request's trace time, counts `d` in its
 //! TTFT (as if it had arrived `d` earlier), and hands every replica the KV
-//! events, prefill completions and releases `d` late; it checks the
+//! events, prefill completions and releases `d` late (the engines'
+//! reported load it reads at the decision, as one router does); it checks the
 //! premise as it goes: a decision on which some replica chose differently
 //! from the one that answers is counted ([`Router::divergent_decisions`]).
 //!
