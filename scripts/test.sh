@@ -26,6 +26,7 @@ cargo test --workspace --all-targets
 bash scripts/publisher-test.sh
 bash scripts/tokenizer-parity.sh
 cargo build --bin kvroute
+cargo build -p kvroute-tools --bin kvroute-tools  # `kvroute loadgen` in the gateway test
 # The binary cargo just built, wherever its target directory is
 # (CARGO_TARGET_DIR, a config file, or ./target).
 target_dir=$(cargo metadata --format-version 1 --no-deps |

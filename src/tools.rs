@@ -1,4 +1,4 @@
-//! `kvroute replay | bench | ctl | hash` are tools, built as their own
+//! `kvroute replay | loadgen | bench | ctl | hash` are tools, built as their own
 //! binary (`kvroute-tools`, crate `crates/kvroute-tools`) so that the
 //! server links no simulator, benchmark or client code. The user keeps one
 //! command: `kvroute` hands a tool's command line, unchanged, to the
@@ -11,12 +11,13 @@ use std::{
 };
 
 /// The sub-commands that `kvroute-tools` runs.
-pub const TOOL_COMMANDS: &[&str] = &["replay", "bench", "ctl", "hash"];
+pub const TOOL_COMMANDS: &[&str] = &["replay", "loadgen", "bench", "ctl", "hash"];
 
 /// Shown under `kvroute --help`.
 pub const TOOLS_HELP: &str = "\
 Tools (run by kvroute-tools, installed beside kvroute):
   replay  Replay a request trace through simulated engines under several routing policies
+  loadgen Replay a request trace against real engines over HTTP; the replay's table from the client
   bench   Benchmarks that print figures (index, select, ingest, snapshot, cluster, soak)
   ctl     Ask a running kvroute what it knows, why it routes a prompt where it does; cordon
   hash    Print the local hash of each complete block of token ids read from stdin";

@@ -633,6 +633,45 @@ def test_completions_follow_their_prompt_prefix(gateway):
     g.wait_unbooked("the completions")
 
 
+def loadgen(g: Gateway, trace: Path, *target: str) -> dict:
+    """`kvroute loadgen` (the tools binary beside kvroute) on `trace`; its
+    JSON report."""
+    out = subprocess.run([kvroute_bin(), "loadgen", "--trace", str(trace), "--model", MODEL,
+                          "--speedup", "10", "--timeout-secs", "20", "--json", *target],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"{out.stderr}\n{g.envoy.diagnostics()}"
+    return json.loads(out.stdout)
+
+
+def conversations_trace(path: Path, first_id: int) -> Path:
+    """Four conversations of four turns, each turn one 512-token block
+    longer than the last and 100 ms (at speedup 10) after it."""
+    with open(path, "w") as f:
+        for turn in range(4):
+            for c in range(4):
+                ids = [first_id + 100 * c + j for j in range(turn + 1)]
+                f.write(json.dumps({"timestamp": 1000 * turn + 10 * c, "input_length": 512 * len(ids),
+                                    "output_length": 4, "hash_ids": ids}) + "\n")
+    return path
+
+
+def test_loadgen_through_the_front_door_reuses_what_round_robin_scatters(gateway, tmp_path):
+    g = gateway
+    base = time.time_ns() % 10**9 * 1000  # block ids (so texts) no other run has sent
+    routed = loadgen(g, conversations_trace(tmp_path / "routed.jsonl", base),
+                     "--url", f"http://{g.envoy.addr('fail_close')}")
+    scattered = loadgen(g, conversations_trace(tmp_path / "scattered.jsonl", base + 10**6),
+                        "--engines", ",".join(f"http://{e.addr}" for e in g.engines))
+    assert routed["completed"] == scattered["completed"] == 16, (routed, scattered)
+    # Each later turn extends its conversation: through kvroute it finds its
+    # prefix cached (0.6 of the tokens at best), round robin sends every
+    # turn to another engine than the last.
+    assert routed["reuse_ratio"] >= 0.4, routed
+    assert routed["reuse_ratio"] > scattered["reuse_ratio"] + 0.2, (routed, scattered)
+    assert routed["ttft_ms"]["p50"] > 0 and routed["itl_ms"]["mean"] >= 0
+    g.wait_unbooked("the load generator's streams")
+
+
 def test_lora_adapter_routes_among_its_base_models_workers(gateway):
     g = gateway
     tag = f"{run_id()}-lora"

@@ -1,4 +1,4 @@
-//! The tools' command line: `kvroute replay | bench | ctl | hash`. The
+//! The tools' command line: `kvroute replay | loadgen | bench | ctl | hash`. The
 //! server's `kvroute` hands these sub-commands to this binary unchanged.
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -21,6 +21,9 @@ pub enum Command {
     /// Replay a request trace through simulated engines under several
     /// routing policies and compare TTFT, latency, throughput and cache reuse.
     Replay(Box<crate::sim::cli::ReplayArgs>),
+    /// Replay a request trace against real engines over HTTP (streamed
+    /// completions) and print the replay's table from what the client saw.
+    Loadgen(crate::loadgen::LoadgenArgs),
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),

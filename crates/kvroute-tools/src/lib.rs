@@ -7,6 +7,7 @@ pub mod bench;
 pub mod cli;
 pub mod ctl;
 pub mod hash_tool;
+pub mod loadgen;
 pub mod oplog;
 pub mod sim;
 pub mod trace;

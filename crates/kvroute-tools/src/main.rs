@@ -42,6 +42,10 @@ fn main() -> ExitCode {
                 .map(|report| println!("{}", report.to_json())),
         ),
         Command::Ctl(args) => report(kvroute_tools::ctl::run(args)),
+        Command::Loadgen(args) => kvroute::cli::run_on_runtime(async move {
+            kvroute_tools::loadgen::run(&args).await?;
+            Ok(())
+        }),
         Command::Bench(bench) => run_async(bench),
     }
 }
