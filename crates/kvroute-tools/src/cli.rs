@@ -24,6 +24,9 @@ pub enum Command {
     /// Replay a request trace against real engines over HTTP (streamed
     /// completions) and print the replay's table from what the client saw.
     Loadgen(crate::loadgen::LoadgenArgs),
+    /// A GPU-free stand-in for a vLLM server: the OpenAI API, vLLM's load
+    /// metrics and KV events, timed by the replay's engine model.
+    MockEngine(crate::mock_engine::MockEngineArgs),
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod ctl;
 pub mod hash_tool;
 pub mod loadgen;
+pub mod mock_engine;
 pub mod oplog;
 pub mod sim;
 pub mod trace;

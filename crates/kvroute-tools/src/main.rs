@@ -42,6 +42,11 @@ fn main() -> ExitCode {
                 .map(|report| println!("{}", report.to_json())),
         ),
         Command::Ctl(args) => report(kvroute_tools::ctl::run(args)),
+        Command::MockEngine(args) => {
+            kvroute::cli::run_on_runtime(
+                async move { kvroute_tools::mock_engine::run(&args).await },
+            )
+        }
         Command::Loadgen(args) => kvroute::cli::run_on_runtime(async move {
             kvroute_tools::loadgen::run(&args).await?;
             Ok(())

@@ -101,7 +101,7 @@ pub async fn post_streaming(
         }
         Framing::Chunked => loop {
             let mut line = String::new();
-            conn.read_line(&mut line).await?;
+            (&mut conn).take(1024).read_line(&mut line).await?;
             let size_text = line.trim_end().split(';').next().unwrap_or_default();
             let size = u64::from_str_radix(size_text, 16).context("chunk size")?;
             total += size;
@@ -149,7 +149,7 @@ enum Framing {
 
 async fn read_head(conn: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, Framing)> {
     let mut line = String::new();
-    let mut read = conn.read_line(&mut line).await?;
+    let mut read = (&mut *conn).take(MAX_HEAD as u64).read_line(&mut line).await?;
     let status: u16 = line
         .split(' ')
         .nth(1)
@@ -158,7 +158,7 @@ async fn read_head(conn: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, Fram
     let mut framing = Framing::UntilClose;
     loop {
         line.clear();
-        read += conn.read_line(&mut line).await?;
+        read += (&mut *conn).take(MAX_HEAD as u64).read_line(&mut line).await?;
         if read > MAX_HEAD {
             bail!("a response head over {MAX_HEAD} bytes");
         }

@@ -161,6 +161,8 @@ pub struct EngineLoad {
     /// Blocks held by running sequences.
     pub active_blocks: usize,
     pub total_blocks: usize,
+    /// Blocks the prefix cache can find by hash (held or free to evict).
+    pub cached_blocks: usize,
     /// Prompt tokens still to prefill (waiting sequences plus running ones
     /// whose prefill is unfinished; cache hits not yet known are included).
     pub prefill_tokens_queued: usize,
@@ -502,6 +504,27 @@ impl SimEngine {
         self.waiting.push_back(key);
     }
 
+    /// Drops request `id` wherever it is (its client went away), its
+    /// blocks released as a finished request's are. Whether it was there.
+    pub(crate) fn abort(&mut self, id: u64) -> bool {
+        let is =
+            |slots: &[Option<Seq>], key: usize| slots[key].as_ref().is_some_and(|s| s.id == id);
+        if let Some(pos) = self.waiting.iter().position(|&k| is(&self.slots, k)) {
+            if let Some(key) = self.waiting.remove(pos) {
+                self.release_blocks(key);
+                self.free_slot(key);
+            }
+            return true;
+        }
+        if let Some(pos) = self.running.iter().position(|&k| is(&self.slots, k)) {
+            let key = self.running.remove(pos);
+            self.release_blocks(key);
+            self.free_slot(key);
+            return true;
+        }
+        false
+    }
+
     pub(crate) fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
@@ -517,6 +540,7 @@ impl SimEngine {
             waiting: self.waiting.len(),
             active_blocks: self.pool.num_active(),
             total_blocks: self.cfg.num_blocks,
+            cached_blocks: self.pool.map.len(),
             prefill_tokens_queued: self.waiting.iter().map(queued).sum::<usize>()
                 + self.running.iter().map(queued).sum::<usize>(),
         }

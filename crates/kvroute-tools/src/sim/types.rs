@@ -189,6 +189,7 @@ mod tests {
                 waiting: 1,
                 active_blocks: 30,
                 total_blocks: 100,
+                cached_blocks: 40,
                 prefill_tokens_queued: 7,
             };
             2

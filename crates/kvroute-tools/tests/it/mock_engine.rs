@@ -1,0 +1,385 @@
+//! `kvroute mock-engine` as kvroute sees it: the OpenAI API over a real
+//! socket, and KV events that kvroute's vLLM subscriber applies so that
+//! its index holds exactly the mock engine's cache, evictions included,
+//! and a prompt's cached prefix is found where the engine has it.
+
+use std::time::{Duration, Instant};
+
+use kvroute::pb;
+use kvroute_tools::mock_engine::{self, MockEngineArgs};
+use serde_json::{Value, json};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+
+use crate::common::{TestServer, registration};
+
+const WORKER: u64 = 41;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One HTTP/1.1 exchange on a fresh connection: (status, body).
+async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &Value) -> (u16, String) {
+    let body = body.to_string();
+    let mut conn = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: mock\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    // The mock engine keeps connections alive: read the sized answer.
+    let mut buf = [0u8; 65536];
+    loop {
+        let n = conn.read(&mut buf).await.unwrap();
+        raw.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        if let Some((head, rest)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .map(|v| v.trim().parse::<usize>().unwrap());
+            let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+            match length {
+                Some(length) if rest.len() >= length => return (status, rest[..length].to_owned()),
+                None if rest.ends_with("0\r\n\r\n") => return (status, rest.to_owned()),
+                _ => {}
+            }
+        }
+        assert!(
+            n > 0,
+            "connection closed early: {:?}",
+            String::from_utf8_lossy(&raw)
+        );
+    }
+}
+
+/// The word-level token ids the mock engine gives `text` (no tokenizer).
+fn word_ids(text: &str) -> Vec<u32> {
+    text.split_whitespace()
+        .map(|w| (xxhash_rust::xxh3::xxh3_64(w.as_bytes()) % (1 << 17)) as u32)
+        .collect()
+}
+
+fn prompt(conversation: usize, words: usize) -> String {
+    (0..words)
+        .map(|i| format!("c{conversation}w{i} "))
+        .collect()
+}
+
+async fn cached_blocks(server: &TestServer) -> u64 {
+    server
+        .worker_info(WORKER)
+        .await
+        .ranks
+        .iter()
+        .map(|r| r.cached_blocks)
+        .sum()
+}
+
+fn metric(body: &str, series: &str) -> u64 {
+    body.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvroute_indexes_exactly_what_the_mock_engine_caches() {
+    let (events, replay) = (free_port(), free_port());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let args = MockEngineArgs {
+        addr,
+        model: "mock".into(),
+        dp_size: 1,
+        kv_events: Some(format!("tcp://127.0.0.1:{events}")),
+        kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
+        tokenizer: None,
+        speed: 50.0,
+        // 48 blocks of 16: the prompts below overflow it, so blocks are
+        // evicted and kvroute must see the removals.
+        num_blocks: 48,
+        block_size: 16,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 2048,
+        max_model_len: 4096,
+        max_body_bytes: 1 << 20,
+        max_connections: 64,
+    };
+    mock_engine::start(args, listener).await.unwrap();
+
+    let server = TestServer::start().await;
+    server
+        .register(pb::RegisterWorkerRequest {
+            endpoint: addr.to_string(),
+            events_endpoint: format!("tcp://127.0.0.1:{events}"),
+            events_dialect: "vllm".into(),
+            replay_endpoint: format!("tcp://127.0.0.1:{replay}"),
+            total_kv_blocks: 48,
+            lease_ttl_secs: 600,
+            ..registration(WORKER, "mock")
+        })
+        .await;
+    let t0 = Instant::now();
+    while !server
+        .worker_info(WORKER)
+        .await
+        .subscription
+        .contains(" connected,")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "kvroute never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Six conversations of 160 words (10 blocks each): 60 blocks into 48.
+    for c in 0..6 {
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            &json!({"model": "mock", "prompt": prompt(c, 160), "max_tokens": 3}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["usage"]["prompt_tokens"], 160);
+        assert_eq!(answer["usage"]["completion_tokens"], 3);
+    }
+    // The same first conversation again: the engine reports what it held.
+    let (_, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": prompt(5, 160), "max_tokens": 1}),
+    )
+    .await;
+    let again: Value = serde_json::from_str(&body).unwrap();
+    let engine_cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        engine_cached > 0,
+        "the last conversation is still cached: {again}"
+    );
+
+    // kvroute's index holds what the engine holds, block for block.
+    let (_, metrics) = http(addr, "GET", "/metrics", &Value::Null).await;
+    let engine_blocks = metric(&metrics, "kvroute_mock_cached_blocks{engine=\"0\"}");
+    assert!(engine_blocks > 0 && engine_blocks <= 48, "{metrics}");
+    let t0 = Instant::now();
+    while cached_blocks(&server).await != engine_blocks {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "kvroute holds {} blocks, the engine {engine_blocks}",
+            cached_blocks(&server).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ... and finds the cached prefix where the engine found it.
+    let selected = server
+        .router()
+        .select_worker(pb::SelectWorkerRequest {
+            request_id: "again".into(),
+            model: "mock".into(),
+            prompt: Some(pb::Prompt {
+                content: Some(pb::prompt::Content::TokenIds(pb::TokenIds {
+                    ids: word_ids(&prompt(5, 160)),
+                })),
+            }),
+            mode: pb::SelectionMode::QueryOnly.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // All 10 blocks are cached; the engine, as vLLM, computes a prompt's
+    // last token anyway, so it reported the 9 blocks before it.
+    assert_eq!(selected.overlap_blocks, 10, "{selected:?}");
+    assert_eq!(engine_cached, 16 * ((160 - 1) / 16));
+    // The vLLM load series are there.
+    for series in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ] {
+        assert!(
+            metrics.contains(&format!("{series}{{engine=\"0\",model_name=\"mock\"}}")),
+            "{metrics}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let args = MockEngineArgs {
+        addr,
+        model: "mock".into(),
+        dp_size: 2,
+        kv_events: None,
+        kv_replay: None,
+        tokenizer: None,
+        speed: 100.0,
+        num_blocks: 256,
+        block_size: 16,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 2048,
+        max_model_len: 512,
+        max_body_bytes: 4096,
+        max_connections: 400,
+    };
+    mock_engine::start(args, listener).await.unwrap();
+    let error_of = |body: &str| -> Value { serde_json::from_str(body).unwrap() };
+
+    let (status, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &json!({"model": "other", "prompt": "hi"}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(error_of(&body)["type"], "NotFoundError");
+    let (status, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": 7}),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(error_of(&body)["object"], "error");
+    let (status, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": "a ".repeat(600)}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        error_of(&body)["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length"),
+        "{body}"
+    );
+    let (status, _) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": "x".repeat(5000)}),
+    )
+    .await;
+    assert_eq!(status, 413);
+    let (status, _) = http(addr, "POST", "/v1/nothing", &json!({})).await;
+    assert_eq!(status, 404);
+    // Malformed JSON, then a client that sends half a request and goes.
+    let mut conn = TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\n\r\n{oops")
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 1024];
+    let n = conn.read(&mut answer).await.unwrap();
+    assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 400"));
+    // A header line that never ends is cut at 64 KiB, not held.
+    let mut endless = TcpStream::connect(addr).await.unwrap();
+    endless.write_all(b"POST /v1/completions HTTP/1.1\r\nx-long: ").await.unwrap();
+    endless.write_all(&vec![b'a'; 70 << 10]).await.unwrap();
+    let n = endless.read(&mut answer).await.unwrap();
+    assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 400"));
+    let mut half = TcpStream::connect(addr).await.unwrap();
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 100\r\n\r\n{\"mo")
+        .await
+        .unwrap();
+    drop(half);
+    // A rank out of range is refused; both ranks serve.
+    let mut conn = TcpStream::connect(addr).await.unwrap();
+    let body = json!({"model": "mock", "prompt": "hello there", "max_tokens": 2}).to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nx-data-parallel-rank: 2\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let n = conn.read(&mut answer).await.unwrap();
+    assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 400"));
+    // Still serving, streamed, with usage.
+    let (status, body) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &json!({"model": "mock", "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": 3, "stream": true, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body.matches("\"content\":\" tok\"").count(), 3, "{body}");
+    assert!(
+        body.contains("\"completion_tokens\":3") && body.contains("data: [DONE]"),
+        "{body}"
+    );
+    let (status, models) = http(addr, "GET", "/v1/models", &Value::Null).await;
+    assert_eq!(status, 200);
+    assert_eq!(error_of(&models)["data"][0]["id"], "mock");
+
+    // Clients that vanish mid-stream leave nothing running.
+    for _ in 0..20 {
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        let body = json!({"model": "mock", "prompt": "a long answer please", "max_tokens": 400, "stream": true}).to_string();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        conn.write_all(body.as_bytes()).await.unwrap();
+        let n = conn.read(&mut answer).await.unwrap();
+        assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 200"));
+        drop(conn);
+    }
+    let running = || async {
+        let (_, metrics) = http(addr, "GET", "/metrics", &Value::Null).await;
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("vllm:num_requests_running")
+                    || l.starts_with("vllm:num_requests_waiting")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let t0 = Instant::now();
+    while running().await > 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "abandoned streams still run"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Hundreds of streams at once all finish.
+    let streams: Vec<_> = (0..300)
+        .map(|i| {
+            let body = json!({"model": "mock", "prompt": format!("stream {i} of many"), "max_tokens": 4, "stream": true});
+            tokio::spawn(async move { http(addr, "POST", "/v1/completions", &body).await })
+        })
+        .collect();
+    for stream in streams {
+        let (status, body) = stream.await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(body.matches("\"text\":\" tok\"").count(), 4, "{body}");
+    }
+}
