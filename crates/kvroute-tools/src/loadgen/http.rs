@@ -149,7 +149,10 @@ enum Framing {
 
 async fn read_head(conn: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, Framing)> {
     let mut line = String::new();
-    let mut read = (&mut *conn).take(MAX_HEAD as u64).read_line(&mut line).await?;
+    let mut read = (&mut *conn)
+        .take(MAX_HEAD as u64)
+        .read_line(&mut line)
+        .await?;
     let status: u16 = line
         .split(' ')
         .nth(1)
@@ -158,7 +161,10 @@ async fn read_head(conn: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, Fram
     let mut framing = Framing::UntilClose;
     loop {
         line.clear();
-        read += (&mut *conn).take(MAX_HEAD as u64).read_line(&mut line).await?;
+        read += (&mut *conn)
+            .take(MAX_HEAD as u64)
+            .read_line(&mut line)
+            .await?;
         if read > MAX_HEAD {
             bail!("a response head over {MAX_HEAD} bytes");
         }

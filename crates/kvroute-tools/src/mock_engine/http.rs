@@ -119,7 +119,10 @@ pub async fn read_request(
         }
         // Grown by the bytes that arrive, not by what the header claims.
         let mut body = Vec::new();
-        (&mut *conn).take(length as u64).read_to_end(&mut body).await?;
+        (&mut *conn)
+            .take(length as u64)
+            .read_to_end(&mut body)
+            .await?;
         if body.len() < length {
             return Err(ReadError::Bad("the body is cut short".into()));
         }
@@ -155,7 +158,10 @@ async fn read_chunked(
             return Err(ReadError::TooLarge);
         }
         let at = body.len();
-        (&mut *conn).take(size as u64).read_to_end(&mut body).await?;
+        (&mut *conn)
+            .take(size as u64)
+            .read_to_end(&mut body)
+            .await?;
         if body.len() < at + size {
             return Err(ReadError::Bad("a chunk is cut short".into()));
         }

@@ -298,7 +298,10 @@ async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
     assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 400"));
     // A header line that never ends is cut at 64 KiB, not held.
     let mut endless = TcpStream::connect(addr).await.unwrap();
-    endless.write_all(b"POST /v1/completions HTTP/1.1\r\nx-long: ").await.unwrap();
+    endless
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nx-long: ")
+        .await
+        .unwrap();
     endless.write_all(&vec![b'a'; 70 << 10]).await.unwrap();
     let n = endless.read(&mut answer).await.unwrap();
     assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 400"));
