@@ -19,6 +19,7 @@ Tools (run by kvroute-tools, installed beside kvroute):
   replay  Replay a request trace through simulated engines under several routing policies
   loadgen Replay a request trace against real engines over HTTP; the replay's table from the client
   mock-engine  A GPU-free vLLM stand-in: OpenAI API, load metrics and KV events, simulated timing
+  demo    kvroute against round robin on four mock engines over real sockets, in about two minutes
   bench   Benchmarks that print figures (index, select, ingest, snapshot, cluster, soak)
   ctl     Ask a running kvroute what it knows, why it routes a prompt where it does; cordon
   hash    Print the local hash of each complete block of token ids read from stdin";

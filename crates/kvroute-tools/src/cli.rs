@@ -27,6 +27,9 @@ pub enum Command {
     /// A GPU-free stand-in for a vLLM server: the OpenAI API, vLLM's load
     /// metrics and KV events, timed by the replay's engine model.
     MockEngine(crate::mock_engine::MockEngineArgs),
+    /// kvroute against round robin on mock engines over real sockets, with
+    /// the replay's prediction beside (about two minutes).
+    Demo(crate::demo::DemoArgs),
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),

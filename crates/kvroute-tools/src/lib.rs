@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod cli;
 pub mod ctl;
+pub mod demo;
 pub mod hash_tool;
 pub mod loadgen;
 pub mod mock_engine;

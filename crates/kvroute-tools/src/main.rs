@@ -42,6 +42,9 @@ fn main() -> ExitCode {
                 .map(|report| println!("{}", report.to_json())),
         ),
         Command::Ctl(args) => report(kvroute_tools::ctl::run(args)),
+        Command::Demo(args) => {
+            kvroute::cli::run_on_runtime(async move { kvroute_tools::demo::run(&args).await })
+        }
         Command::MockEngine(args) => {
             kvroute::cli::run_on_runtime(
                 async move { kvroute_tools::mock_engine::run(&args).await },

@@ -49,6 +49,7 @@ pub async fn post_streaming(
     path: &str,
     headers: &[(String, String)],
     body: &[u8],
+    mut on_first_token: Option<tokio::sync::oneshot::Sender<()>>,
 ) -> anyhow::Result<Streamed> {
     let stream = TcpStream::connect(addr)
         .await
@@ -79,6 +80,11 @@ pub async fn post_streaming(
     let mut on_bytes = |bytes: &[u8], streamed: &mut Streamed| -> anyhow::Result<()> {
         for event in events.feed(bytes)? {
             read_event(&event, streamed);
+        }
+        if !streamed.token_events.is_empty()
+            && let Some(first) = on_first_token.take()
+        {
+            let _ = first.send(());
         }
         Ok(())
     };

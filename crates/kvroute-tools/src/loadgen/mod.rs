@@ -10,11 +10,15 @@
 //!
 //! Where requests go: `--url` sends each to one address (an Envoy with
 //! kvroute as its endpoint picker, or a single engine); `--engines`
-//! spreads them round robin, the baseline. Text is made per trace block
+//! spreads them round robin, the baseline; `--kvroute` makes the load
+//! generator a frontend itself (`frontend.rs`): SelectWorker, the engine
+//! it names, MarkPrefillComplete at the first token and ReleaseRequest at
+//! the end, with the token ids of the mock engine's word tokenization. Text is made per trace block
 //! (`text.rs`), so shared blocks are shared text. Open loop: a request is
 //! sent at its time whatever the others are doing, at most
 //! `--max-in-flight` at once (later ones wait, and their TTFT counts it).
 
+mod frontend;
 pub mod http;
 pub mod text;
 
@@ -33,7 +37,7 @@ use crate::{
         SimConfig,
         report::{EngineStats, Report, RequestOutcome},
     },
-    trace::{Trace, TraceRequest},
+    trace::Trace,
 };
 
 /// `kvroute loadgen` arguments.
@@ -45,8 +49,18 @@ pub struct LoadgenArgs {
     pub trace: PathBuf,
     /// Send every request to this address (`http://host:port`): an Envoy
     /// routing through kvroute, or one engine.
-    #[arg(long, required_unless_present = "engines", conflicts_with = "engines")]
+    #[arg(
+        long,
+        required_unless_present_any = ["engines", "kvroute"],
+        conflicts_with_all = ["engines", "kvroute"]
+    )]
     pub url: Option<String>,
+    /// Be the frontend: ask this kvroute (gRPC, `http://host:port`) where
+    /// each request goes, among the workers of `--model` it knows, and
+    /// drive its booking. Prompts are tokenized a word per token, as the
+    /// mock engine does without a tokenizer.
+    #[arg(long, conflicts_with = "engines")]
+    pub kvroute: Option<String>,
     /// Spread requests round robin over these engines
     /// (`http://host:port,...`): the baseline.
     #[arg(long, value_delimiter = ',')]
@@ -69,6 +83,11 @@ pub struct LoadgenArgs {
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Multiplies every time measured, and divides the speedup shown: the
+    /// demo's engines run this many times faster than the engine model,
+    /// and its figures are given in the model's time.
+    #[arg(skip = 1.0)]
+    pub time_scale: f64,
 }
 
 /// Runs the load and prints its report.
@@ -83,26 +102,47 @@ pub async fn run(args: &LoadgenArgs) -> anyhow::Result<Report> {
     if trace.records.is_empty() {
         bail!("the trace has no requests");
     }
-    let (label, targets) = match &args.url {
-        Some(url) => ("url".to_owned(), vec![address(url)?]),
-        None => (
-            "round-robin".to_owned(),
-            args.engines
-                .iter()
-                .map(|e| address(e))
-                .collect::<Result<_, _>>()?,
-        ),
+    let report = if let Some(kvroute) = &args.kvroute {
+        let frontend = frontend::Frontend::connect(kvroute, &args.model).await?;
+        let targets = frontend.engines();
+        replay(&trace, &targets, "kvroute", args, Some(Arc::new(frontend))).await
+    } else {
+        let (label, targets) = match &args.url {
+            Some(url) => ("url", vec![address(url)?]),
+            None => (
+                "round-robin",
+                args.engines
+                    .iter()
+                    .map(|e| address(e))
+                    .collect::<Result<_, _>>()?,
+            ),
+        };
+        if targets.is_empty() {
+            bail!("no --url, --engines or --kvroute given");
+        }
+        replay(&trace, &targets, label, args, None).await
     };
-    if targets.is_empty() {
-        bail!("no --url or --engines given");
-    }
-    let report = replay(&trace, &targets, &label, args).await;
     if args.json {
         println!("{}", report.to_json());
     } else {
         print!("{}", Report::table(std::slice::from_ref(&report)));
     }
     Ok(report)
+}
+
+/// [`run`] on an already loaded trace, printing nothing: the demo's.
+pub(crate) async fn run_quiet(args: &LoadgenArgs, trace: &Trace) -> anyhow::Result<Report> {
+    if let Some(kvroute) = &args.kvroute {
+        let frontend = frontend::Frontend::connect(kvroute, &args.model).await?;
+        let targets = frontend.engines();
+        return Ok(replay(trace, &targets, "kvroute", args, Some(Arc::new(frontend))).await);
+    }
+    let targets = args
+        .engines
+        .iter()
+        .map(|e| address(e))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(replay(trace, &targets, "round-robin", args, None).await)
 }
 
 /// `http://host:port` (or `host:port`) as a socket address.
@@ -129,7 +169,13 @@ struct Timed {
     failure: Option<String>,
 }
 
-async fn replay(trace: &Trace, targets: &[SocketAddr], label: &str, args: &LoadgenArgs) -> Report {
+async fn replay(
+    trace: &Trace,
+    targets: &[SocketAddr],
+    label: &str,
+    args: &LoadgenArgs,
+    frontend: Option<Arc<frontend::Frontend>>,
+) -> Report {
     let first = trace.records.iter().map(|r| r.timestamp).min().unwrap_or(0);
     let slots = Arc::new(Semaphore::new(args.max_in_flight as usize));
     let timeout = Duration::from_secs_f64(args.timeout_secs);
@@ -138,19 +184,28 @@ async fn replay(trace: &Trace, targets: &[SocketAddr], label: &str, args: &Loadg
     let start = Instant::now();
     let started = tokio::time::Instant::now();
     for (index, record) in trace.records.iter().enumerate() {
-        let arrival_ms = (record.timestamp - first) as f64 / args.speedup;
-        tokio::time::sleep_until(started + Duration::from_secs_f64(arrival_ms / 1000.0)).await;
-        let engine = index % targets.len();
-        let (addr, body) = (targets[engine], request_body(record, &args.model));
+        let wall_arrival_ms = (record.timestamp - first) as f64 / args.speedup;
+        tokio::time::sleep_until(started + Duration::from_secs_f64(wall_arrival_ms / 1000.0)).await;
+        let scale = args.time_scale;
+        let arrival_ms = wall_arrival_ms * scale;
+        let prompt = text::prompt_text(record);
+        let body = request_body(&prompt, record.output_length, &args.model);
         let (slots, input_length) = (slots.clone(), record.input_length);
+        let (frontend, round_robin) = (frontend.clone(), index % targets.len());
+        let addr = targets[round_robin];
         tasks.spawn(async move {
             let _slot = slots.acquire_owned().await;
-            let answer = tokio::time::timeout(
-                timeout,
-                http::post_streaming(addr, "/v1/completions", &[], &body),
-            )
-            .await;
-            let ms = |t: Instant| t.duration_since(start).as_secs_f64() * 1e3;
+            let (engine, answer) = match &frontend {
+                None => {
+                    let streamed = http::post_streaming(addr, "/v1/completions", &[], &body, None);
+                    (round_robin, tokio::time::timeout(timeout, streamed).await)
+                }
+                Some(frontend) => {
+                    let request_id = format!("loadgen-{index}");
+                    frontend.serve(&request_id, &prompt, &body, timeout).await
+                }
+            };
+            let ms = |t: Instant| t.duration_since(start).as_secs_f64() * 1e3 * scale;
             let mut outcome = RequestOutcome {
                 arrival_ms,
                 engine,
@@ -178,7 +233,7 @@ async fn replay(trace: &Trace, targets: &[SocketAddr], label: &str, args: &Loadg
                     gaps_ms = streamed
                         .token_events
                         .windows(2)
-                        .map(|w| w[1].duration_since(w[0]).as_secs_f64() * 1e3)
+                        .map(|w| w[1].duration_since(w[0]).as_secs_f64() * 1e3 * scale)
                         .collect();
                 }
                 Ok(Ok(streamed)) => failure = Some(format!("HTTP {}", streamed.status)),
@@ -220,7 +275,7 @@ async fn replay(trace: &Trace, targets: &[SocketAddr], label: &str, args: &Loadg
     }
     let config = SimConfig {
         workers: targets.len(),
-        speedup: args.speedup,
+        speedup: args.speedup / args.time_scale,
         ..SimConfig::default()
     };
     Report::build(
@@ -234,14 +289,14 @@ async fn replay(trace: &Trace, targets: &[SocketAddr], label: &str, args: &Loadg
     )
 }
 
-/// A streamed completion of the request's prompt, generating exactly its
-/// output length.
-fn request_body(record: &TraceRequest, model: &str) -> Vec<u8> {
+/// A streamed completion of `prompt`, generating exactly `output_length`
+/// tokens.
+fn request_body(prompt: &str, output_length: usize, model: &str) -> Vec<u8> {
     serde_json::json!({
         "model": model,
-        "prompt": text::prompt_text(record),
-        "max_tokens": record.output_length.max(1),
-        "min_tokens": record.output_length.max(1),
+        "prompt": prompt,
+        "max_tokens": output_length.max(1),
+        "min_tokens": output_length.max(1),
         "ignore_eos": true,
         "temperature": 0,
         "stream": true,
@@ -253,6 +308,7 @@ fn request_body(record: &TraceRequest, model: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    use crate::trace::TraceRequest;
     use tokio::{
         io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
         net::TcpListener,
@@ -322,6 +378,7 @@ mod tests {
         LoadgenArgs {
             trace,
             url: None,
+            kvroute: None,
             engines: Vec::new(),
             speedup: 10.0,
             limit: None,
@@ -329,6 +386,7 @@ mod tests {
             timeout_secs: 10.0,
             max_in_flight: 64,
             json: false,
+            time_scale: 1.0,
         }
     }
 
@@ -346,7 +404,7 @@ mod tests {
         };
         let (a, served_a) = engine(4, 512).await;
         let (b, served_b) = engine(4, 512).await;
-        let report = replay(&trace, &[a, b], "round-robin", &args(PathBuf::new())).await;
+        let report = replay(&trace, &[a, b], "round-robin", &args(PathBuf::new()), None).await;
         assert_eq!(report.completed, 6);
         assert_eq!(served_a.load(std::sync::atomic::Ordering::SeqCst), 3);
         assert_eq!(served_b.load(std::sync::atomic::Ordering::SeqCst), 3);
@@ -372,7 +430,14 @@ mod tests {
             let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
             listener.local_addr().expect("addr")
         };
-        let report = replay(&trace, &[closed], "round-robin", &args(PathBuf::new())).await;
+        let report = replay(
+            &trace,
+            &[closed],
+            "round-robin",
+            &args(PathBuf::new()),
+            None,
+        )
+        .await;
         assert_eq!(report.completed, 0);
         assert_eq!(report.rejected, 1);
     }

@@ -45,6 +45,15 @@ pub fn prompt_text(request: &TraceRequest) -> String {
     text
 }
 
+/// The ids of `text` under the mock engine's tokenization without a
+/// tokenizer: each whitespace-separated word one token (a hash of it). The
+/// load generator's frontend mode asks kvroute with these ids.
+pub fn word_ids(text: &str) -> Vec<u32> {
+    text.split_whitespace()
+        .map(|w| (xxhash_rust::xxh3::xxh3_64(w.as_bytes()) % (1 << 17)) as u32)
+        .collect()
+}
+
 fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

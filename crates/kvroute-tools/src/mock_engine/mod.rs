@@ -316,10 +316,7 @@ fn prompt_ids(engine: &Engine, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u3
             .collect(),
         _ => return Err("this prompt cannot be tokenized by the mock engine".into()),
     };
-    Ok(text
-        .split_whitespace()
-        .map(|w| (xxhash_rust::xxh3::xxh3_64(w.as_bytes()) % (1 << 17)) as u32)
-        .collect())
+    Ok(crate::loadgen::text::word_ids(&text))
 }
 
 async fn complete(

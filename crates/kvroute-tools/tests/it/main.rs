@@ -10,6 +10,7 @@ mod common;
 
 mod bench_soak;
 mod ctl;
+mod demo;
 mod engine_publishers;
 mod mock_engine;
 mod replay_invariants;
