@@ -386,3 +386,152 @@ async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
         assert_eq!(body.matches("\"text\":\" tok\"").count(), 4, "{body}");
     }
 }
+
+/// A `kvroute-tools mock-engine` process on fixed ports.
+struct EngineProcess {
+    child: std::process::Child,
+    http: std::net::SocketAddr,
+}
+
+impl EngineProcess {
+    async fn start(http: u16, events: u16, replay: u16) -> Self {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-tools"))
+            .args(["mock-engine", "--addr", &format!("127.0.0.1:{http}")])
+            .args(["--kv-events", &format!("tcp://127.0.0.1:{events}")])
+            .args(["--kv-replay", &format!("tcp://127.0.0.1:{replay}")])
+            .args(["--num-blocks", "48", "--block-size", "16", "--speed", "50"])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let http = format!("127.0.0.1:{http}").parse().unwrap();
+        let t0 = Instant::now();
+        while TcpStream::connect(http).await.is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the mock engine did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Self { child, http }
+    }
+
+    async fn cached_blocks(&self) -> u64 {
+        let (_, metrics) = http(self.http, "GET", "/metrics", &Value::Null).await;
+        metric(&metrics, "kvroute_mock_cached_blocks{engine=\"0\"}")
+    }
+}
+
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn complete(engine: &EngineProcess, conversation: usize) {
+    let (status, body) = http(
+        engine.http,
+        "POST",
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": prompt(conversation, 160), "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// Waits until `server` indexes as many of worker 41's blocks as `engine`
+/// caches; both counts.
+async fn agree(server: &TestServer, engine: &EngineProcess, what: &str) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        let want = engine.cached_blocks().await;
+        let got = cached_blocks(server).await;
+        if got == want {
+            return want;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what}: kvroute holds {got} blocks, the engine {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_follows_an_engine_killed_and_restarted_and_a_new_kvroute_replays() {
+    let (port, events, replay) = (free_port(), free_port(), free_port());
+    let registration = pb::RegisterWorkerRequest {
+        endpoint: format!("127.0.0.1:{port}"),
+        events_endpoint: format!("tcp://127.0.0.1:{events}"),
+        events_dialect: "vllm".into(),
+        replay_endpoint: format!("tcp://127.0.0.1:{replay}"),
+        total_kv_blocks: 48,
+        lease_ttl_secs: 600,
+        ..registration(WORKER, "mock")
+    };
+    let server = TestServer::start().await;
+    let mut engine = EngineProcess::start(port, events, replay).await;
+    server.register(registration.clone()).await;
+    let t0 = Instant::now();
+    while !server
+        .worker_info(WORKER)
+        .await
+        .subscription
+        .contains(" connected,")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "kvroute never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for c in 0..4 {
+        complete(&engine, c).await;
+    }
+    let before = agree(&server, &engine, "before the kill").await;
+    assert!(before >= 40, "four 10-block prompts cached: {before}");
+
+    // kill -9 and a new engine on the same ports: its cache starts empty,
+    // its events number from 0 again, and kvroute drops the old blocks.
+    drop(engine);
+    engine = EngineProcess::start(port, events, replay).await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // kvroute reconnects
+    complete(&engine, 10).await;
+    complete(&engine, 11).await;
+    let after = agree(&server, &engine, "after the restart").await;
+    assert_eq!(after, 20, "only the new engine's two prompts");
+
+    // A kvroute that starts now sees the engine's numbering mid-way: it
+    // asks the replay socket for everything before, and agrees.
+    let fresh = TestServer::start().await;
+    fresh.register(registration).await;
+    let t0 = Instant::now();
+    while !fresh
+        .worker_info(WORKER)
+        .await
+        .subscription
+        .contains(" connected,")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the new kvroute never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    complete(&engine, 12).await;
+    let replayed = agree(&fresh, &engine, "the new kvroute").await;
+    assert_eq!(replayed, 30);
+    let (_, metrics) = fresh.http_get("/metrics").await;
+    let replays: u64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvroute_engine_event_replayed_batches_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum();
+    assert!(
+        replays > 0,
+        "the new kvroute's index came through the replay socket"
+    );
+}
