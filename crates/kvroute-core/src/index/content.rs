@@ -41,7 +41,7 @@ pub struct TargetContent {
 /// its sequence, from 0) and its local hash, each a little-endian u64. An
 /// index's digest is the wrapping sum over its entries, so it depends on
 /// the content only, never on the order it was built in.
-pub(crate) fn digest_term(target: WorkerRank, depth: u64, local: LocalHash) -> u64 {
+pub fn digest_term(target: WorkerRank, depth: u64, local: LocalHash) -> u64 {
     let mut bytes = [0u8; 32];
     bytes[0..8].copy_from_slice(&target.worker_id.to_le_bytes());
     bytes[8..16].copy_from_slice(&u64::from(target.dp_rank).to_le_bytes());

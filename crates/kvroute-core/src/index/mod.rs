@@ -48,7 +48,7 @@ use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use parking_lot::RwLock;
 use serde::Serialize;
 
-pub use content::{IndexDigest, TargetContent};
+pub use content::{IndexDigest, TargetContent, digest_term};
 pub use radix::IndexCore;
 
 /// One KV event of one (worker, dp_rank).

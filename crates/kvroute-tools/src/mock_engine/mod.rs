@@ -21,6 +21,7 @@
 //! Bad requests are answered as vLLM answers them: a JSON error object
 //! with its status.
 
+pub mod digest;
 pub mod events;
 pub mod http;
 pub mod rank;
@@ -265,6 +266,41 @@ async fn handle(engine: &Engine, conn: &mut TcpStream, request: &Request) -> any
                 "id": engine.args.model, "object": "model", "owned_by": "kvroute-mock",
                 "max_model_len": engine.args.max_model_len,
             }]});
+            http::respond(conn, 200, "application/json", body.to_string().as_bytes()).await
+        }
+        ("GET", "/mock/digest") => {
+            let worker_id = request
+                .path
+                .split_once('?')
+                .and_then(|(_, query)| {
+                    query
+                        .split('&')
+                        .find_map(|kv| kv.strip_prefix("worker_id="))
+                })
+                .and_then(|v| v.parse::<u64>().ok());
+            let Some(worker_id) = worker_id else {
+                return error(
+                    conn,
+                    400,
+                    "BadRequestError",
+                    "worker_id=N is required",
+                    Some("worker_id"),
+                )
+                .await;
+            };
+            let mut total = kvroute_core::index::IndexDigest::default();
+            let ranks: Vec<Value> = engine
+                .ranks
+                .iter()
+                .enumerate()
+                .map(|(rank, handle)| {
+                    let target = kvroute_core::types::WorkerRank::new(worker_id, rank as u32);
+                    let d = handle.ledger.lock().digest(target);
+                    total.add(d);
+                    json!({"dp_rank": rank, "entries": d.entries, "digest": d.digest})
+                })
+                .collect();
+            let body = json!({"worker_id": worker_id, "entries": total.entries, "digest": total.digest, "ranks": ranks});
             http::respond(conn, 200, "application/json", body.to_string().as_bytes()).await
         }
         ("GET", "/metrics") => {

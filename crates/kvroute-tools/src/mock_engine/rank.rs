@@ -8,10 +8,11 @@
 //! delivers the step's tokens to their streams and its cache changes to
 //! the event publisher, as a real engine's step ends.
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::digest::CacheLedger;
 use crate::sim::{
     EngineConfig, EngineKvEvent, EngineLoad, SimEngine, block_hashes, engine::EngineRequest,
 };
@@ -43,6 +44,8 @@ pub struct RankHandle {
     pub submit: mpsc::Sender<Submitted>,
     pub abort: mpsc::UnboundedSender<u64>,
     pub load: watch::Receiver<EngineLoad>,
+    /// What the rank caches, for the index digest (`digest.rs`).
+    pub ledger: Arc<parking_lot::Mutex<CacheLedger>>,
 }
 
 /// Starts rank `rank`'s loop; its KV events go to `events` (one batch per
@@ -57,6 +60,8 @@ pub fn start(
     let (abort, mut aborted) = mpsc::unbounded_channel::<u64>();
     let engine = SimEngine::new(config.clone());
     let (load_tx, load) = watch::channel(engine.load());
+    let ledger = Arc::new(parking_lot::Mutex::new(CacheLedger::default()));
+    let kept = ledger.clone();
     tokio::spawn(async move {
         let mut engine = engine;
         let mut streams: HashMap<u64, mpsc::UnboundedSender<Produced>> = HashMap::new();
@@ -122,6 +127,7 @@ pub fn start(
                 }
             }
             if !outcome.kv_events.is_empty() {
+                kept.lock().apply(&outcome.kv_events, config.block_size);
                 let _ = events.send(outcome.kv_events);
             }
             let _ = load_tx.send(engine.load());
@@ -136,5 +142,6 @@ pub fn start(
         submit,
         abort,
         load,
+        ledger,
     }
 }

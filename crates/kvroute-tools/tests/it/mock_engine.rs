@@ -85,6 +85,37 @@ async fn cached_blocks(server: &TestServer) -> u64 {
         .sum()
 }
 
+/// (entries, digest) kvroute's index has for model `mock`.
+async fn index_digest(server: &TestServer) -> (u64, u64) {
+    let stats = server
+        .admin()
+        .get_index_stats(pb::GetIndexStatsRequest {
+            model: Some("mock".into()),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (stats.entries, stats.digest)
+}
+
+/// (entries, digest) an exact index must have for the engine at `addr`
+/// as worker 41.
+async fn engine_digest(addr: std::net::SocketAddr) -> (u64, u64) {
+    let (status, body) = http(
+        addr,
+        "GET",
+        &format!("/mock/digest?worker_id={WORKER}"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    (
+        v["entries"].as_u64().unwrap(),
+        v["digest"].as_u64().unwrap(),
+    )
+}
+
 fn metric(body: &str, series: &str) -> u64 {
     body.lines()
         .find(|l| l.starts_with(series))
@@ -188,6 +219,8 @@ async fn kvroute_indexes_exactly_what_the_mock_engine_caches() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Entry for entry: the index's digest is the engine's cache's.
+    assert_eq!(index_digest(&server).await, engine_digest(addr).await);
     // ... and finds the cached prefix where the engine found it.
     let selected = server
         .router()
@@ -439,19 +472,21 @@ async fn complete(engine: &EngineProcess, conversation: usize) {
     assert_eq!(status, 200, "{body}");
 }
 
-/// Waits until `server` indexes as many of worker 41's blocks as `engine`
-/// caches; both counts.
+/// Waits until `server` indexes exactly what `engine` caches as worker
+/// 41 (block counts and digests equal); the count.
 async fn agree(server: &TestServer, engine: &EngineProcess, what: &str) -> u64 {
     let t0 = Instant::now();
     loop {
         let want = engine.cached_blocks().await;
         let got = cached_blocks(server).await;
-        if got == want {
+        if got == want && index_digest(server).await == engine_digest(engine.http).await {
             return want;
         }
         assert!(
             t0.elapsed() < Duration::from_secs(10),
-            "{what}: kvroute holds {got} blocks, the engine {want}"
+            "{what}: kvroute holds {got} blocks, the engine {want} (digests {:?} and {:?})",
+            index_digest(server).await,
+            engine_digest(engine.http).await
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
