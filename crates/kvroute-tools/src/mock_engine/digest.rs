@@ -33,10 +33,10 @@ impl CacheLedger {
                 EngineKvEvent::Stored { parent, blocks } => {
                     // A stored block's parent is held by the sequence that
                     // stores it, so its depth is known here.
-                    let mut depth = parent
+                    let first = parent
                         .and_then(|p| self.blocks.get(&p))
                         .map_or(0, |(d, _)| d + 1);
-                    for (hash, tokens) in blocks {
+                    for (depth, (hash, tokens)) in (first..).zip(blocks) {
                         let local = compute_block_hashes(
                             tokens,
                             block_size as u32,
@@ -47,7 +47,6 @@ impl CacheLedger {
                         .copied()
                         .unwrap_or_default();
                         self.blocks.insert(*hash, (depth, local));
-                        depth += 1;
                     }
                 }
                 EngineKvEvent::Removed { engine_hashes } => {
