@@ -14,7 +14,6 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use kvroute::{config::ServeConfig, pb};
-use tokio::net::TcpListener;
 
 use crate::{
     bench::LocalServer,
@@ -48,6 +47,10 @@ pub struct DemoArgs {
     /// model's time, comparable with the replay (CI's short run uses it).
     #[arg(long, default_value_t = 1.0, value_parser = kvroute::config::parse_non_negative_f64)]
     pub engine_speed: f64,
+    /// Also draw the four rows as the replay's chart (`*.svg` or `*.png`;
+    /// needs the tools' `plot` feature, on by default).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// The demo's four reports: over sockets and predicted, each policy.
@@ -61,6 +64,20 @@ pub struct Comparison {
 
 /// Runs both passes and prints the comparison.
 pub async fn run(args: &DemoArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.plot {
+        anyhow::ensure!(
+            cfg!(feature = "plot"),
+            "--plot: these tools were built without the `plot` feature"
+        );
+        anyhow::ensure!(
+            matches!(
+                path.extension().and_then(|e| e.to_str()),
+                Some("svg" | "png")
+            ),
+            "{}: name the chart *.svg or *.png",
+            path.display()
+        );
+    }
     let Comparison {
         round_robin,
         routed,
@@ -99,6 +116,21 @@ pub async fn run(args: &DemoArgs) -> anyhow::Result<()> {
             rr.reuse_ratio,
             kv.reuse_ratio,
         );
+    }
+    #[cfg(feature = "plot")]
+    if let Some(path) = &args.plot {
+        let named = |r: &Report, name: &str| Report {
+            policy: name.to_owned(),
+            ..r.clone()
+        };
+        let rows = [
+            named(&round_robin, "rr sockets"),
+            named(&predicted_rr, "rr replay"),
+            named(&routed, "kvroute sockets"),
+            named(&predicted, "kvroute replay"),
+        ];
+        sim::plot::write_chart(path, &rows).map_err(anyhow::Error::msg)?;
+        eprintln!("chart written to {}", path.display());
     }
     Ok(())
 }
@@ -187,7 +219,7 @@ fn free_port() -> anyhow::Result<u16> {
 async fn start_engines(n: usize, speed: f64) -> anyhow::Result<Vec<Started>> {
     let mut engines = Vec::new();
     for _ in 0..n {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let listener = mock_engine::listen("127.0.0.1:0".parse()?)?;
         let http = listener.local_addr()?;
         let events = format!("tcp://127.0.0.1:{}", free_port()?);
         let replay = format!("tcp://127.0.0.1:{}", free_port()?);

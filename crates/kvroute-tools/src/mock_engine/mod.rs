@@ -108,9 +108,7 @@ impl Engine {
 
 /// Serves until Ctrl-C.
 pub async fn run(args: &MockEngineArgs) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(args.addr)
-        .await
-        .with_context(|| format!("binding {}", args.addr))?;
+    let listener = listen(args.addr).with_context(|| format!("binding {}", args.addr))?;
     start(args.clone(), listener).await?;
     eprintln!(
         "kvroute mock-engine serving {} on http://{} ({} rank(s){})",
@@ -195,6 +193,23 @@ pub async fn start(args: MockEngineArgs, listener: TcpListener) -> anyhow::Resul
         }
     });
     Ok(())
+}
+
+/// Most connections waiting to be accepted: a burst of clients connecting
+/// at once is queued, not reset by the kernel (uvicorn, under vLLM, asks
+/// for 2,048).
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listener on `addr` with [`LISTEN_BACKLOG`].
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// `tcp://host:port` with the port plus `rank`.

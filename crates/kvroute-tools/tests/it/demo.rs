@@ -19,6 +19,7 @@ async fn a_short_demo_completes_both_passes_and_reuses_as_predicted() {
         speedup: 4.0,
         limit: Some(30),
         engine_speed: 5.0,
+        plot: None,
     };
     let c = demo::compare(&args).await.expect("the demo runs");
     for (over_sockets, predicted) in [

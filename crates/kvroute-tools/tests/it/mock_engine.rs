@@ -242,6 +242,37 @@ async fn kvroute_indexes_exactly_what_the_mock_engine_caches() {
     // last token anyway, so it reported the 9 blocks before it.
     assert_eq!(selected.overlap_blocks, 10, "{selected:?}");
     assert_eq!(engine_cached, 16 * ((160 - 1) / 16));
+    // `kvroute serve --engine` subscribes as RegisterWorker does: a second
+    // kvroute configured so replays the engine's history and agrees.
+    let mut config = kvroute::config::ServeConfig::default();
+    config.engine = vec![
+        kvroute::config::parse_engine_spec(&format!(
+            "{WORKER}:mock:16:0:1:vllm:tcp://127.0.0.1:{events}:tcp://127.0.0.1:{replay}"
+        ))
+        .unwrap(),
+    ];
+    let configured = TestServer::start_with(config).await;
+    let t0 = Instant::now();
+    loop {
+        if index_digest(&configured).await == engine_digest(addr).await {
+            break;
+        }
+        // A live batch shows the subscriber where the engine is.
+        if t0.elapsed() > Duration::from_millis(500) {
+            let _ = http(
+                addr,
+                "POST",
+                "/v1/completions",
+                &json!({"model": "mock", "prompt": prompt(5, 160), "max_tokens": 1}),
+            )
+            .await;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "serve --engine never agreed with the engine"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // The vLLM load series are there.
     for series in [
         "vllm:num_requests_running",
@@ -257,7 +288,7 @@ async fn kvroute_indexes_exactly_what_the_mock_engine_caches() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = mock_engine::listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listener.local_addr().unwrap();
     let args = MockEngineArgs {
         addr,
@@ -273,7 +304,7 @@ async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
         max_num_batched_tokens: 2048,
         max_model_len: 512,
         max_body_bytes: 4096,
-        max_connections: 400,
+        max_connections: 1200,
     };
     mock_engine::start(args, listener).await.unwrap();
     let error_of = |body: &str| -> Value { serde_json::from_str(body).unwrap() };
@@ -406,8 +437,8 @@ async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Hundreds of streams at once all finish.
-    let streams: Vec<_> = (0..300)
+    // A thousand streams at once all finish.
+    let streams: Vec<_> = (0..1000)
         .map(|i| {
             let body = json!({"model": "mock", "prompt": format!("stream {i} of many"), "max_tokens": 4, "stream": true});
             tokio::spawn(async move { http(addr, "POST", "/v1/completions", &body).await })
