@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use kvroute::pb;
+use kvroute_tools::loadgen::text::word_ids;
 use kvroute_tools::mock_engine::{self, MockEngineArgs};
 use serde_json::{Value, json};
 use tokio::{
@@ -60,13 +61,6 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &Value
             String::from_utf8_lossy(&raw)
         );
     }
-}
-
-/// The word-level token ids the mock engine gives `text` (no tokenizer).
-fn word_ids(text: &str) -> Vec<u32> {
-    text.split_whitespace()
-        .map(|w| (xxhash_rust::xxh3::xxh3_64(w.as_bytes()) % (1 << 17)) as u32)
-        .collect()
 }
 
 fn prompt(conversation: usize, words: usize) -> String {
@@ -600,4 +594,117 @@ async fn the_index_follows_an_engine_killed_and_restarted_and_a_new_kvroute_repl
         replays > 0,
         "the new kvroute's index came through the replay socket"
     );
+}
+
+/// A word-level tokenizer directory: `w0` ... `w63` are ids 10 ... 73.
+fn word_level_tokenizer(dir: &std::path::Path) {
+    let vocab: serde_json::Map<String, Value> = (0..64)
+        .map(|i| (format!("w{i}"), json!(10 + i)))
+        .chain([("[UNK]".to_owned(), json!(0))])
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_tokenizer_the_engine_hashes_the_models_ids() {
+    let dir = std::env::temp_dir().join(format!("kvroute-mock-tokenizer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    word_level_tokenizer(&dir);
+    let (events, replay) = (free_port(), free_port());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let args = MockEngineArgs {
+        addr,
+        model: "mock".into(),
+        dp_size: 1,
+        kv_events: Some(format!("tcp://127.0.0.1:{events}")),
+        kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
+        tokenizer: Some(dir.clone()),
+        speed: 50.0,
+        num_blocks: 256,
+        block_size: 16,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 2048,
+        max_model_len: 4096,
+        max_body_bytes: 1 << 20,
+        max_connections: 64,
+    };
+    mock_engine::start(args, listener).await.unwrap();
+    let server = TestServer::start().await;
+    server
+        .register(pb::RegisterWorkerRequest {
+            endpoint: addr.to_string(),
+            events_endpoint: format!("tcp://127.0.0.1:{events}"),
+            events_dialect: "vllm".into(),
+            replay_endpoint: format!("tcp://127.0.0.1:{replay}"),
+            lease_ttl_secs: 600,
+            ..registration(WORKER, "mock")
+        })
+        .await;
+    let t0 = Instant::now();
+    while !server
+        .worker_info(WORKER)
+        .await
+        .subscription
+        .contains(" connected,")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "kvroute never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let text: String = (0..64).map(|i| format!("w{i} ")).collect();
+    let (status, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &json!({"model": "mock", "prompt": text, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let t0 = Instant::now();
+    while cached_blocks(&server).await < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the engine's blocks never reached kvroute"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The model's ids (10 ..= 73) find the four blocks; the word-hash ids
+    // the engine uses without a tokenizer find none.
+    let overlap = |ids: Vec<u32>| {
+        let mut router = server.router();
+        async move {
+            router
+                .select_worker(pb::SelectWorkerRequest {
+                    request_id: "q".into(),
+                    model: "mock".into(),
+                    prompt: Some(pb::Prompt {
+                        content: Some(pb::prompt::Content::TokenIds(pb::TokenIds { ids })),
+                    }),
+                    mode: pb::SelectionMode::QueryOnly.into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .overlap_blocks
+        }
+    };
+    assert_eq!(overlap((10..74).collect()).await, 4);
+    assert_eq!(overlap(word_ids(&text)).await, 0);
+    let _ = std::fs::remove_dir_all(&dir);
 }
