@@ -223,10 +223,26 @@ fn offset(endpoint: &str, rank: u32) -> anyhow::Result<String> {
     Ok(format!("{head}:{}", port + rank))
 }
 
+/// How long a kept-alive connection may wait for its next request
+/// (uvicorn's default under vLLM), and how long a request may take to
+/// arrive once it has begun: idle and slow clients give their slot back.
+const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(5);
+const REQUEST_READ: std::time::Duration = std::time::Duration::from_secs(60);
+
 async fn serve_connection(engine: &Engine, conn: TcpStream) {
+    use tokio::io::AsyncBufReadExt;
     let mut conn = BufReader::new(conn);
     loop {
-        let request = match http::read_request(&mut conn, engine.args.max_body_bytes).await {
+        match tokio::time::timeout(KEEP_ALIVE, conn.fill_buf()).await {
+            Ok(Ok(bytes)) if !bytes.is_empty() => {}
+            _ => return,
+        }
+        let read = http::read_request(&mut conn, engine.args.max_body_bytes);
+        let Ok(read) = tokio::time::timeout(REQUEST_READ, read).await else {
+            engine.count("read_timeout");
+            return;
+        };
+        let request = match read {
             Ok(request) => request,
             Err(ReadError::Closed) => return,
             Err(ReadError::TooLarge) => {

@@ -354,6 +354,12 @@ async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
     let mut answer = vec![0u8; 1024];
     let n = conn.read(&mut answer).await.unwrap();
     assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 400"));
+    // A connection that never sends a request is closed after 5 s idle.
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    let idle_read = tokio::spawn(async move {
+        let mut byte = [0u8; 1];
+        tokio::time::timeout(Duration::from_secs(8), idle.read(&mut byte)).await
+    });
     // A header line that never ends is cut at 64 KiB, not held.
     let mut endless = TcpStream::connect(addr).await.unwrap();
     endless
@@ -431,6 +437,10 @@ async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(
+        matches!(idle_read.await.unwrap(), Ok(Ok(0))),
+        "an idle connection is closed by the engine"
+    );
     // A thousand streams at once all finish.
     let streams: Vec<_> = (0..1000)
         .map(|i| {
