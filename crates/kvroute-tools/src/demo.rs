@@ -174,7 +174,7 @@ pub async fn compare(args: &DemoArgs) -> anyhow::Result<Comparison> {
         .iter()
         .map(|e| format!("http://{}", e.http))
         .collect();
-    let round_robin = loadgen::run_quiet(&load, &trace).await?;
+    let round_robin = loadgen::measure(&load, &trace).await?;
 
     eprintln!("2/2: kvroute as the frontend's router, over fresh mock engines");
     let engines = start_engines(workers, args.engine_speed).await?;
@@ -182,7 +182,7 @@ pub async fn compare(args: &DemoArgs) -> anyhow::Result<Comparison> {
     register(server.addr, &engines).await?;
     load.engines.clear();
     load.kvroute = Some(format!("http://{}", server.addr));
-    let routed = loadgen::run_quiet(&load, &trace).await?;
+    let routed = loadgen::measure(&load, &trace).await?;
     server.stop().await;
 
     let config = SimConfig {

@@ -102,26 +102,7 @@ pub async fn run(args: &LoadgenArgs) -> anyhow::Result<Report> {
     if trace.records.is_empty() {
         bail!("the trace has no requests");
     }
-    let report = if let Some(kvroute) = &args.kvroute {
-        let frontend = frontend::Frontend::connect(kvroute, &args.model).await?;
-        let targets = frontend.engines();
-        replay(&trace, &targets, "kvroute", args, Some(Arc::new(frontend))).await
-    } else {
-        let (label, targets) = match &args.url {
-            Some(url) => ("url", vec![address(url)?]),
-            None => (
-                "round-robin",
-                args.engines
-                    .iter()
-                    .map(|e| address(e))
-                    .collect::<Result<_, _>>()?,
-            ),
-        };
-        if targets.is_empty() {
-            bail!("no --url, --engines or --kvroute given");
-        }
-        replay(&trace, &targets, label, args, None).await
-    };
+    let report = measure(args, &trace).await?;
     if args.json {
         println!("{}", report.to_json());
     } else {
@@ -130,19 +111,28 @@ pub async fn run(args: &LoadgenArgs) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-/// [`run`] on an already loaded trace, printing nothing: the demo's.
-pub(crate) async fn run_quiet(args: &LoadgenArgs, trace: &Trace) -> anyhow::Result<Report> {
+/// Sends `trace` where `args` say and reports what the client saw,
+/// printing nothing ([`run`] prints it; the demo prints its own).
+pub(crate) async fn measure(args: &LoadgenArgs, trace: &Trace) -> anyhow::Result<Report> {
     if let Some(kvroute) = &args.kvroute {
         let frontend = frontend::Frontend::connect(kvroute, &args.model).await?;
         let targets = frontend.engines();
         return Ok(replay(trace, &targets, "kvroute", args, Some(Arc::new(frontend))).await);
     }
-    let targets = args
-        .engines
-        .iter()
-        .map(|e| address(e))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(replay(trace, &targets, "round-robin", args, None).await)
+    let (label, targets) = match &args.url {
+        Some(url) => ("url", vec![address(url)?]),
+        None => (
+            "round-robin",
+            args.engines
+                .iter()
+                .map(|e| address(e))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+    };
+    if targets.is_empty() {
+        bail!("no --url, --engines or --kvroute given");
+    }
+    Ok(replay(trace, &targets, label, args, None).await)
 }
 
 /// `http://host:port` (or `host:port`) as a socket address.
