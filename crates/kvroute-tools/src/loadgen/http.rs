@@ -91,19 +91,14 @@ pub async fn post_streaming(
     let mut buf = vec![0u8; 64 << 10];
     let mut total = 0u64;
     match framing {
-        Framing::Length(mut left) => {
-            if left > MAX_BODY {
-                bail!("a body of {left} bytes");
+        Framing::Length(length) => {
+            if length > MAX_BODY {
+                bail!("a body of {length} bytes");
             }
-            while left > 0 {
-                let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                let n = conn.read(&mut buf[..want]).await?;
-                if n == 0 {
-                    bail!("the connection closed mid-body");
-                }
-                left -= n as u64;
-                on_bytes(&buf[..n], &mut streamed)?;
-            }
+            feed(&mut conn, &mut buf, length, &mut |b| {
+                on_bytes(b, &mut streamed)
+            })
+            .await?;
         }
         Framing::Chunked => loop {
             let mut line = String::new();
@@ -114,16 +109,10 @@ pub async fn post_streaming(
             if total > MAX_BODY {
                 bail!("a body over {MAX_BODY} bytes");
             }
-            let mut left = size;
-            while left > 0 {
-                let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                let n = conn.read(&mut buf[..want]).await?;
-                if n == 0 {
-                    bail!("the connection closed mid-chunk");
-                }
-                left -= n as u64;
-                on_bytes(&buf[..n], &mut streamed)?;
-            }
+            feed(&mut conn, &mut buf, size, &mut |b| {
+                on_bytes(b, &mut streamed)
+            })
+            .await?;
             let mut crlf = [0u8; 2];
             conn.read_exact(&mut crlf).await?;
             if size == 0 {
@@ -144,6 +133,26 @@ pub async fn post_streaming(
     }
     streamed.finished = Instant::now();
     Ok(streamed)
+}
+
+/// Reads exactly `n` bytes through `buf`, handing each read to `on_bytes`
+/// as it arrives.
+async fn feed(
+    conn: &mut BufReader<TcpStream>,
+    buf: &mut [u8],
+    mut n: u64,
+    on_bytes: &mut impl FnMut(&[u8]) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    while n > 0 {
+        let want = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        let read = conn.read(&mut buf[..want]).await?;
+        if read == 0 {
+            bail!("the connection closed mid-body");
+        }
+        n -= read as u64;
+        on_bytes(&buf[..read])?;
+    }
+    Ok(())
 }
 
 /// How the response body ends.

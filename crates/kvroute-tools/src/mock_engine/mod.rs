@@ -477,17 +477,11 @@ async fn complete(
         id: id_tx,
     };
     let handle = &engine.ranks[rank];
-    if handle.submit.send(submitted).await.is_err() {
-        return error(
-            conn,
-            503,
-            "ServiceUnavailableError",
-            "the engine stopped",
-            None,
-        )
-        .await;
-    }
-    let Ok(request_id) = id_rx.await else {
+    let accepted = match handle.submit.send(submitted).await {
+        Ok(()) => id_rx.await.ok(),
+        Err(_) => None,
+    };
+    let Some(request_id) = accepted else {
         return error(
             conn,
             503,
