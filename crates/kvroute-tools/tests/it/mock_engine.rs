@@ -14,16 +14,62 @@ use tokio::{
     net::{TcpListener, TcpStream},
 };
 
-use crate::common::{TestServer, registration};
+use crate::common::{TestServer, cluster::free_addr, registration};
 
 const WORKER: u64 = 41;
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_addr().port()
+}
+
+/// A small one-rank engine at `addr` publishing on `events` and `replay`.
+fn engine_args(addr: std::net::SocketAddr, events: u16, replay: u16) -> MockEngineArgs {
+    MockEngineArgs {
+        addr,
+        model: "mock".into(),
+        dp_size: 1,
+        kv_events: Some(format!("tcp://127.0.0.1:{events}")),
+        kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
+        tokenizer: None,
+        speed: 50.0,
+        num_blocks: 256,
+        block_size: 16,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 2048,
+        max_model_len: 4096,
+        max_body_bytes: 1 << 20,
+        max_connections: 64,
+    }
+}
+
+/// Worker 41: the engine at `endpoint`, its events on `events` and
+/// `replay`, as vLLM's.
+fn engine_registration(endpoint: &str, events: u16, replay: u16) -> pb::RegisterWorkerRequest {
+    pb::RegisterWorkerRequest {
+        endpoint: endpoint.to_owned(),
+        events_endpoint: format!("tcp://127.0.0.1:{events}"),
+        events_dialect: "vllm".into(),
+        replay_endpoint: format!("tcp://127.0.0.1:{replay}"),
+        lease_ttl_secs: 600,
+        ..registration(WORKER, "mock")
+    }
+}
+
+/// Waits (10 s at most) for `server` to be connected to worker 41's events.
+async fn wait_subscribed(server: &TestServer, which: &str) {
+    let t0 = Instant::now();
+    while !server
+        .worker_info(WORKER)
+        .await
+        .subscription
+        .contains(" connected,")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{which} never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// One HTTP/1.1 exchange on a fresh connection: (status, body).
@@ -124,50 +170,21 @@ async fn kvroute_indexes_exactly_what_the_mock_engine_caches() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let args = MockEngineArgs {
-        addr,
-        model: "mock".into(),
-        dp_size: 1,
-        kv_events: Some(format!("tcp://127.0.0.1:{events}")),
-        kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
-        tokenizer: None,
-        speed: 50.0,
         // 48 blocks of 16: the prompts below overflow it, so blocks are
         // evicted and kvroute must see the removals.
         num_blocks: 48,
-        block_size: 16,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 2048,
-        max_model_len: 4096,
-        max_body_bytes: 1 << 20,
-        max_connections: 64,
+        ..engine_args(addr, events, replay)
     };
     mock_engine::start(args, listener).await.unwrap();
 
     let server = TestServer::start().await;
     server
         .register(pb::RegisterWorkerRequest {
-            endpoint: addr.to_string(),
-            events_endpoint: format!("tcp://127.0.0.1:{events}"),
-            events_dialect: "vllm".into(),
-            replay_endpoint: format!("tcp://127.0.0.1:{replay}"),
             total_kv_blocks: 48,
-            lease_ttl_secs: 600,
-            ..registration(WORKER, "mock")
+            ..engine_registration(&addr.to_string(), events, replay)
         })
         .await;
-    let t0 = Instant::now();
-    while !server
-        .worker_info(WORKER)
-        .await
-        .subscription
-        .contains(" connected,")
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "kvroute never connected"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_subscribed(&server, "kvroute").await;
 
     // Six conversations of 160 words (10 blocks each): 60 blocks into 48.
     for c in 0..6 {
@@ -285,20 +302,14 @@ async fn bad_requests_get_vllms_errors_and_the_engine_goes_on() {
     let listener = mock_engine::listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listener.local_addr().unwrap();
     let args = MockEngineArgs {
-        addr,
-        model: "mock".into(),
         dp_size: 2,
         kv_events: None,
         kv_replay: None,
-        tokenizer: None,
         speed: 100.0,
-        num_blocks: 256,
-        block_size: 16,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 2048,
         max_model_len: 512,
         max_body_bytes: 4096,
         max_connections: 1200,
+        ..engine_args(addr, 0, 0)
     };
     mock_engine::start(args, listener).await.unwrap();
     let error_of = |body: &str| -> Value { serde_json::from_str(body).unwrap() };
@@ -531,30 +542,13 @@ async fn agree(server: &TestServer, engine: &EngineProcess, what: &str) -> u64 {
 async fn the_index_follows_an_engine_killed_and_restarted_and_a_new_kvroute_replays() {
     let (port, events, replay) = (free_port(), free_port(), free_port());
     let registration = pb::RegisterWorkerRequest {
-        endpoint: format!("127.0.0.1:{port}"),
-        events_endpoint: format!("tcp://127.0.0.1:{events}"),
-        events_dialect: "vllm".into(),
-        replay_endpoint: format!("tcp://127.0.0.1:{replay}"),
         total_kv_blocks: 48,
-        lease_ttl_secs: 600,
-        ..registration(WORKER, "mock")
+        ..engine_registration(&format!("127.0.0.1:{port}"), events, replay)
     };
     let server = TestServer::start().await;
     let mut engine = EngineProcess::start(port, events, replay).await;
     server.register(registration.clone()).await;
-    let t0 = Instant::now();
-    while !server
-        .worker_info(WORKER)
-        .await
-        .subscription
-        .contains(" connected,")
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "kvroute never connected"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_subscribed(&server, "kvroute").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     for c in 0..4 {
         complete(&engine, c).await;
@@ -576,19 +570,7 @@ async fn the_index_follows_an_engine_killed_and_restarted_and_a_new_kvroute_repl
     // asks the replay socket for everything before, and agrees.
     let fresh = TestServer::start().await;
     fresh.register(registration).await;
-    let t0 = Instant::now();
-    while !fresh
-        .worker_info(WORKER)
-        .await
-        .subscription
-        .contains(" connected,")
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the new kvroute never connected"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_subscribed(&fresh, "the new kvroute").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     complete(&engine, 12).await;
     let replayed = agree(&fresh, &engine, "the new kvroute").await;
@@ -635,46 +617,15 @@ async fn with_a_tokenizer_the_engine_hashes_the_models_ids() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let args = MockEngineArgs {
-        addr,
-        model: "mock".into(),
-        dp_size: 1,
-        kv_events: Some(format!("tcp://127.0.0.1:{events}")),
-        kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
         tokenizer: Some(dir.clone()),
-        speed: 50.0,
-        num_blocks: 256,
-        block_size: 16,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 2048,
-        max_model_len: 4096,
-        max_body_bytes: 1 << 20,
-        max_connections: 64,
+        ..engine_args(addr, events, replay)
     };
     mock_engine::start(args, listener).await.unwrap();
     let server = TestServer::start().await;
     server
-        .register(pb::RegisterWorkerRequest {
-            endpoint: addr.to_string(),
-            events_endpoint: format!("tcp://127.0.0.1:{events}"),
-            events_dialect: "vllm".into(),
-            replay_endpoint: format!("tcp://127.0.0.1:{replay}"),
-            lease_ttl_secs: 600,
-            ..registration(WORKER, "mock")
-        })
+        .register(engine_registration(&addr.to_string(), events, replay))
         .await;
-    let t0 = Instant::now();
-    while !server
-        .worker_info(WORKER)
-        .await
-        .subscription
-        .contains(" connected,")
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "kvroute never connected"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_subscribed(&server, "kvroute").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let text: String = (0..64).map(|i| format!("w{i} ")).collect();
     let (status, body) = http(
