@@ -27,8 +27,11 @@
 //! same ordering, a walk from the root may stop at the first expired block.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 
-use crate::types::{ChainMap, WorkerId, WorkerRank};
+use hashbrown::HashTable;
+
+use crate::types::{WorkerId, WorkerRank};
 
 /// Most prompt blocks held awaiting their prefill, over every booking: a
 /// caller's open bookings cannot make the held prompts take more than
@@ -51,13 +54,18 @@ struct Node {
 }
 
 /// One target's predicted cache: its blocks in a slab, linked from least
-/// to most recently used, and found by chain key. About 17 bytes of table
-/// and 24 of node a block (twice that just after either grows), under the
-/// 96 bytes a declared block is budgeted for; a tree ordered by tick
-/// took about 106.
+/// to most recently used, and found by chain key through a table of slab
+/// indexes (the key is the node's). A block takes a 24-byte node, the
+/// slab growing by an eighth, and 5 bytes a table bucket: at most 23 a
+/// block even when tombstones make the table double at 7/16 full. About
+/// 52 in all, at worst, under the 96 bytes a declared block is budgeted
+/// for; a map from key to index took 17 a bucket (up to 78 a block), a
+/// tree ordered by tick about 106.
 #[derive(Debug)]
 struct TargetCache {
-    slots: ChainMap<u32>,
+    slots: HashTable<u32>,
+    /// Seeded per process: callers choose the keys (see `ChainMap`).
+    hasher: foldhash::fast::RandomState,
     nodes: Vec<Node>,
     oldest: u32,
     newest: u32,
@@ -68,7 +76,8 @@ struct TargetCache {
 impl Default for TargetCache {
     fn default() -> Self {
         Self {
-            slots: ChainMap::default(),
+            slots: HashTable::new(),
+            hasher: Default::default(),
             nodes: Vec::new(),
             oldest: NIL,
             newest: NIL,
@@ -80,6 +89,16 @@ impl Default for TargetCache {
 impl TargetCache {
     fn len(&self) -> usize {
         self.slots.len()
+    }
+
+    /// The slab index holding `chain`.
+    fn slot(&self, chain: u64) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.slots
+            .find(self.hasher.hash_one(chain), |&i| {
+                nodes[i as usize].chain == chain
+            })
+            .copied()
     }
 
     fn node(&self, i: u32) -> &Node {
@@ -117,7 +136,7 @@ impl TargetCache {
     }
 
     fn touch(&mut self, chain: u64, at_ms: u64) {
-        if let Some(&i) = self.slots.get(&chain) {
+        if let Some(i) = self.slot(chain) {
             self.unlink(i);
             self.node_mut(i).at_ms = at_ms;
             self.push_newest(i);
@@ -136,6 +155,11 @@ impl TargetCache {
         };
         let i = match self.free {
             NIL => {
+                if self.nodes.len() == self.nodes.capacity() {
+                    // An eighth more, not double: the slab's spare room
+                    // counts against the bytes a block is budgeted.
+                    self.nodes.reserve_exact((self.nodes.len() / 8).max(64));
+                }
                 self.nodes.push(node);
                 (self.nodes.len() - 1) as u32
             }
@@ -145,7 +169,10 @@ impl TargetCache {
                 free
             }
         };
-        self.slots.insert(chain, i);
+        let (nodes, hasher) = (&self.nodes, &self.hasher);
+        self.slots.insert_unique(hasher.hash_one(chain), i, |&j| {
+            hasher.hash_one(nodes[j as usize].chain)
+        });
         self.push_newest(i);
     }
 
@@ -156,7 +183,12 @@ impl TargetCache {
         }
         self.unlink(i);
         let chain = self.node(i).chain;
-        self.slots.remove(&chain);
+        if let Ok(entry) = self
+            .slots
+            .find_entry(self.hasher.hash_one(chain), |&j| j == i)
+        {
+            entry.remove();
+        }
         self.node_mut(i).newer = self.free;
         self.free = i;
         true
@@ -176,10 +208,9 @@ impl TargetCache {
     fn overlap(&self, chain: &[u64], cutoff_ms: u64) -> u32 {
         let held = chain
             .iter()
-            .take_while(|c| {
-                self.slots
-                    .get(c)
-                    .is_some_and(|&i| self.node(i).at_ms >= cutoff_ms)
+            .take_while(|&&c| {
+                self.slot(c)
+                    .is_some_and(|i| self.node(i).at_ms >= cutoff_ms)
             })
             .count();
         u32::try_from(held).unwrap_or(u32::MAX)
@@ -192,7 +223,7 @@ impl TargetCache {
             return;
         }
         let mut fresh = Self {
-            slots: ChainMap::with_capacity_and_hasher(self.len(), Default::default()),
+            slots: HashTable::with_capacity(self.len()),
             nodes: Vec::with_capacity(self.len()),
             ..Self::default()
         };
@@ -317,13 +348,11 @@ impl PredictedCaches {
     }
 
     /// Heap bytes of `target`'s tables as allocated: the hash table's
-    /// buckets (key, slot and control byte each) and the slab's nodes.
+    /// buckets and control bytes, and the slab's nodes.
     pub fn table_bytes(&self, target: WorkerRank) -> u64 {
         self.targets.get(&target).map_or(0, |cache| {
-            let buckets = (cache.slots.capacity() * 8 / 7 + 1).next_power_of_two();
-            let table = buckets * (std::mem::size_of::<(u64, u32)>() + 1);
             let slab = cache.nodes.capacity() * std::mem::size_of::<Node>();
-            (table + slab) as u64
+            (cache.slots.allocation_size() + slab) as u64
         })
     }
 
