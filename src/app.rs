@@ -347,7 +347,14 @@ fn build_fleet(
     metrics: &Arc<Metrics>,
     endpoint_allow: &EndpointAllow,
 ) -> Result<(Arc<Fleet>, Option<Arc<Snapshots>>), ServeError> {
-    let core = Arc::new(RouterCore::new(config.router_config(), metrics.clone()));
+    let core = if config.cluster.ordered() {
+        // Replicas deciding in log order run the routing clock on the
+        // log's time (`router::ordered`).
+        RouterCore::with_manual_clock(config.router_config(), metrics.clone())
+    } else {
+        RouterCore::new(config.router_config(), metrics.clone())
+    };
+    let core = Arc::new(core);
     let writer = Arc::new(EventWriter::new(core.clone()));
     let ingest = ingest::start_writer(writer).map_err(ServeError::Writer)?;
     // A restored endpoint has no registering peer: it is held to the

@@ -216,7 +216,9 @@ pub struct ServeConfig {
           value_parser = clap::value_parser!(u32).range(1..=16_777_215))]
     pub max_blocks_per_event: u32,
 
-    /// Seed of the random tie-break and sampling (0: a fresh seed per start).
+    /// Seed of the random tie-break and sampling (0: a fresh seed per
+    /// start; replicas deciding in log order then share a fixed one, and
+    /// must share any other).
     #[arg(long, env = "KVROUTE_SEED", default_value_t = 0)]
     pub seed: u64,
 
@@ -400,7 +402,10 @@ impl ServeConfig {
             kv_busy_fraction: self.kv_busy_fraction,
             queue_capacity: self.queue_capacity,
             session_ttl: self.session_ttl,
-            seed: self.seed,
+            seed: match self.seed {
+                0 if self.cluster.ordered() => crate::router::ordered::CLUSTER_SEED,
+                seed => seed,
+            },
             limits: InputLimits {
                 max_events_per_batch: self.max_events_per_batch,
                 max_blocks_per_event: self.max_blocks_per_event,

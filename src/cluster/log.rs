@@ -47,6 +47,10 @@ use crate::{
     ingest::{BatchOutcome, EngineBatch, EngineOutcome},
     metrics::Metrics,
     pb::{self, log_record::Body},
+    router::{
+        RouteError,
+        ordered::{BookingStep, OrderedAnswer},
+    },
 };
 use kvroute_core::registry::RegisterOutcome;
 
@@ -71,6 +75,10 @@ pub enum Applied {
     Register(Box<Result<RegisterOutcome, FleetError>>),
     Deregister(Result<u64, FleetError>),
     Events(Result<BatchOutcome, FleetError>),
+    /// An ordered decision (`ordered.rs`).
+    Decision(Box<Result<OrderedAnswer, RouteError>>),
+    /// An ordered booking step: whether the booking changed.
+    Step(bool),
     /// Records nobody waits on, and duplicates.
     Other,
 }
@@ -320,6 +328,8 @@ impl Log {
             }
         };
         let mine = record.origin == self.replica;
+        // Ordered decisions run the routing clock on the log's time.
+        fleet.router().log_time(record.appended_unix_us / 1000);
         if !mine && record.appended_unix_us > 0 {
             let lag_us = unix_us().saturating_sub(record.appended_unix_us);
             self.metrics.cluster.log_lag.observe(lag_us as f64 / 1e6);
@@ -357,6 +367,34 @@ impl Log {
                     fleet.count_engine_rejected(worker_id, generation, outcome.rejected);
                 }
                 Applied::Other
+            }
+            Some(Body::Decide(decision)) => {
+                self.count("decide");
+                let router = fleet.router();
+                let max_blocks = router.config().limits.max_blocks_per_event as usize;
+                let request_id = decision
+                    .request
+                    .as_ref()
+                    .map(|r| r.request_id.clone())
+                    .unwrap_or_default();
+                let answer = match super::decision_record::decision_from_pb(decision, max_blocks) {
+                    Ok(request) => router.apply_ordered(&request),
+                    Err(why) => {
+                        tracing::error!(position, request_id, why, "ordered decision refused here");
+                        Err(RouteError::NotDecided {
+                            request_id,
+                            why: format!("its log record was refused: {why}"),
+                        })
+                    }
+                };
+                Applied::Decision(Box::new(answer))
+            }
+            Some(Body::Step(step)) => {
+                self.count("step");
+                Applied::Step(fleet.router().apply_step(&BookingStep {
+                    request_id: step.request_id,
+                    release: step.release,
+                }))
             }
             None => {
                 self.count("undecodable");

@@ -19,10 +19,12 @@
 //! UNAVAILABLE, so workers retry and nothing accepted is lost; the
 //! Workers service reports NOT_SERVING in the health service.
 
+mod decision_record;
 mod error;
 mod leases;
 mod log;
 mod names;
+mod ordered;
 mod parts;
 mod routing_sync;
 mod snapshots;
@@ -127,6 +129,13 @@ impl Cluster {
             }),
             feed_tx,
         );
+        if options.ordered() {
+            // Before the catch-up: the log's decisions are applied alike
+            // whether this replica is starting or not.
+            fleet
+                .router()
+                .decide_in_order(Arc::new(ordered::LogOrder { log: log.clone() }));
+        }
         let snapshots = Arc::new(ClusterSnapshots {
             store: made.store,
             control: made.control,

@@ -50,6 +50,16 @@ pub struct ClusterOptions {
           value_parser = parse_sync_delay)]
     pub replica_sync_delay: Duration,
 
+    /// How replicas decide RESERVE calls. `ordered`: each call is a record
+    /// of the shared log and every replica decides it there, from the same
+    /// state, so all book what one router would (the answer waits for the
+    /// log: about a NATS round trip). `local`: the replica that takes the
+    /// call decides at once and shares the booking within milliseconds
+    /// (`--cluster-replicas` estimates what it has not yet seen).
+    /// docs/CLUSTER.md, "Ordered decisions".
+    #[arg(long, env = "KVROUTE_DECISION_ORDER", value_enum, default_value_t = DecisionOrder::Local)]
+    pub decision_order: DecisionOrder,
+
     /// NATS credentials file (JWT and NKey seed, `.creds`).
     #[arg(long, env = "KVROUTE_NATS_CREDS")]
     pub nats_creds: Option<PathBuf>,
@@ -107,6 +117,7 @@ impl Default for ClusterOptions {
             cluster_replicas: 1,
             replica_index: None,
             replica_sync_delay: Duration::from_millis(2),
+            decision_order: DecisionOrder::Local,
             nats_creds: None,
             nats_user: None,
             nats_password: None,
@@ -119,6 +130,16 @@ impl Default for ClusterOptions {
             log_duplicate_window: Duration::from_secs(600),
         }
     }
+}
+
+/// How a replica decides RESERVE calls (`--decision-order`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DecisionOrder {
+    /// At once, from the replica's own view, shared after.
+    #[default]
+    Local,
+    /// In the shared log's order, alike on every replica.
+    Ordered,
 }
 
 /// A replica's default place among `count`: its name's trailing number,
@@ -168,10 +189,17 @@ impl ClusterOptions {
         })
     }
 
+    /// Whether RESERVE calls are decided in log order (cluster mode only).
+    pub(crate) fn ordered(&self) -> bool {
+        self.nats_url.is_some() && self.decision_order == DecisionOrder::Ordered
+    }
+
     /// What this process's router core knows of its peer replicas: nothing
-    /// alone (no `--nats-url`), else the cluster's replica flags.
+    /// alone (no `--nats-url`) or when decisions are ordered (every replica
+    /// then sees every booking before its next decision), else the
+    /// cluster's replica flags.
     pub(crate) fn replica_settings(&self) -> ReplicaSettings {
-        if self.nats_url.is_none() || self.cluster_replicas <= 1 {
+        if self.nats_url.is_none() || self.cluster_replicas <= 1 || self.ordered() {
             return ReplicaSettings::default();
         }
         let count = self.cluster_replicas;

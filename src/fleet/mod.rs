@@ -447,7 +447,10 @@ impl Fleet {
         {
             self.reap_lapsed().await;
         }
-        self.router.expire_bookings();
+        if !self.router.decides_in_order() {
+            // Ordered decisions expire in log order (`RouterCore::log_time`).
+            self.router.expire_bookings();
+        }
         self.note_stream_health();
         self.router.evaluate_trust();
         self.router.refresh_index_gauges();

@@ -57,6 +57,9 @@ pub struct FleetState {
     pub targets: Vec<FleetTarget>,
     pub sessions: Vec<SavedSession>,
     pub bookings: Vec<SavedBooking>,
+    /// The routing clock the sessions' and bookings' ages are from (0:
+    /// not recorded).
+    pub routing_clock_ms: u64,
 }
 
 impl FleetState {
@@ -92,6 +95,7 @@ impl Fleet {
         let mut state = FleetState {
             sessions,
             bookings,
+            routing_clock_ms: self.router.clock_ms(),
             ..FleetState::default()
         };
         for record in &records {
@@ -222,6 +226,9 @@ impl Fleet {
                 }
             }
         }
+        // A core on the log's clock (ordered decisions) resumes it where
+        // the snapshot was taken, so restored ages match the other replicas'.
+        self.router.set_clock_ms(state.routing_clock_ms);
         report.bookings_refused = self.router.restore_routing(state.sessions, state.bookings);
         // Configured engines restart from the configuration, resuming there.
         let (configured_resume, mut resume): (HashMap<_, _>, HashMap<_, _>) = resume

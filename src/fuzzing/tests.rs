@@ -588,6 +588,7 @@ replica-index = 1
         };
         let fleet = pb::SnapshotState {
             taken_unix_ms: 1,
+            routing_clock_ms: 0,
             workers: vec![worker(1), worker(2)],
             targets: vec![target(1, 0), target(1, 1), target(2, 0)],
             sessions: vec![pb::SnapshotSession {

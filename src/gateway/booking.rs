@@ -46,11 +46,14 @@ impl BookingHandle {
         tokio::spawn(async move {
             while let Some(step) = received.recv().await {
                 match step {
-                    Step::PrefillDone => booking.prefill_done(),
-                    Step::Release { end, cached_tokens } => booking.release(end, cached_tokens),
+                    Step::PrefillDone => booking.prefill_done().await,
+                    Step::Release { end, cached_tokens } => {
+                        booking.release(end, cached_tokens).await;
+                    }
                 }
             }
-            // `booking` drops here: released as abandoned if it was not.
+            // The handle dropped: released as abandoned if it was not.
+            booking.release("abandoned", None).await;
         });
         Self {
             steps,
@@ -83,13 +86,13 @@ struct Booking {
 }
 
 impl Booking {
-    fn prefill_done(&mut self) {
+    async fn prefill_done(&mut self) {
         if !self.released {
-            self.core.mark_prefill_complete(&self.request_id);
+            self.core.finish_booking(&self.request_id, false).await;
         }
     }
 
-    fn release(&mut self, end: &'static str, cached_tokens: Option<u64>) {
+    async fn release(&mut self, end: &'static str, cached_tokens: Option<u64>) {
         if self.released {
             return;
         }
@@ -97,7 +100,7 @@ impl Booking {
         if let Some(cached) = cached_tokens {
             self.core.report_cached_tokens(&self.request_id, cached);
         }
-        self.core.release_request(&self.request_id);
+        self.core.finish_booking(&self.request_id, true).await;
         self.gateway
             .metrics
             .streams_ended
@@ -107,7 +110,17 @@ impl Booking {
 }
 
 impl Drop for Booking {
+    /// The task was dropped before its end (the runtime stopping): the
+    /// booking is released here, on this replica.
     fn drop(&mut self) {
-        self.release("abandoned", None);
+        if !self.released {
+            self.released = true;
+            self.core.release_request(&self.request_id);
+            self.gateway
+                .metrics
+                .streams_ended
+                .with_label_values(&["abandoned"])
+                .inc();
+        }
     }
 }

@@ -71,7 +71,7 @@ impl From<RouteError> for Refusal {
                 ErrorCode::InvalidArgument => 400,
                 _ => 503,
             },
-            RouteError::ShuttingDown { .. } => 503,
+            RouteError::ShuttingDown { .. } | RouteError::NotDecided { .. } => 503,
         };
         Self::new(status, error.to_string())
     }

@@ -21,7 +21,7 @@ use kvroute_core::{
         RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
         affinity::{AffinityMode, SessionRef},
     },
-    types::{CacheView, KvEventsMode, RankLoad, RequestPhase, WorkerRank, WorkerRole},
+    types::{CacheView, KvEventsMode, RankLoad, RequestPhase, WorkerId, WorkerRank, WorkerRole},
 };
 
 /// Longest model, endpoint, taint, LoRA or id string accepted.
@@ -481,6 +481,78 @@ pub fn select_request_from_pb(
         hashes,
         admission,
     })
+}
+
+/// A prepared SelectWorker call back in wire form, its prompt as the block
+/// hashes it was hashed to (ordered decisions carry it so in the shared
+/// log): [`select_request_from_pb`] at the same block size gives it back,
+/// but for `prompt_tokens` and the owner, which travel beside it.
+pub(crate) fn prepared_to_pb(prepared: &PreparedRequest) -> pb::SelectWorkerRequest {
+    let request = &prepared.request;
+    let hints = &request.hints;
+    let mut allowed: Vec<WorkerId> = hints.allowed_worker_ids.iter().flatten().copied().collect();
+    allowed.sort_unstable();
+    let mut excluded: Vec<WorkerId> = request.excluded_worker_ids.iter().copied().collect();
+    excluded.sort_unstable();
+    pb::SelectWorkerRequest {
+        request_id: request.request_id.clone(),
+        model: request.model.clone(),
+        prompt: Some(pb::Prompt {
+            content: Some(pb::prompt::Content::BlockHashes(pb::BlockHashes {
+                hashes: prepared.hashes.clone(),
+            })),
+        }),
+        block_mm_infos: Vec::new(),
+        lora_name: String::new(),
+        cache_namespace: String::new(),
+        phase: match request.phase {
+            RequestPhase::Aggregated => pb::RequestPhase::Aggregated,
+            RequestPhase::Prefill => pb::RequestPhase::Prefill,
+            RequestPhase::Decode => pb::RequestPhase::Decode,
+        }
+        .into(),
+        hints: Some(pb::RoutingHints {
+            backend_instance_id: hints.backend_instance_id,
+            prefill_worker_id: hints.prefill_worker_id,
+            decode_worker_id: hints.decode_worker_id,
+            dp_rank: hints.dp_rank,
+            prefill_dp_rank: hints.prefill_dp_rank,
+            allowed_worker_ids: allowed,
+            tolerated_taints: hints.tolerated_taints.clone(),
+            expected_output_tokens: hints.expected_output_tokens,
+            priority_jump: hints.priority_jump,
+            strict_priority: hints.strict_priority,
+            policy_class: hints.policy_class.clone().unwrap_or_default(),
+        }),
+        session: request.session.as_ref().map(|s| pb::SessionAffinity {
+            session_id: s.session_id.clone(),
+            mode: match s.mode {
+                AffinityMode::Hard => pb::AffinityMode::Hard,
+                AffinityMode::Soft => pb::AffinityMode::Soft,
+            }
+            .into(),
+        }),
+        planned_worker: request.planned_worker.map(|w| pb::WorkerRank {
+            worker_id: w.worker_id,
+            dp_rank: w.dp_rank,
+        }),
+        excluded_worker_ids: excluded,
+        mode: match request.mode {
+            SelectMode::Reserve => pb::SelectionMode::Reserve,
+            SelectMode::QueryOnly => pb::SelectionMode::QueryOnly,
+        }
+        .into(),
+        admission: match prepared.admission {
+            AdmissionMode::Wait => pb::AdmissionMode::Wait,
+            AdmissionMode::Reject => pb::AdmissionMode::Reject,
+            AdmissionMode::Advisory => pb::AdmissionMode::Advisory,
+        }
+        .into(),
+        overrides: Some(pb::ScoringOverrides {
+            overlap_weight: request.overrides.overlap_weight,
+            temperature: request.overrides.temperature,
+        }),
+    }
 }
 
 /// Names a SelectWorker request in its field errors (by at most its first

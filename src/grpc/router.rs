@@ -172,7 +172,7 @@ impl pb::router_server::Router for RouterService {
         if let Some(cached_tokens) = cached_tokens {
             self.core.report_cached_tokens(&id, cached_tokens);
         }
-        let changed = self.core.mark_prefill_complete(&id);
+        let changed = self.core.finish_booking(&id, false).await;
         Ok(Response::new(pb::MarkPrefillCompleteResponse { changed }))
     }
 
@@ -195,7 +195,7 @@ impl pb::router_server::Router for RouterService {
         if let Some(cached_tokens) = cached_tokens {
             self.core.report_cached_tokens(&id, cached_tokens);
         }
-        let changed = self.core.release_request(&id);
+        let changed = self.core.finish_booking(&id, true).await;
         Ok(Response::new(pb::ReleaseRequestResponse { changed }))
     }
 }

@@ -110,7 +110,7 @@ impl From<RouteError> for Status {
         let code = match &error {
             RouteError::Select(e) => code_of(e.code()),
             RouteError::Admission(e) => code_of(e.code()),
-            RouteError::ShuttingDown { .. } => Code::Unavailable,
+            RouteError::ShuttingDown { .. } | RouteError::NotDecided { .. } => Code::Unavailable,
         };
         Status::new(code, error.to_string())
     }

@@ -31,6 +31,11 @@ pub struct ClusterFamilies {
     pub leases_reaped: IntCounter,
     /// 1 while the NATS connection is up.
     pub connected: IntGauge,
+    /// RESERVE calls this replica took with `--decision-order ordered`, by
+    /// `outcome`: ordered (decided in the log), local (the log was away:
+    /// decided here), not_decided (appended, not decided here in time),
+    /// local_step (a booking step applied here: the log was away).
+    pub ordered_decisions: IntCounterVec,
 }
 
 impl ClusterFamilies {
@@ -82,6 +87,11 @@ impl ClusterFamilies {
             connected: families.int_gauge(
                 "cluster_nats_connected",
                 "1 while the NATS connection is up",
+            )?,
+            ordered_decisions: families.counter_vec(
+                "cluster_ordered_decisions_total",
+                "RESERVE calls taken here with ordered decisions, by outcome",
+                &["outcome"],
             )?,
         })
     }

@@ -39,6 +39,7 @@ pub mod config;
 pub mod decisions;
 pub mod feedback;
 mod members;
+pub mod ordered;
 #[cfg(test)]
 mod replica_tests;
 mod routing;
@@ -86,6 +87,12 @@ pub struct RouterCore {
     views: views::CacheViews,
     /// The last decisions, for the web view (`decisions.rs`).
     decisions: decisions::DecisionLog,
+    /// Where RESERVE calls are decided when they are decided in the
+    /// shared log's order (cluster mode, `ordered.rs`).
+    ordered: std::sync::OnceLock<Arc<dyn ordered::OrderedLog>>,
+    /// Woken when an ordered booking step frees load (a call WAIT would
+    /// queue tries again).
+    ordered_changed: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for RouterCore {
@@ -118,6 +125,8 @@ impl RouterCore {
             routing: routing_state::Routing::new(&config, metrics.clone(), clock.clone()),
             views: views::CacheViews::new(&config, metrics.clone(), clock.clone()),
             decisions: decisions::DecisionLog::default(),
+            ordered: std::sync::OnceLock::new(),
+            ordered_changed: tokio::sync::Notify::new(),
             clock,
             config,
             metrics,
@@ -127,6 +136,11 @@ impl RouterCore {
     /// Sets a manual routing clock (never back); does nothing to tokio's.
     pub fn set_clock_ms(&self, now_ms: u64) {
         self.clock.set_ms(now_ms);
+    }
+
+    /// The routing clock's reading.
+    pub(crate) fn clock_ms(&self) -> u64 {
+        self.clock.now_ms()
     }
 
     pub fn config(&self) -> &RouterConfig {

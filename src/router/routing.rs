@@ -104,6 +104,12 @@ impl RouterCore {
         let model_name = prepared.request.model.clone();
         let named = (request_id.as_str(), model_name.as_str());
         let query_only = prepared.request.mode == SelectMode::QueryOnly;
+        if !query_only
+            && prepared.admission != AdmissionMode::Advisory
+            && let Some(outcome) = self.route_in_order(&prepared, deadline).await
+        {
+            return outcome;
+        }
         if query_only || prepared.admission == AdmissionMode::Advisory {
             // Nothing to book: decide under the read lock, in parallel.
             let selection = self.routing.preview(&prepared, &inputs)?;
@@ -177,7 +183,7 @@ impl RouterCore {
 
     /// Counts a decision and keeps it for the web view; `named`: its
     /// request id and model.
-    fn record(
+    pub(super) fn record(
         &self,
         named: (&str, &str),
         selection: Selection,
@@ -225,11 +231,12 @@ impl RouterCore {
 
     /// Drops a request's booked prefill; idempotent.
     pub fn mark_prefill_complete(&self, request_id: &str) -> bool {
-        let changed = self
-            .routing
-            .mark_prefill_complete(&self.views, request_id, |worker_id| {
-                self.sends_events(worker_id)
-            });
+        let changed = self.routing.mark_prefill_complete(
+            &self.views,
+            request_id,
+            |worker_id| self.sends_events(worker_id),
+            true,
+        );
         if changed {
             self.drain_queue();
         }
@@ -238,7 +245,7 @@ impl RouterCore {
 
     /// Drops all of a request's booked load; idempotent.
     pub fn release_request(&self, request_id: &str) -> bool {
-        let changed = self.routing.release(&self.views, request_id);
+        let changed = self.routing.release(&self.views, request_id, true);
         if changed {
             self.drain_queue();
         }

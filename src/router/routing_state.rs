@@ -55,6 +55,11 @@ pub enum RouteError {
     Admission(#[from] AdmissionError),
     #[error("request {request_id}: the router is shutting down")]
     ShuttingDown { request_id: String },
+    /// Ordered decisions: the call is in the shared log but this replica
+    /// did not decide it in time (it may still be booked; release it or
+    /// retry it under the same id).
+    #[error("request {request_id}: {why}")]
+    NotDecided { request_id: String, why: String },
 }
 
 /// A request ready to route: the decision's input plus the prompt's hashes.
@@ -79,6 +84,19 @@ pub(super) enum Reserved {
     Committed { selection: Selection, booked: bool },
     /// Queued (WAIT): the answer comes on `answer`.
     Queued { answer: Answer, target: WorkerRank },
+}
+
+/// What a replica decided for a call read from the shared log (ordered
+/// decisions, `ordered.rs`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum OrderedAnswer {
+    /// Decided and, unless it books nothing, booked.
+    Decided { selection: Selection, booked: bool },
+    /// ADVISORY admission found every candidate busy: nothing booked.
+    Advisory(Selection),
+    /// WAIT admission found every candidate busy: nothing booked; the
+    /// replica that took the call tries it again.
+    Busy { target: WorkerRank },
 }
 
 /// The state behind the `routing` lock (see the module docs): QUERY_ONLY,
@@ -346,7 +364,7 @@ impl Routing {
         match admission::admit(&request_id, prepared.admission, &decision.selection)? {
             Admission::Advisory => Ok(Reserved::Advisory(decision.selection)),
             Admission::Admit => {
-                let booked = self.commit(&mut state, views, &prepared, inputs, &decision)?;
+                let booked = self.commit(&mut state, views, &prepared, inputs, &decision, true)?;
                 Ok(Reserved::Committed {
                     selection: decision.selection,
                     booked,
@@ -382,13 +400,46 @@ impl Routing {
     ) -> Result<(Selection, bool), RouteError> {
         let mut state = self.routing.write();
         let decision = self.decide(&state, prepared, inputs)?;
-        let booked = self.commit(&mut state, views, prepared, inputs, &decision)?;
+        let booked = self.commit(&mut state, views, prepared, inputs, &decision, true)?;
         Ok((decision.selection, booked))
+    }
+
+    /// Decides and admits a RESERVE call read from the shared log: as
+    /// [`Self::reserve`], but nothing waits here and nothing is fed out
+    /// (every replica makes the same booking from the same record). A call
+    /// WAIT would queue is answered busy; its replica tries it again.
+    pub(super) fn reserve_ordered(
+        &self,
+        views: &CacheViews,
+        prepared: &PreparedRequest,
+        inputs: &Inputs,
+    ) -> Result<OrderedAnswer, RouteError> {
+        let request_id = &prepared.request.request_id;
+        let mut state = self.routing.write();
+        let decision = self.decide(&state, prepared, inputs)?;
+        Ok(
+            match admission::admit(request_id, prepared.admission, &decision.selection)? {
+                Admission::Advisory => OrderedAnswer::Advisory(decision.selection),
+                Admission::Admit => {
+                    let booked =
+                        self.commit(&mut state, views, prepared, inputs, &decision, false)?;
+                    OrderedAnswer::Decided {
+                        selection: decision.selection,
+                        booked,
+                    }
+                }
+                Admission::Queue => OrderedAnswer::Busy {
+                    target: decision.selection.target,
+                },
+            },
+        )
     }
 
     /// Books a decision (RESERVE): the request's load, its session, its
     /// prediction and expectation in the cache views, and the load
-    /// estimated for its peers, which ages out by itself.
+    /// estimated for its peers, which ages out by itself. `share`: feed
+    /// the booking to the other replicas (not when every replica makes it
+    /// from the log).
     fn commit(
         &self,
         state: &mut RoutingState,
@@ -396,6 +447,7 @@ impl Routing {
         prepared: &PreparedRequest,
         inputs: &Inputs,
         decision: &Decision,
+        share: bool,
     ) -> Result<bool, AdmissionError> {
         let now_ms = self.clock.now_ms();
         let selection = &decision.selection;
@@ -437,7 +489,7 @@ impl Routing {
             }
         }
         self.metrics.bookings_active.set(ledger.len() as i64);
-        if booked && self.feeding() {
+        if booked && share && self.feeding() {
             let request = &prepared.request;
             if let Some(saved) = ledger.export_one(&request.request_id, now_ms) {
                 self.feed(RoutingChange::Booked(saved));
@@ -470,12 +522,15 @@ impl Routing {
 
     /// Drops a request's booked prefill; idempotent. `sends_events` says
     /// whether a worker is scored on events (a completed prefill there
-    /// owes some). Returns whether the booking changed.
+    /// owes some); `share`: feed the change to the other replicas (not
+    /// when each applies it from the log). Returns whether the booking
+    /// changed.
     pub(super) fn mark_prefill_complete(
         &self,
         views: &CacheViews,
         request_id: &str,
         sends_events: impl Fn(WorkerId) -> bool,
+        share: bool,
     ) -> bool {
         let now_ms = self.clock.now_ms();
         let changed = {
@@ -497,15 +552,15 @@ impl Routing {
         };
         // In a cluster the booking may be another replica's: tell them
         // whether or not this replica knew it.
-        if changed || self.feeding() {
+        if share && (changed || self.feeding()) {
             self.feed(RoutingChange::PrefillComplete(request_id.to_owned()));
         }
         changed
     }
 
-    /// Drops all of a request's booked load; idempotent. Returns whether
-    /// there was any.
-    pub(super) fn release(&self, views: &CacheViews, request_id: &str) -> bool {
+    /// Drops all of a request's booked load; idempotent; `share` as for
+    /// [`Self::mark_prefill_complete`]. Returns whether there was any.
+    pub(super) fn release(&self, views: &CacheViews, request_id: &str, share: bool) -> bool {
         let changed = {
             let mut state = self.routing.write();
             state.prefill_times.forget(request_id);
@@ -515,7 +570,7 @@ impl Routing {
             self.metrics.bookings_active.set(state.ledger.len() as i64);
             changed
         };
-        if changed || self.feeding() {
+        if share && (changed || self.feeding()) {
             if !changed {
                 // Booked elsewhere and not yet heard of here.
                 self.released.lock().insert(request_id);
@@ -576,7 +631,7 @@ impl Routing {
             }
             let prepared = &entry.payload.prepared;
             let result = self
-                .commit(&mut state, views, prepared, &inputs, &decision)
+                .commit(&mut state, views, prepared, &inputs, &decision, true)
                 .map(|_| decision.selection)
                 .map_err(RouteError::from);
             let request_id = prepared.request.request_id.clone();

@@ -46,6 +46,7 @@ pub(crate) fn state_to_pb(state: &FleetState, taken_unix_ms: u64) -> pb::Snapsho
         targets: state.targets.iter().map(target_to_pb).collect(),
         sessions: state.sessions.iter().map(session_to_pb).collect(),
         bookings: state.bookings.iter().map(booking_to_pb).collect(),
+        routing_clock_ms: state.routing_clock_ms,
     }
 }
 
@@ -184,6 +185,7 @@ pub(crate) fn state_from_pb(state: pb::SnapshotState) -> Result<FleetState, Inva
             .collect::<Result<_, _>>()?,
         sessions: state.sessions.into_iter().map(session_from_pb).collect(),
         bookings: state.bookings.into_iter().map(booking_from_pb).collect(),
+        routing_clock_ms: state.routing_clock_ms,
     })
 }
 

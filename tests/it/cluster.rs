@@ -21,7 +21,7 @@ const MODEL: &str = "m";
 
 /// One test at a time: each runs a nats-server and up to seven replicas
 /// on a two-core machine.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Worker `w`'s events in batches: chains over shared local hashes (so
 /// prefixes overlap between workers), some evicted again.
@@ -52,7 +52,7 @@ fn history(worker_id: u64, batches: usize) -> Vec<pb::KvEventBatch> {
 
 /// Sends batches on one stream, each after the previous one's reply;
 /// retries a batch answered UNAVAILABLE (NATS away) on a new stream.
-async fn publish_all(channel: &Channel, batches: &[pb::KvEventBatch]) -> usize {
+pub(crate) async fn publish_all(channel: &Channel, batches: &[pb::KvEventBatch]) -> usize {
     let mut client = WorkersClient::new(channel.clone());
     let mut retries = 0;
     for b in batches {
@@ -81,7 +81,7 @@ async fn publish_all(channel: &Channel, batches: &[pb::KvEventBatch]) -> usize {
     retries
 }
 
-async fn register(channel: &Channel, worker_id: u64) {
+pub(crate) async fn register(channel: &Channel, worker_id: u64) {
     WorkersClient::new(channel.clone())
         .register_worker(registration(worker_id, MODEL))
         .await
@@ -462,7 +462,7 @@ async fn herd(routers: &[&Replica], waves: usize, synced: bool) -> [usize; 4] {
     taken
 }
 
-async fn herd_fleet(channel: &Channel) {
+pub(crate) async fn herd_fleet(channel: &Channel) {
     for w in 1..=4 {
         register(channel, w).await;
     }

@@ -17,6 +17,7 @@ mod foundation;
 mod gateway;
 mod layering;
 mod limits;
+mod ordered;
 mod packed_tokens;
 mod pools;
 mod routing;

@@ -1,0 +1,67 @@
+//! Ordered decisions on the shared log (`--decision-order ordered`; the
+//! core's side is `crate::router::ordered`): a RESERVE call and each step
+//! of its booking are appended as records, and the appender waits for its
+//! own follower to apply them and answers with what that did.
+//!
+//! What a decision record carries: `decision_record.rs`.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+
+use super::{
+    decision_record::decision_to_pb,
+    log::{AppendError, Applied, Log},
+};
+use crate::{
+    pb::{self, log_record::Body},
+    router::{
+        RouteError,
+        ordered::{BookingStep, OrderedAnswer, OrderedLog, OrderedRequest, Unordered},
+    },
+};
+
+/// The cluster's log as the core's [`OrderedLog`].
+pub struct LogOrder {
+    pub log: Arc<Log>,
+}
+
+impl OrderedLog for LogOrder {
+    fn decide(
+        &self,
+        request: OrderedRequest,
+    ) -> BoxFuture<'_, Result<Result<OrderedAnswer, RouteError>, Unordered>> {
+        Box::pin(async move {
+            match self
+                .log
+                .append(Body::Decide(decision_to_pb(&request)), None, true)
+                .await
+            {
+                Ok(Applied::Decision(answer)) => Ok(*answer),
+                Ok(_) => Err(Unordered::NotApplied("applied as another record".into())),
+                Err(error) => Err(unordered(error)),
+            }
+        })
+    }
+
+    fn step(&self, step: BookingStep) -> BoxFuture<'_, Result<bool, Unordered>> {
+        Box::pin(async move {
+            let body = Body::Step(pb::BookingStep {
+                request_id: step.request_id,
+                release: step.release,
+            });
+            match self.log.append(body, None, true).await {
+                Ok(Applied::Step(changed)) => Ok(changed),
+                Ok(_) => Err(Unordered::NotApplied("applied as another record".into())),
+                Err(error) => Err(unordered(error)),
+            }
+        })
+    }
+}
+
+fn unordered(error: AppendError) -> Unordered {
+    match error {
+        AppendError::Unreachable(why) => Unordered::Unreachable(why),
+        error @ AppendError::NotApplied(_) => Unordered::NotApplied(error.to_string()),
+    }
+}
