@@ -16,7 +16,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, ValueEnum, parser::ValueSource};
 
-pub use cluster::ClusterOptions;
+pub use cluster::{ClusterOptions, DecisionOrder};
 pub use gateway::{AdapterOf, EppAdmission, GatewayOptions, TokenizerDir};
 pub use limits::{LimitOptions, parse_bytes};
 pub use security::{Reflection, SecurityOptions};
@@ -586,6 +586,7 @@ mod tests {
             config.cluster.cluster_replicas = replicas;
             config.cluster.replica_index = index;
             config.cluster.replica_id = Some(name.into());
+            config.cluster.decision_order = crate::config::DecisionOrder::Local;
             config.router_config().replicas
         };
         let settings = cluster(3, None, "kvroute-2");
@@ -607,6 +608,24 @@ mod tests {
             ReplicaSettings::default(),
             "no cluster without --nats-url"
         );
+    }
+
+    #[test]
+    fn ordered_decisions_are_the_cluster_default_and_share_a_seed() {
+        let mut config = ServeConfig::default();
+        assert!(!config.cluster.ordered(), "alone, nothing to order");
+        config.cluster.nats_url = Some("nats://nats:4222".into());
+        config.cluster.cluster_replicas = 3;
+        config.cluster.replica_id = Some("kvroute-1".into());
+        assert!(config.cluster.ordered());
+        let router = config.router_config();
+        assert!(!router.replicas.estimates_peers(), "nothing to estimate");
+        assert_eq!(router.seed, crate::router::ordered::CLUSTER_SEED);
+        config.seed = 9;
+        assert_eq!(config.router_config().seed, 9, "a set seed is kept");
+        config.cluster.decision_order = crate::config::DecisionOrder::Local;
+        assert!(config.router_config().replicas.estimates_peers());
+        assert_eq!(config.seed, config.router_config().seed);
     }
     use crate::engine_events::Dialect;
 

@@ -132,9 +132,10 @@ impl Cluster {
         if options.ordered() {
             // Before the catch-up: the log's decisions are applied alike
             // whether this replica is starting or not.
-            fleet
-                .router()
-                .decide_in_order(Arc::new(ordered::LogOrder { log: log.clone() }));
+            fleet.router().decide_in_order(Arc::new(ordered::LogOrder {
+                log: log.clone(),
+                connected: connected.clone(),
+            }));
         }
         let snapshots = Arc::new(ClusterSnapshots {
             store: made.store,

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
+use tokio::sync::watch;
 
 use super::{
     decision_record::decision_to_pb,
@@ -24,6 +25,15 @@ use crate::{
 /// The cluster's log as the core's [`OrderedLog`].
 pub struct LogOrder {
     pub log: Arc<Log>,
+    /// The NATS connection's state: while it is down a call is decided
+    /// locally at once, not after the append's acknowledgement times out.
+    pub connected: watch::Receiver<bool>,
+}
+
+impl LogOrder {
+    fn away(&self) -> Option<Unordered> {
+        (!*self.connected.borrow()).then(|| Unordered::Unreachable("NATS is disconnected".into()))
+    }
 }
 
 impl OrderedLog for LogOrder {
@@ -32,6 +42,9 @@ impl OrderedLog for LogOrder {
         request: OrderedRequest,
     ) -> BoxFuture<'_, Result<Result<OrderedAnswer, RouteError>, Unordered>> {
         Box::pin(async move {
+            if let Some(away) = self.away() {
+                return Err(away);
+            }
             match self
                 .log
                 .append(Body::Decide(decision_to_pb(&request)), None, true)
@@ -46,6 +59,9 @@ impl OrderedLog for LogOrder {
 
     fn step(&self, step: BookingStep) -> BoxFuture<'_, Result<bool, Unordered>> {
         Box::pin(async move {
+            if let Some(away) = self.away() {
+                return Err(away);
+            }
             let body = Body::Step(pb::BookingStep {
                 request_id: step.request_id,
                 release: step.release,

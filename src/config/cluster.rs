@@ -57,7 +57,7 @@ pub struct ClusterOptions {
     /// call decides at once and shares the booking within milliseconds
     /// (`--cluster-replicas` estimates what it has not yet seen).
     /// docs/CLUSTER.md, "Ordered decisions".
-    #[arg(long, env = "KVROUTE_DECISION_ORDER", value_enum, default_value_t = DecisionOrder::Local)]
+    #[arg(long, env = "KVROUTE_DECISION_ORDER", value_enum, default_value_t = DecisionOrder::Ordered)]
     pub decision_order: DecisionOrder,
 
     /// NATS credentials file (JWT and NKey seed, `.creds`).
@@ -117,7 +117,7 @@ impl Default for ClusterOptions {
             cluster_replicas: 1,
             replica_index: None,
             replica_sync_delay: Duration::from_millis(2),
-            decision_order: DecisionOrder::Local,
+            decision_order: DecisionOrder::Ordered,
             nats_creds: None,
             nats_user: None,
             nats_password: None,
@@ -136,9 +136,9 @@ impl Default for ClusterOptions {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum DecisionOrder {
     /// At once, from the replica's own view, shared after.
-    #[default]
     Local,
     /// In the shared log's order, alike on every replica.
+    #[default]
     Ordered,
 }
 

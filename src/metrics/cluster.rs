@@ -34,7 +34,9 @@ pub struct ClusterFamilies {
     /// RESERVE calls this replica took with `--decision-order ordered`, by
     /// `outcome`: ordered (decided in the log), local (the log was away:
     /// decided here), not_decided (appended, not decided here in time),
-    /// local_step (a booking step applied here: the log was away).
+    /// local_step (a booking step applied here first: the log was away;
+    /// it is appended once the log is back), step_dropped (too many steps
+    /// waiting for the log).
     pub ordered_decisions: IntCounterVec,
 }
 

@@ -93,6 +93,8 @@ pub struct RouterCore {
     /// Woken when an ordered booking step frees load (a call WAIT would
     /// queue tries again).
     ordered_changed: tokio::sync::Notify,
+    /// Booking steps taken while the log was away, waiting to be appended.
+    steps_awaiting_log: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for RouterCore {
@@ -127,6 +129,7 @@ impl RouterCore {
             decisions: decisions::DecisionLog::default(),
             ordered: std::sync::OnceLock::new(),
             ordered_changed: tokio::sync::Notify::new(),
+            steps_awaiting_log: Arc::default(),
             clock,
             config,
             metrics,

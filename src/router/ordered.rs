@@ -31,7 +31,11 @@
 //! cannot take (NATS away) is decided locally as in `local` mode and
 //! counted.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
 
 use futures::future::BoxFuture;
 
@@ -51,6 +55,10 @@ use kvroute_core::{
 /// The tie-break and sampling seed of replicas deciding in order when
 /// none is set (`--seed 0`): every replica must draw alike.
 pub const CLUSTER_SEED: u64 = 0x6b76_726f_7574_6531;
+
+/// Booking steps held for the log while it is away, at most (a step is a
+/// request id: this bounds what a NATS outage can make a replica hold).
+const MAX_STEPS_AWAITING_LOG: usize = 65_536;
 
 /// How long a call WAIT would queue waits before it is tried again, at
 /// most (a booking released or completed wakes it sooner).
@@ -259,7 +267,9 @@ impl RouterCore {
     }
 
     /// MarkPrefillComplete (`release` false) or ReleaseRequest: through the
-    /// log when decisions are ordered (locally if it is away), else here.
+    /// log when decisions are ordered, else here. With the log away the
+    /// step is applied here at once and appended once the log is back (a
+    /// booking the others made from the log is released by the log only).
     /// Returns whether the booking changed.
     pub async fn finish_booking(&self, request_id: &str, release: bool) -> bool {
         if let Some(log) = self.ordered.get() {
@@ -267,10 +277,16 @@ impl RouterCore {
                 request_id: request_id.to_owned(),
                 release,
             };
-            match log.step(step).await {
+            match log.step(step.clone()).await {
                 Ok(changed) => return changed,
+                Err(Unordered::Unreachable(why)) => {
+                    tracing::debug!(request_id, why, "booking step applied here; appended later");
+                    self.count_ordered("local_step");
+                    self.append_when_back(log.clone(), step);
+                }
                 Err(error) => {
-                    tracing::debug!(request_id, %error, "booking step applied locally");
+                    // In the log already: every replica applies it there.
+                    tracing::debug!(request_id, %error, "booking step applied here too");
                     self.count_ordered("local_step");
                 }
             }
@@ -280,6 +296,32 @@ impl RouterCore {
         } else {
             self.mark_prefill_complete(request_id)
         }
+    }
+
+    /// Appends `step` once the log takes it (backing off to 2 s), so that
+    /// every replica applies it. At most [`MAX_STEPS_AWAITING_LOG`] wait at
+    /// once; past that a step is dropped and counted, and its booking
+    /// expires on the other replicas.
+    fn append_when_back(&self, log: Arc<dyn OrderedLog>, step: BookingStep) {
+        let waiting = self.steps_awaiting_log.clone();
+        if waiting.fetch_add(1, Ordering::Relaxed) >= MAX_STEPS_AWAITING_LOG {
+            waiting.fetch_sub(1, Ordering::Relaxed);
+            self.count_ordered("step_dropped");
+            return;
+        }
+        tokio::spawn(async move {
+            let mut delay = Duration::from_millis(100);
+            loop {
+                tokio::time::sleep(delay).await;
+                match log.step(step.clone()).await {
+                    Err(Unordered::Unreachable(_)) => {
+                        delay = (delay * 2).min(Duration::from_secs(2))
+                    }
+                    _ => break,
+                }
+            }
+            waiting.fetch_sub(1, Ordering::Relaxed);
+        });
     }
 
     fn count_ordered(&self, outcome: &str) {

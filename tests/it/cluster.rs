@@ -480,7 +480,9 @@ async fn synced_replicas_do_not_herd() {
     herd_fleet(&single.channel).await;
     let one = herd(&[&single], WAVES, false).await;
 
-    let synced = three(&nats, "synced", &[]).await;
+    // Replicas deciding at once and sharing after (not in log order).
+    let local = ["--decision-order", "local"];
+    let synced = three(&nats, "synced", &local).await;
     herd_fleet(&synced[0].channel).await;
     converged(&synced.iter().collect::<Vec<_>>(), Duration::from_secs(10)).await;
     let three_synced = herd(&synced.iter().collect::<Vec<_>>(), WAVES, true).await;
@@ -490,7 +492,14 @@ async fn synced_replicas_do_not_herd() {
     let mut estimating = Vec::new();
     for i in 0..3 {
         let (name, index) = (format!("estimating-r{i}"), i.to_string());
-        let extra = ["--cluster-replicas", "3", "--replica-index", &index];
+        let extra = [
+            "--cluster-replicas",
+            "3",
+            "--replica-index",
+            &index,
+            "--decision-order",
+            "local",
+        ];
         estimating.push(Replica::start(&nats, "estimating", &name, &extra).await);
     }
     herd_fleet(&estimating[0].channel).await;
@@ -504,7 +513,7 @@ async fn synced_replicas_do_not_herd() {
 
     let mut alone = Vec::new();
     for i in 0..3 {
-        let r = Replica::start(&nats, &format!("alone{i}"), &format!("alone{i}-r0"), &[]).await;
+        let r = Replica::start(&nats, &format!("alone{i}"), &format!("alone{i}-r0"), &local).await;
         herd_fleet(&r.channel).await;
         alone.push(r);
     }

@@ -41,6 +41,16 @@ async fn reserve(channel: &Channel, k: usize) -> Result<u64, tonic::Code> {
         .map_err(|s| s.code())
 }
 
+async fn release(replica: &Replica, k: usize) {
+    RouterClient::new(replica.channel.clone())
+        .release_request(pb::ReleaseRequestRequest {
+            request_id: format!("req-{k}"),
+            cached_tokens: None,
+        })
+        .await
+        .expect("release");
+}
+
 /// The request ids of the decisions in the cluster's log, in its order.
 async fn decisions_in_log(nats: &Nats, cluster: &str) -> Vec<String> {
     let client = async_nats::connect(nats.url()).await.expect("nats");
@@ -82,15 +92,18 @@ async fn booked(replica: &Replica) -> Vec<u64> {
     out
 }
 
-/// Waits until the replicas see the same booked load; returns it.
-async fn agreed_bookings(replicas: &[&Replica]) -> Vec<u64> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+/// Waits until the replicas see the same booked load, `total` in all
+/// when given; returns it.
+async fn agreed_bookings(replicas: &[&Replica], total: Option<u64>) -> Vec<u64> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let mut views = Vec::new();
         for r in replicas {
             views.push(booked(r).await);
         }
-        if views.windows(2).all(|w| w[0] == w[1]) {
+        if views.windows(2).all(|w| w[0] == w[1])
+            && total.is_none_or(|t| views[0].iter().sum::<u64>() == t)
+        {
             return views.swap_remove(0);
         }
         assert!(
@@ -99,6 +112,46 @@ async fn agreed_bookings(replicas: &[&Replica]) -> Vec<u64> {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The calls of `cluster`'s log, in its order, sent one by one to one
+/// router (a replica of its own cluster, deciding locally, with the same
+/// seed); answers it and the calls it decided otherwise than `answers`
+/// (calls without an answer there are sent but not compared).
+async fn one_router(
+    nats: &Nats,
+    cluster: &str,
+    answers: &HashMap<usize, Result<u64, tonic::Code>>,
+) -> (
+    Replica,
+    Vec<(String, Result<u64, tonic::Code>, Result<u64, tonic::Code>)>,
+) {
+    let order = decisions_in_log(nats, cluster).await;
+    let mut seen = std::collections::HashSet::new();
+    assert!(
+        order.iter().all(|id| seen.insert(id.clone())),
+        "a call decided twice in the log"
+    );
+    let local = ["--decision-order", "local"];
+    let (name, replica) = (format!("{cluster}-one"), format!("{cluster}-one-r0"));
+    let single = Replica::start(nats, &name, &replica, &local).await;
+    herd_fleet(&single.channel).await;
+    let mut differ = Vec::new();
+    for id in &order {
+        let k: usize = id.trim_start_matches("req-").parse().expect("id");
+        let one = reserve(&single.channel, k).await;
+        // A call whose replica died before answering was decided all the
+        // same (it is in the log): booked, but compared with nothing.
+        let answered = |a: &Result<u64, tonic::Code>| {
+            !matches!(a, Err(tonic::Code::Unknown | tonic::Code::Unavailable))
+        };
+        if let Some(&answer) = answers.get(&k).filter(|a| answered(a))
+            && answer != one
+        {
+            differ.push((id.clone(), answer, one));
+        }
+    }
+    (single, differ)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -130,21 +183,15 @@ async fn concurrent_reserves_over_three_replicas_book_what_one_router_books() {
         "load should spread past the cached worker: {taken:?}"
     );
     // Every replica books what the calls were answered, no more, no less.
-    assert_eq!(agreed_bookings(&all).await, taken);
+    assert_eq!(agreed_bookings(&all, None).await, taken);
 
     // One router taking the same calls one by one in the log's order.
-    let order = decisions_in_log(&nats, "ord").await;
-    assert_eq!(order.len(), CALLS, "one decision record per call");
-    let single = Replica::start(&nats, "one", "one-r0", &[]).await;
-    herd_fleet(&single.channel).await;
-    let mut differ = Vec::new();
-    for id in &order {
-        let k: usize = id.trim_start_matches("req-").parse().expect("id");
-        let one = reserve(&single.channel, k).await;
-        if one != answers[&k] {
-            differ.push((id.clone(), answers[&k], one));
-        }
-    }
+    assert_eq!(
+        decisions_in_log(&nats, "ord").await.len(),
+        CALLS,
+        "one decision record per call"
+    );
+    let (single, differ) = one_router(&nats, "ord", &answers).await;
     assert!(
         differ.is_empty(),
         "{} of {CALLS} calls decided otherwise than one router: {:?}",
@@ -156,15 +203,9 @@ async fn concurrent_reserves_over_three_replicas_book_what_one_router_books() {
     // Releases at other replicas than the one that booked go through the
     // log too: every replica ends with nothing booked.
     for k in 0..CALLS {
-        RouterClient::new(replicas[(k + 1) % 3].channel.clone())
-            .release_request(pb::ReleaseRequestRequest {
-                request_id: format!("req-{k}"),
-                cached_tokens: None,
-            })
-            .await
-            .expect("release");
+        release(&replicas[(k + 1) % 3], k).await;
     }
-    assert_eq!(agreed_bookings(&all).await, vec![0; 4]);
+    assert_eq!(agreed_bookings(&all, Some(0)).await, vec![0; 4]);
     let ordered: f64 = replicas
         .iter()
         .map(|r| r.metric("kvroute_cluster_ordered_decisions_total{outcome=\"ordered\"}"))
@@ -178,4 +219,107 @@ async fn concurrent_reserves_over_three_replicas_book_what_one_router_books() {
             r.name
         );
     }
+}
+
+/// Three ordered replicas and the fleet of `herd_fleet`.
+async fn ordered_cluster(nats: &Nats, cluster: &str) -> Vec<Replica> {
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let name = format!("{cluster}-r{i}");
+        replicas.push(Replica::start(nats, cluster, &name, &ORDERED).await);
+    }
+    herd_fleet(&replicas[0].channel).await;
+    converged(
+        &replicas.iter().collect::<Vec<_>>(),
+        Duration::from_secs(10),
+    )
+    .await;
+    replicas
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_during_a_burst_loses_no_booking_and_books_none_twice() {
+    const CALLS: usize = 300;
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("ordkill");
+    let mut replicas = ordered_cluster(&nats, "ordk").await;
+    let channels: Vec<Channel> = replicas.iter().map(|r| r.channel.clone()).collect();
+    let burst = tokio::spawn(async move {
+        let calls = (0..CALLS).map(|k| {
+            let channel = channels[k % 3].clone();
+            async move { (k, reserve(&channel, k).await) }
+        });
+        futures::future::join_all(calls).await
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let victim = replicas.pop().expect("three");
+    let restarted = victim.kill_9_and_restart().await;
+    replicas.push(restarted);
+    let answers: HashMap<usize, Result<u64, tonic::Code>> =
+        burst.await.expect("burst").into_iter().collect();
+    let failed = answers.values().filter(|a| a.is_err()).count();
+    let all: Vec<&Replica> = replicas.iter().collect();
+    converged(&all, Duration::from_secs(30)).await;
+    let bookings = agreed_bookings(&all, None).await;
+
+    // Every call answered was decided as one router decides it, and every
+    // replica, the restarted one too, books what one router books for the
+    // log's calls: none lost, none twice.
+    let (single, differ) = one_router(&nats, "ordk", &answers).await;
+    assert!(differ.is_empty(), "decided otherwise: {differ:?}");
+    assert_eq!(bookings, booked(&single).await, "{failed} calls failed");
+    let answered: u64 = answers.values().filter(|a| a.is_ok()).count() as u64;
+    assert!(
+        bookings.iter().sum::<u64>() >= answered,
+        "{bookings:?} hold fewer than the {answered} bookings answered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_nats_away_replicas_decide_locally_and_agree_once_it_returns() {
+    let _serial = SERIAL.lock().await;
+    let mut nats = Nats::start("ordout");
+    let replicas = ordered_cluster(&nats, "ordo").await;
+    let all: Vec<&Replica> = replicas.iter().collect();
+    for k in 0..6 {
+        reserve(&replicas[k % 3].channel, k).await.expect("ordered");
+    }
+    nats.stop();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for k in 6..12 {
+        let started = tokio::time::Instant::now();
+        reserve(&replicas[k % 2].channel, k).await.expect("local");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "a local decision waits for no acknowledgement"
+        );
+    }
+    let local =
+        |r: &Replica| r.metric("kvroute_cluster_ordered_decisions_total{outcome=\"local\"}");
+    assert_eq!(local(&replicas[0]) + local(&replicas[1]), 6.0);
+    // Two bookings every replica made from the log, released here while
+    // the log is away: the others release them once it is back.
+    for (k, replica) in replicas.iter().take(2).enumerate() {
+        release(replica, k).await;
+    }
+    nats.resume();
+    // The bookings made while away reach every replica, and the releases.
+    agreed_bookings(&all, Some(10)).await;
+    // Decisions are ordered again, and releases through the log free
+    // every booking on every replica.
+    let ordered =
+        |r: &Replica| r.metric("kvroute_cluster_ordered_decisions_total{outcome=\"ordered\"}");
+    let before: f64 = replicas.iter().map(ordered).sum();
+    for k in 12..18 {
+        reserve(&replicas[k % 3].channel, k)
+            .await
+            .expect("ordered again");
+    }
+    let after: f64 = replicas.iter().map(ordered).sum();
+    assert_eq!(after - before, 6.0, "decided in the log again");
+    agreed_bookings(&all, Some(16)).await;
+    for k in 2..18 {
+        release(&replicas[(k + 2) % 3], k).await;
+    }
+    agreed_bookings(&all, Some(0)).await;
 }
