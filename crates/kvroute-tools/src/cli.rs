@@ -81,6 +81,10 @@ pub enum BenchCommand {
     /// PublishEvents at one, blocks/s until applied on all, and the lag to
     /// the others at a multiple of the trace's event rate.
     Cluster(crate::bench::cluster::ClusterBenchArgs),
+    /// RESERVE and release through one router, three replicas deciding
+    /// locally and three deciding in the shared log's order: decisions/s
+    /// at saturation and the latency each adds at a paced rate.
+    Decisions(crate::bench::decisions::DecisionsBenchArgs),
     /// A long run (30 minutes by default) of KV events at a multiple of a
     /// trace's rate, booking frontends and worker churn; per-minute memory,
     /// SelectWorker latency, events and errors, then an index check and a

@@ -74,6 +74,9 @@ fn run_async(command: BenchCommand) -> ExitCode {
             BenchCommand::Cluster(args) => {
                 bench::cluster::run(&args).await?;
             }
+            BenchCommand::Decisions(args) => {
+                bench::decisions::run(&args).await?;
+            }
             BenchCommand::Soak(args) => {
                 let report = bench::soak::run(&args).await?;
                 if !report.verdict.pass {

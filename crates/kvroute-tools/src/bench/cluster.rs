@@ -68,14 +68,14 @@ pub struct ClusterBenchArgs {
 }
 
 /// `nats-server -js` started for the benchmark.
-struct NatsProcess {
+pub(crate) struct NatsProcess {
     child: Child,
-    url: String,
+    pub(crate) url: String,
     store: PathBuf,
 }
 
 impl NatsProcess {
-    fn start() -> Result<Self, BenchError> {
+    pub(crate) fn start() -> Result<Self, BenchError> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| BenchError::Setup(e.to_string()))?

@@ -1,12 +1,14 @@
 //! Load benchmarks against a real server over loopback gRPC:
 //! `kvroute bench select` (SelectWorker beside health checks) and
 //! `kvroute bench ingest` (PublishEvents throughput and exactness),
-//! `kvroute bench snapshot`, `kvroute bench cluster` (replicas) and
+//! `kvroute bench snapshot`, `kvroute bench cluster` (replicas),
+//! `kvroute bench decisions` (replicas deciding in order or not) and
 //! `kvroute bench soak` (a long mixed run with a verdict). Each
 //! starts kvroute in-process on 127.0.0.1:0 unless given `--addr`, and prints
 //! one JSON line per measurement plus a human summary on stderr.
 
 pub mod cluster;
+pub mod decisions;
 pub mod histogram;
 pub mod ingest;
 pub mod select;
