@@ -568,7 +568,7 @@ def scrapes(kvroute_pb, tmp_path_factory):
     )
     publisher = EnginePublisher(events_port)
     ext_proc_addr = f"127.0.0.1:{free_port()}"
-    nats = replica = standalone = None
+    nats = replica = local = standalone = None
     try:
         standalone = Kvroute(
             "--state-dir", str(tmp / "state"), "--snapshot-interval", "1h",
@@ -586,10 +586,16 @@ def scrapes(kvroute_pb, tmp_path_factory):
                           "--cluster-name", "obs", "--max-booking-memory", "1KiB",
                           ready_service="readiness")
         drive_replica(kvroute_pb, replica)
-        clustered = replica.scrape()
+        # A replica deciding locally (not in the log's order): the booking
+        # sync's families have series only there.
+        local = Kvroute("--nats-url", nats.url, "--replica-id", "obs-l",
+                        "--cluster-name", "obsl", "--max-booking-memory", "1KiB",
+                        "--decision-order", "local", ready_service="readiness")
+        drive_replica(kvroute_pb, local)
+        clustered = Scrape(replica.scrape().text + "\n" + local.scrape().text)
         yield {"standalone": alone, "replica": clustered}
     finally:
-        for process in (replica, standalone, nats):
+        for process in (local, replica, standalone, nats):
             if process is not None:
                 process.stop()
         publisher.close()
@@ -674,6 +680,7 @@ def test_the_drive_made_the_telling_series(scrapes):
     assert "all" in values(replica, "kvroute_bookings_refused_total", "bound")
     assert "sent" in values(replica, "kvroute_cluster_booking_changes_total", "direction")
     assert "appended" in values(replica, "kvroute_cluster_log_appends_total", "outcome")
+    assert "ordered" in values(replica, "kvroute_cluster_ordered_decisions_total", "outcome")
     assert alone["kvroute_heap_allocated_bytes"] and alone["process_resident_memory_bytes"]
 
 
