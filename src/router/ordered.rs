@@ -165,6 +165,9 @@ impl RouterCore {
         let request = &prepared.request;
         let named = (request.request_id.as_str(), request.model.as_str());
         let started = now();
+        // Whether a try found every candidate busy (WAIT): a later booking
+        // is then an admission after queueing.
+        let mut waited_busy = false;
         let not_decided = |why: String| RouteError::NotDecided {
             request_id: request.request_id.clone(),
             why,
@@ -193,11 +196,10 @@ impl RouterCore {
                 Ok(Ok(answer)) => answer,
             };
             let waited = now().saturating_duration_since(started);
-            let queued = waited >= BUSY_RETRY;
             let outcome = match answer {
                 Err(error) => Err(error),
                 Ok(OrderedAnswer::Decided { selection, booked }) => {
-                    let (admitted, outcome) = match (booked, queued) {
+                    let (admitted, outcome) = match (booked, waited_busy) {
                         (false, _) => (Admitted::Untracked, "query_only"),
                         (true, false) => (Admitted::Now, "admitted"),
                         (true, true) => (Admitted::AfterQueue(waited), "admitted_after_queue"),
@@ -208,6 +210,7 @@ impl RouterCore {
                     Ok(self.record(named, selection, Admitted::Untracked, "advisory"))
                 }
                 Ok(OrderedAnswer::Busy { target }) => {
+                    waited_busy = true;
                     let changed = self.ordered_changed.notified();
                     let retry = tokio::time::Instant::now() + BUSY_RETRY;
                     if retry >= deadline {

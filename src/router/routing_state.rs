@@ -56,8 +56,8 @@ pub enum RouteError {
     #[error("request {request_id}: the router is shutting down")]
     ShuttingDown { request_id: String },
     /// Ordered decisions: the call is in the shared log but this replica
-    /// did not decide it in time (it may still be booked; release it or
-    /// retry it under the same id).
+    /// did not decide it in time (it may still be booked: release it
+    /// before routing it again).
     #[error("request {request_id}: {why}")]
     NotDecided { request_id: String, why: String },
 }

@@ -323,3 +323,50 @@ async fn with_nats_away_replicas_decide_locally_and_agree_once_it_returns() {
     }
     agreed_bookings(&all, Some(0)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_call_finding_the_fleet_busy_is_booked_once_a_release_frees_it() {
+    let _serial = SERIAL.lock().await;
+    let nats = Nats::start("ordwait");
+    let replicas = ordered_cluster(&nats, "ordw").await;
+    let all: Vec<&Replica> = replicas.iter().collect();
+    // Book until the whole fleet is busy.
+    let mut booked_calls = 0;
+    loop {
+        match reserve(&replicas[booked_calls % 3].channel, booked_calls).await {
+            Ok(_) => booked_calls += 1,
+            Err(code) => {
+                assert_eq!(code, tonic::Code::ResourceExhausted);
+                break;
+            }
+        }
+        assert!(booked_calls < 1_000, "the fleet never filled");
+    }
+    let channel = replicas[1].channel.clone();
+    let waiting = tokio::spawn(async move {
+        let mut request = select_hashes("waiting", MODEL, &prompt(5_000));
+        request.admission = pb::AdmissionMode::Wait.into();
+        RouterClient::new(channel).select_worker(request).await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "a WAIT call on a busy fleet waits");
+    // Releases at another replica free the fleet: the call is booked, once,
+    // on every replica.
+    let freed = booked_calls / 2;
+    for k in 0..freed {
+        release(&replicas[2], k).await;
+    }
+    let answer = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("admitted in time")
+        .expect("task")
+        .expect("select")
+        .into_inner();
+    assert_eq!(
+        answer.admission(),
+        pb::AdmissionResult::AdmittedAfterQueue,
+        "{answer:?}"
+    );
+    let left = (booked_calls - freed + 1) as u64;
+    agreed_bookings(&all, Some(left)).await;
+}
