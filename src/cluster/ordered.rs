@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
+use prost::Message;
 use tokio::sync::watch;
 
 use super::{
@@ -45,11 +46,16 @@ impl OrderedLog for LogOrder {
             if let Some(away) = self.away() {
                 return Err(away);
             }
-            match self
-                .log
-                .append(Body::Decide(decision_to_pb(&request)), None, true)
-                .await
-            {
+            let record = decision_to_pb(&request);
+            if record.encoded_len() > self.log.max_record_bytes() {
+                // A prompt longer than one NATS message holds (a server
+                // with a small max_payload): decided here, and counted.
+                return Err(Unordered::Unreachable(format!(
+                    "the call's record ({} bytes) is larger than a NATS message",
+                    record.encoded_len()
+                )));
+            }
+            match self.log.append(Body::Decide(record), None, true).await {
                 Ok(Applied::Decision(answer)) => Ok(*answer),
                 Ok(_) => Err(Unordered::NotApplied("applied as another record".into())),
                 Err(error) => Err(unordered(error)),

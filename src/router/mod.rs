@@ -93,6 +93,9 @@ pub struct RouterCore {
     /// Woken when an ordered booking step frees load (a call WAIT would
     /// queue tries again).
     ordered_changed: tokio::sync::Notify,
+    /// RESERVE calls waiting for load to free (WAIT on a busy fleet,
+    /// ordered decisions): bounded by the queue's capacity.
+    ordered_waiting: std::sync::atomic::AtomicUsize,
     /// Booking steps taken while the log was away, waiting to be appended.
     steps_awaiting_log: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -129,6 +132,7 @@ impl RouterCore {
             decisions: decisions::DecisionLog::default(),
             ordered: std::sync::OnceLock::new(),
             ordered_changed: tokio::sync::Notify::new(),
+            ordered_waiting: std::sync::atomic::AtomicUsize::new(0),
             steps_awaiting_log: Arc::default(),
             clock,
             config,

@@ -33,7 +33,10 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, atomic::Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -61,8 +64,10 @@ pub const CLUSTER_SEED: u64 = 0x6b76_726f_7574_6531;
 const MAX_STEPS_AWAITING_LOG: usize = 65_536;
 
 /// How long a call WAIT would queue waits before it is tried again, at
-/// most (a booking released or completed wakes it sooner).
-const BUSY_RETRY: Duration = Duration::from_millis(100);
+/// most: each booking step that frees load wakes one waiting call sooner,
+/// so a slow retry only covers load reported lower by a heartbeat. Every
+/// try is a log record, so waiting calls must not poll the log quickly.
+const BUSY_RETRY: Duration = Duration::from_secs(1);
 
 /// A RESERVE call as a log record carries it.
 #[derive(Clone, Debug)]
@@ -165,9 +170,9 @@ impl RouterCore {
         let request = &prepared.request;
         let named = (request.request_id.as_str(), request.model.as_str());
         let started = now();
-        // Whether a try found every candidate busy (WAIT): a later booking
-        // is then an admission after queueing.
-        let mut waited_busy = false;
+        // Held once a try found every candidate busy (WAIT): a later
+        // booking is then an admission after queueing.
+        let mut waiting: Option<WaitingCall<'_>> = None;
         let not_decided = |why: String| RouteError::NotDecided {
             request_id: request.request_id.clone(),
             why,
@@ -199,7 +204,7 @@ impl RouterCore {
             let outcome = match answer {
                 Err(error) => Err(error),
                 Ok(OrderedAnswer::Decided { selection, booked }) => {
-                    let (admitted, outcome) = match (booked, waited_busy) {
+                    let (admitted, outcome) = match (booked, waiting.is_some()) {
                         (false, _) => (Admitted::Untracked, "query_only"),
                         (true, false) => (Admitted::Now, "admitted"),
                         (true, true) => (Admitted::AfterQueue(waited), "admitted_after_queue"),
@@ -210,7 +215,19 @@ impl RouterCore {
                     Ok(self.record(named, selection, Admitted::Untracked, "advisory"))
                 }
                 Ok(OrderedAnswer::Busy { target }) => {
-                    waited_busy = true;
+                    if waiting.is_none() {
+                        // As many wait as the local queue holds, no more.
+                        let capacity = self.config.queue_capacity;
+                        waiting = WaitingCall::join(&self.ordered_waiting, capacity);
+                        if waiting.is_none() {
+                            self.count_ordered("ordered");
+                            return Some(Err(AdmissionError::QueueFull {
+                                request_id: request.request_id.clone(),
+                                capacity,
+                            }
+                            .into()));
+                        }
+                    }
                     let changed = self.ordered_changed.notified();
                     let retry = tokio::time::Instant::now() + BUSY_RETRY;
                     if retry >= deadline {
@@ -263,7 +280,8 @@ impl RouterCore {
                 .mark_prefill_complete(&self.views, id, |w| self.sends_events(w), false)
         };
         if changed {
-            self.ordered_changed.notify_waiters();
+            // One waiting call tries again per freed booking.
+            self.ordered_changed.notify_one();
             self.drain_queue();
         }
         changed
@@ -333,6 +351,26 @@ impl RouterCore {
             .ordered_decisions
             .with_label_values(&[outcome])
             .inc();
+    }
+}
+
+/// One of the calls waiting for load to free, counted while it lives.
+struct WaitingCall<'a>(&'a AtomicUsize);
+
+impl<'a> WaitingCall<'a> {
+    /// Counts a call in, unless `capacity` already wait.
+    fn join(count: &'a AtomicUsize, capacity: usize) -> Option<Self> {
+        if count.fetch_add(1, Ordering::Relaxed) >= capacity {
+            count.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Self(count))
+    }
+}
+
+impl Drop for WaitingCall<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -221,12 +221,14 @@ async fn concurrent_reserves_over_three_replicas_book_what_one_router_books() {
     }
 }
 
-/// Three ordered replicas and the fleet of `herd_fleet`.
-async fn ordered_cluster(nats: &Nats, cluster: &str) -> Vec<Replica> {
+/// Three ordered replicas (with `extra` flags) and the fleet of
+/// `herd_fleet`.
+async fn ordered_cluster(nats: &Nats, cluster: &str, extra: &[&str]) -> Vec<Replica> {
+    let flags: Vec<&str> = ORDERED.iter().chain(extra).copied().collect();
     let mut replicas = Vec::new();
     for i in 0..3 {
         let name = format!("{cluster}-r{i}");
-        replicas.push(Replica::start(nats, cluster, &name, &ORDERED).await);
+        replicas.push(Replica::start(nats, cluster, &name, &flags).await);
     }
     herd_fleet(&replicas[0].channel).await;
     converged(
@@ -242,7 +244,7 @@ async fn a_replica_killed_during_a_burst_loses_no_booking_and_books_none_twice()
     const CALLS: usize = 300;
     let _serial = SERIAL.lock().await;
     let nats = Nats::start("ordkill");
-    let mut replicas = ordered_cluster(&nats, "ordk").await;
+    let mut replicas = ordered_cluster(&nats, "ordk", &[]).await;
     let channels: Vec<Channel> = replicas.iter().map(|r| r.channel.clone()).collect();
     let burst = tokio::spawn(async move {
         let calls = (0..CALLS).map(|k| {
@@ -279,7 +281,7 @@ async fn a_replica_killed_during_a_burst_loses_no_booking_and_books_none_twice()
 async fn with_nats_away_replicas_decide_locally_and_agree_once_it_returns() {
     let _serial = SERIAL.lock().await;
     let mut nats = Nats::start("ordout");
-    let replicas = ordered_cluster(&nats, "ordo").await;
+    let replicas = ordered_cluster(&nats, "ordo", &[]).await;
     let all: Vec<&Replica> = replicas.iter().collect();
     for k in 0..6 {
         reserve(&replicas[k % 3].channel, k).await.expect("ordered");
@@ -328,7 +330,8 @@ async fn with_nats_away_replicas_decide_locally_and_agree_once_it_returns() {
 async fn a_wait_call_finding_the_fleet_busy_is_booked_once_a_release_frees_it() {
     let _serial = SERIAL.lock().await;
     let nats = Nats::start("ordwait");
-    let replicas = ordered_cluster(&nats, "ordw").await;
+    // One call may wait at each replica.
+    let replicas = ordered_cluster(&nats, "ordw", &["--queue-capacity", "1"]).await;
     let all: Vec<&Replica> = replicas.iter().collect();
     // Book until the whole fleet is busy.
     let mut booked_calls = 0;
@@ -342,14 +345,22 @@ async fn a_wait_call_finding_the_fleet_busy_is_booked_once_a_release_frees_it() 
         }
         assert!(booked_calls < 1_000, "the fleet never filled");
     }
-    let channel = replicas[1].channel.clone();
-    let waiting = tokio::spawn(async move {
-        let mut request = select_hashes("waiting", MODEL, &prompt(5_000));
+    let wait = |id: &str| {
+        let mut request = select_hashes(id, MODEL, &prompt(5_000));
         request.admission = pb::AdmissionMode::Wait.into();
-        RouterClient::new(channel).select_worker(request).await
-    });
+        let mut client = RouterClient::new(replicas[1].channel.clone());
+        async move { client.select_worker(request).await }
+    };
+    let waiting = tokio::spawn(wait("waiting"));
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!waiting.is_finished(), "a WAIT call on a busy fleet waits");
+    let refused = wait("one-too-many").await.expect_err("the queue is full");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(refused.message().contains("queue is full"), "{refused:?}");
     // Releases at another replica free the fleet: the call is booked, once,
     // on every replica.
     let freed = booked_calls / 2;
