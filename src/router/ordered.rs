@@ -229,9 +229,12 @@ impl RouterCore {
                         }
                     }
                     let changed = self.ordered_changed.notified();
-                    let retry = tokio::time::Instant::now() + BUSY_RETRY;
-                    if retry >= deadline {
-                        tokio::time::sleep_until(deadline).await;
+                    let retry = (tokio::time::Instant::now() + BUSY_RETRY).min(deadline);
+                    tokio::select! {
+                        () = changed => {}
+                        () = tokio::time::sleep_until(retry) => {}
+                    }
+                    if tokio::time::Instant::now() >= deadline {
                         self.metrics
                             .decisions
                             .with_label_values(&["deadline_exceeded"])
@@ -243,10 +246,6 @@ impl RouterCore {
                         }
                         .into())
                     } else {
-                        tokio::select! {
-                            () = changed => {}
-                            () = tokio::time::sleep_until(retry) => {}
-                        }
                         continue;
                     }
                 }
