@@ -83,6 +83,7 @@ mod tests {
                 request: SelectRequest {
                     request_id: "r-1".into(),
                     model: "m".into(),
+                    adapter: Some("sql-lora".into()),
                     phase: RequestPhase::Prefill,
                     prompt_tokens: 37,
                     block_size: 16,

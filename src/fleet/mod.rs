@@ -287,6 +287,7 @@ impl Fleet {
                 total_kv_blocks: 0,
                 max_num_batched_tokens: 0,
                 taints: Vec::new(),
+                adapters: Vec::new(),
                 lease_ttl: None,
                 kv_events: kvroute_core::types::KvEventsMode::Exact,
             };

@@ -215,6 +215,8 @@ impl Subscriptions {
             r.dp_size,
         )?;
         cfg.max_message_bytes = self.max_message_bytes;
+        // SGLang's events name an adapter by id only.
+        cfg.lora_names = r.adapters.iter().map(|a| (a.id, a.name.clone())).collect();
         cfg.resume_from = resume.sequences;
         cfg.resume_unsynced = resume.unsynced;
         cfg.resume_salts = resume.salts;
@@ -485,6 +487,7 @@ mod tests {
                 total_kv_blocks: 0,
                 max_num_batched_tokens: 8192,
                 taints: Vec::new(),
+                adapters: Vec::new(),
                 lease_ttl: None,
                 kv_events: kvroute_core::types::KvEventsMode::Exact,
             })

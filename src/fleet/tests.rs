@@ -32,6 +32,7 @@ fn registration(worker_id: WorkerId, block_size: u32) -> Registration {
         total_kv_blocks: 0,
         max_num_batched_tokens: 8192,
         taints: Vec::new(),
+        adapters: Vec::new(),
         lease_ttl: None,
         kv_events: kvroute_core::types::KvEventsMode::Exact,
     }

@@ -72,6 +72,7 @@ pub fn publish_events(data: &[u8]) {
             total_kv_blocks: 0,
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
+            adapters: Vec::new(),
             lease_ttl: None,
             kv_events: kvroute_core::types::KvEventsMode::Exact,
         });
@@ -294,6 +295,11 @@ fn stored(input: &mut Bytes<'_>, kind: u8) -> (pb::BlocksStored, Vec<LocalHash>)
             String::new()
         } else {
             "adapter".into()
+        },
+        cache_namespace: if kind & 16 == 0 {
+            String::new()
+        } else {
+            "salt".into()
         },
     };
     (stored, locals)

@@ -63,6 +63,7 @@ fn fleet() -> Option<RouterCore> {
             total_kv_blocks: 1000,
             max_num_batched_tokens: 8192,
             taints,
+            adapters: Vec::new(),
             lease_ttl: None,
             kv_events: kvroute_core::types::KvEventsMode::Exact,
         })

@@ -150,6 +150,8 @@ pub(crate) fn prepare(
         request: SelectRequest {
             request_id: ask.request_id.clone(),
             model: ask.model.to_owned(),
+            // The adapter's workers only, where workers declare theirs.
+            adapter: ask.lora_name.map(str::to_owned),
             prompt_tokens,
             block_size,
             excluded_worker_ids,

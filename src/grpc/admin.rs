@@ -74,6 +74,7 @@ fn reason_to_pb(reason: &Ineligible) -> pb::IneligibleReason {
         Ineligible::Cordoned => pb::IneligibleReason::Cordoned,
         Ineligible::MigrationExcluded => pb::IneligibleReason::Excluded,
         Ineligible::TaintNotTolerated { .. } => pb::IneligibleReason::Taint,
+        Ineligible::AdapterNotServed { .. } => pb::IneligibleReason::Adapter,
     }
 }
 

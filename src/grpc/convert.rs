@@ -16,7 +16,7 @@ use kvroute_core::{
     admission::AdmissionMode,
     hashing::{HashOptions, compute_block_hashes, compute_block_hashes_le},
     index::KvEvent,
-    registry::{EventTarget, Registration},
+    registry::{Adapter, EventTarget, Registration},
     select::{
         RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
         affinity::{AffinityMode, SessionRef},
@@ -106,6 +106,19 @@ pub(crate) fn registration_from_pb(
     for taint in &request.taints {
         name("taints", taint)?;
     }
+    if request.adapters.len() > kvroute_core::registry::MAX_ADAPTERS {
+        return Err(InvalidInput::new(
+            "adapters",
+            format!(
+                "worker {worker_id} declares {} adapters, over the limit of {}",
+                request.adapters.len(),
+                kvroute_core::registry::MAX_ADAPTERS
+            ),
+        ));
+    }
+    for adapter in &request.adapters {
+        name("adapters.name", &adapter.name)?;
+    }
     if request.block_size == 0 {
         return Err(InvalidInput::new(
             "block_size",
@@ -123,6 +136,14 @@ pub(crate) fn registration_from_pb(
         total_kv_blocks: request.total_kv_blocks,
         max_num_batched_tokens: request.max_num_batched_tokens,
         taints: request.taints,
+        adapters: request
+            .adapters
+            .into_iter()
+            .map(|a| Adapter {
+                id: a.id,
+                name: a.name,
+            })
+            .collect(),
         lease_ttl: (request.lease_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
         kv_events: kv_events_from_pb(request.kv_events)?,
@@ -157,6 +178,14 @@ pub(crate) fn registration_to_pb(
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
+        adapters: r
+            .adapters
+            .iter()
+            .map(|a| pb::LoraAdapter {
+                id: a.id,
+                name: a.name.clone(),
+            })
+            .collect(),
         lease_ttl_secs: r
             .lease_ttl
             .map_or(0, |ttl| u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX)),
@@ -334,9 +363,15 @@ fn stored_from_pb(
         &format!("events[{}].stored.lora_name", place.position),
         &stored.lora_name,
     )?;
+    name(
+        &format!("events[{}].stored.cache_namespace", place.position),
+        &stored.cache_namespace,
+    )?;
+    // As SelectWorker hashes a prompt's tokens with its lora_name and
+    // cache_namespace, so that the two meet.
     let options = HashOptions {
         lora_name: Some(stored.lora_name.as_str()),
-        cache_namespace: None,
+        cache_namespace: Some(stored.cache_namespace.as_str()),
     };
     let mut blocks = Vec::with_capacity(stored.blocks.len());
     for (i, block) in stored.blocks.into_iter().enumerate() {
@@ -392,6 +427,7 @@ pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
                 })
                 .collect(),
             lora_name: String::new(),
+            cache_namespace: String::new(),
         }),
         KvEvent::Removed { blocks } => pb::kv_event::Kind::Removed(pb::BlocksRemoved {
             engine_hashes: blocks.clone(),
@@ -463,6 +499,7 @@ pub fn select_request_from_pb(
     let select_request = SelectRequest {
         request_id: request.request_id,
         model: request.model,
+        adapter: (!request.lora_name.is_empty()).then_some(request.lora_name),
         phase,
         prompt_tokens,
         block_size,
@@ -503,7 +540,9 @@ pub(crate) fn prepared_to_pb(prepared: &PreparedRequest) -> pb::SelectWorkerRequ
             })),
         }),
         block_mm_infos: Vec::new(),
-        lora_name: String::new(),
+        // The hashes hold the adapter and namespace already; the adapter
+        // also decides which workers are eligible.
+        lora_name: request.adapter.clone().unwrap_or_default(),
         cache_namespace: String::new(),
         phase: match request.phase {
             RequestPhase::Aggregated => pb::RequestPhase::Aggregated,
@@ -854,6 +893,14 @@ pub(crate) fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
+        adapters: r
+            .adapters
+            .iter()
+            .map(|a| pb::LoraAdapter {
+                id: a.id,
+                name: a.name.clone(),
+            })
+            .collect(),
         lease_remaining_ms: u64::try_from(record.lease_remaining(now()).as_millis())
             .unwrap_or(u64::MAX),
         cordoned: record.cordoned,
@@ -907,6 +954,7 @@ mod tests {
             total_kv_blocks: 9000,
             max_num_batched_tokens: 8192,
             taints: vec!["gpu=h100".into(), "spot".into()],
+            adapters: Vec::new(),
             lease_ttl: Some(std::time::Duration::from_secs(45)),
             kv_events: KvEventsMode::Auto,
         };
@@ -926,6 +974,7 @@ mod tests {
             total_kv_blocks: 0,
             max_num_batched_tokens: 0,
             taints: Vec::new(),
+            adapters: Vec::new(),
             lease_ttl: None,
             kv_events: KvEventsMode::Approximate,
         };

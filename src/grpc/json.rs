@@ -75,6 +75,7 @@ pub fn worker_json(w: &pb::WorkerInfo) -> Value {
         "total_kv_blocks": w.total_kv_blocks,
         "max_num_batched_tokens": w.max_num_batched_tokens,
         "taints": w.taints,
+        "adapters": w.adapters.iter().map(|a| json!({"id": a.id, "name": a.name})).collect::<Vec<_>>(),
         "lease_remaining_ms": w.lease_remaining_ms,
         "cordoned": w.cordoned,
         "subscription": w.subscription,

@@ -25,7 +25,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::engine_events::EngineSource;
 use kvroute_core::{
-    registry::Registration,
+    registry::{Adapter, Registration},
     types::{KvEventsMode, WorkerId, WorkerRole},
 };
 
@@ -56,6 +56,18 @@ pub(crate) struct PoolSpec {
     pub members: Option<Vec<String>>,
     #[serde(default)]
     pub dns: Option<String>,
+    /// The LoRA adapters every member serves (`[[adapters]]` tables of
+    /// `id` and `name`), as RegisterWorker's `adapters`.
+    #[serde(default)]
+    pub adapters: Vec<PoolAdapter>,
+}
+
+/// A LoRA adapter of a pool's members.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolAdapter {
+    pub id: i64,
+    pub name: String,
 }
 
 fn one() -> u32 {
@@ -155,6 +167,14 @@ impl PoolSpec {
             total_kv_blocks: self.total_kv_blocks,
             max_num_batched_tokens: self.max_num_batched_tokens,
             taints: Vec::new(),
+            adapters: self
+                .adapters
+                .iter()
+                .map(|a| Adapter {
+                    id: a.id,
+                    name: a.name.clone(),
+                })
+                .collect(),
             lease_ttl: None,
             kv_events: KvEventsMode::Exact,
         };
@@ -280,6 +300,20 @@ mod tests {
         let text = include_str!("../../deploy/pool.example.toml");
         let spec = PoolSpec::parse(text).unwrap();
         assert_eq!(spec.members(), Members::Listed(&["127.0.0.1".into()]));
+        // Its commented adapters, uncommented, read too.
+        let adapters = text.replace("# [[adapters]]", "[[adapters]]");
+        let adapters = adapters
+            .replace("# id = 1", "id = 1")
+            .replace("# name = \"sql-lora\"", "name = \"sql-lora\"");
+        let spec = PoolSpec::parse(&adapters).unwrap();
+        let (registration, _) = spec.member("127.0.0.1").unwrap();
+        assert_eq!(
+            registration.adapters,
+            [Adapter {
+                id: 1,
+                name: "sql-lora".into()
+            }]
+        );
     }
 
     #[test]

@@ -172,6 +172,7 @@ mod tests {
             total_kv_blocks: 1000,
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
+            adapters: Vec::new(),
             lease_ttl: None,
             kv_events: KvEventsMode::Exact,
         }

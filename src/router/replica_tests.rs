@@ -35,6 +35,7 @@ fn core(replicas: ReplicaSettings) -> RouterCore {
             total_kv_blocks: 1000,
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
+            adapters: Vec::new(),
             lease_ttl: Some(Duration::from_secs(3600)),
             kv_events: kvroute_core::types::KvEventsMode::Exact,
         })

@@ -82,6 +82,7 @@ mod tests {
             total_kv_blocks: 1000,
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
+            adapters: Vec::new(),
             lease_ttl: None,
             kv_events: kvroute_core::types::KvEventsMode::Exact,
         })

@@ -15,7 +15,7 @@ use crate::{
 use kvroute_core::{
     admission::bookings::SavedBooking,
     index::content::{ContentNode, TargetContent},
-    registry::{Registration, SavedWorker},
+    registry::{Adapter, Registration, SavedWorker},
     select::{PinTarget, affinity::SavedSession},
     types::{RankLoad, WorkerRank, WorkerRole},
 };
@@ -115,6 +115,14 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
+        adapters: r
+            .adapters
+            .iter()
+            .map(|a| pb::LoraAdapter {
+                id: a.id,
+                name: a.name.clone(),
+            })
+            .collect(),
         lease_ttl_ms: millis(w.worker.lease_ttl),
         lease_remaining_ms: millis(w.worker.lease_remaining),
         cordoned: w.worker.cordoned,
@@ -227,6 +235,14 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
                 total_kv_blocks: w.total_kv_blocks,
                 max_num_batched_tokens: w.max_num_batched_tokens,
                 taints: w.taints,
+                adapters: w
+                    .adapters
+                    .into_iter()
+                    .map(|a| Adapter {
+                        id: a.id,
+                        name: a.name,
+                    })
+                    .collect(),
                 lease_ttl: None,
                 kv_events: pb::KvEventsMode::to_domain(w.kv_events).ok_or_else(|| {
                     invalid(what(), format!("unknown KV events mode {}", w.kv_events))
@@ -336,6 +352,7 @@ mod tests {
                     total_kv_blocks: 100,
                     max_num_batched_tokens: 8192,
                     taints: Vec::new(),
+                    adapters: Vec::new(),
                     lease_ttl: None,
                     kv_events,
                 },
@@ -363,5 +380,22 @@ mod tests {
         let mut damaged = worker_to_pb(&worker(KvEventsMode::Exact));
         damaged.kv_events = 42;
         assert!(worker_from_pb(damaged).is_err());
+    }
+
+    #[test]
+    fn a_workers_adapters_survive_a_snapshot() {
+        let mut saved = worker(KvEventsMode::Exact);
+        saved.worker.registration.adapters = vec![
+            Adapter {
+                id: 5,
+                name: "sql".into(),
+            },
+            Adapter {
+                id: -1,
+                name: "chat".into(),
+            },
+        ];
+        let back = worker_from_pb(worker_to_pb(&saved)).expect("restores");
+        assert_eq!(back.worker.registration, saved.worker.registration);
     }
 }

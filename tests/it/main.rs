@@ -6,6 +6,7 @@
 
 mod common;
 
+mod adapters;
 mod approximate;
 mod cli;
 mod cluster;

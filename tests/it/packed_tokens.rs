@@ -60,6 +60,7 @@ async fn store(
             parent_engine_hash: None,
             blocks: stored,
             lora_name: lora.into(),
+            cache_namespace: String::new(),
         })),
     };
     let reply = server.publish(batch(worker, 0, vec![event])).await.unwrap();

@@ -163,6 +163,7 @@ async fn token_prompts_are_hashed_like_the_events() {
             parent_engine_hash: None,
             blocks,
             lora_name: String::new(),
+            cache_namespace: String::new(),
         })),
     };
     server

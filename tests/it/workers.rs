@@ -314,6 +314,7 @@ async fn events_for_unknown_workers_ranks_and_oversized_batches_are_refused() {
                 mm_info: None,
             }],
             lora_name: String::new(),
+            cache_namespace: String::new(),
         })),
     };
     let status = server

@@ -206,6 +206,9 @@ pub struct WorkerSnapshot {
     pub max_num_batched_tokens: u64,
     /// Taints a request must tolerate to be routed here.
     pub taints: Vec<String>,
+    /// Names of the LoRA adapters it serves; empty: not declared (serves
+    /// a request for any adapter).
+    pub adapters: Vec<String>,
     pub cordoned: bool,
     /// Whether its overlap comes from events or from predictions.
     pub kv_events: KvEventsMode,

@@ -25,6 +25,8 @@ pub use limits::{INDEX_BYTES_PER_BLOCK, RegistryLimits};
 pub const MAX_DP_SIZE: u32 = 1024;
 /// Largest number of taints one worker may declare.
 pub const MAX_TAINTS: usize = 64;
+/// Largest number of LoRA adapters one worker may declare.
+pub const MAX_ADAPTERS: usize = 256;
 /// Longest model name, endpoint or taint, in bytes.
 pub const MAX_NAME_BYTES: usize = 1024;
 /// Largest block size a worker may declare, in tokens: far above any
@@ -34,6 +36,15 @@ pub const MAX_BLOCK_SIZE: u32 = 65_536;
 /// Longest lease a worker may ask for: a worker that dies is forgotten
 /// within this, whatever it declared.
 pub const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
+
+/// A LoRA adapter a worker serves: its name, which requests and vLLM's
+/// events give, and the engine's id for it, which is all SGLang's events
+/// give.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Adapter {
+    pub id: i64,
+    pub name: String,
+}
 
 /// What a worker declares when it registers.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,6 +59,9 @@ pub struct Registration {
     pub total_kv_blocks: u64,
     pub max_num_batched_tokens: u64,
     pub taints: Vec<String>,
+    /// The LoRA adapters it serves. Empty: not declared, so a request for
+    /// any adapter may go there (as before adapters were declared).
+    pub adapters: Vec<Adapter>,
     /// Lease asked for; `None` takes the server's default.
     pub lease_ttl: Option<Duration>,
     /// Whether it publishes KV events (see `KvEventsMode`).
@@ -92,6 +106,7 @@ impl WorkerRecord {
             total_kv_blocks: r.total_kv_blocks,
             max_num_batched_tokens: r.max_num_batched_tokens,
             taints: r.taints.clone(),
+            adapters: r.adapters.iter().map(|a| a.name.clone()).collect(),
             cordoned: self.cordoned,
             kv_events: r.kv_events,
             load: self
@@ -704,6 +719,23 @@ fn check_declared(registration: &mut Registration) -> Result<(), RegistryError> 
     if registration.taints.len() > MAX_TAINTS {
         return Err(invalid(format!("more than {MAX_TAINTS} taints")));
     }
+    if registration.adapters.len() > MAX_ADAPTERS {
+        return Err(invalid(format!("more than {MAX_ADAPTERS} adapters")));
+    }
+    let mut ids = std::collections::HashMap::new();
+    for adapter in &registration.adapters {
+        if adapter.name.is_empty() {
+            return Err(invalid(format!("adapter {} has no name", adapter.id)));
+        }
+        if let Some(other) = ids.insert(adapter.id, &adapter.name)
+            && *other != adapter.name
+        {
+            return Err(invalid(format!(
+                "adapter id {} names both {other:?} and {:?}",
+                adapter.id, adapter.name
+            )));
+        }
+    }
     let names = [
         ("model", &registration.model),
         ("endpoint", &registration.endpoint),
@@ -711,6 +743,7 @@ fn check_declared(registration: &mut Registration) -> Result<(), RegistryError> 
     for (field, value) in names
         .into_iter()
         .chain(registration.taints.iter().map(|t| ("taints", t)))
+        .chain(registration.adapters.iter().map(|a| ("adapters", &a.name)))
     {
         if value.len() > MAX_NAME_BYTES {
             return Err(invalid(format!(

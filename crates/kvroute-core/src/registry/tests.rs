@@ -26,6 +26,7 @@ fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registrati
         total_kv_blocks: 1000,
         max_num_batched_tokens: 8192,
         taints: vec![],
+        adapters: vec![],
         lease_ttl: None,
         kv_events: crate::types::KvEventsMode::Exact,
     }

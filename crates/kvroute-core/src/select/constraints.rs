@@ -146,6 +146,7 @@ impl<'r> Constraints<'r> {
             allowed: self.allowed.as_ref(),
             excluded: self.excluded,
             tolerated_taints: &self.req.hints.tolerated_taints,
+            adapter: self.req.adapter.as_deref(),
         }
     }
 

@@ -5,7 +5,8 @@
 //! same filters, and explain must say why each candidate was dropped.
 //! Invariants:
 //! * eligibility is static for a request: model, role vs phase, dp rank
-//!   existence, cordon, allowed set, migration exclusions, taints. It never
+//!   existence, cordon, allowed set, migration exclusions, taints, LoRA
+//!   adapter. It never
 //!   depends on load, so a transiently overloaded worker is still eligible
 //!   (a HARD affinity or explicit pin to it is not refused for being busy);
 //! * busyness depends only on booked and reported load and is reported
@@ -38,6 +39,10 @@ pub enum Ineligible {
     MigrationExcluded,
     TaintNotTolerated {
         taint: String,
+    },
+    /// The worker declares its adapters, and not this one.
+    AdapterNotServed {
+        adapter: String,
     },
     /// Eligible in itself, but the request is pinned to another target.
     NotPinned,
@@ -73,6 +78,9 @@ impl fmt::Display for Ineligible {
             Self::TaintNotTolerated { taint } => {
                 write!(f, "taint {taint:?} is not tolerated by the request")
             }
+            Self::AdapterNotServed { adapter } => {
+                write!(f, "does not serve LoRA adapter {adapter:?}")
+            }
             Self::NotPinned => write!(f, "request is pinned to another target"),
         }
     }
@@ -88,6 +96,8 @@ pub struct Eligibility<'a> {
     /// Workers the request already failed on (empty when explicitly pinned).
     pub excluded: &'a HashSet<WorkerId>,
     pub tolerated_taints: &'a [String],
+    /// The LoRA adapter asked for.
+    pub adapter: Option<&'a str>,
 }
 
 impl Eligibility<'_> {
@@ -117,6 +127,14 @@ impl Eligibility<'_> {
         if let Some(taint) = w.taints.iter().find(|t| !self.tolerated_taints.contains(t)) {
             return Err(Ineligible::TaintNotTolerated {
                 taint: taint.clone(),
+            });
+        }
+        if let Some(adapter) = self.adapter
+            && !w.adapters.is_empty()
+            && !w.adapters.iter().any(|a| a == adapter)
+        {
+            return Err(Ineligible::AdapterNotServed {
+                adapter: adapter.to_owned(),
             });
         }
         Ok(())
@@ -246,6 +264,7 @@ mod tests {
             allowed: Some(&allowed),
             excluded: &excluded,
             tolerated_taints: &tolerated,
+            adapter: None,
         };
         assert_eq!(e.check_rank(&worker(1), 1), Ok(()));
         assert!(matches!(
@@ -280,6 +299,24 @@ mod tests {
             e.check_worker(&w),
             Err(Ineligible::ModelMismatch { .. })
         ));
+        // A worker that declares adapters serves only those; one that
+        // declares none serves any.
+        let sql = Eligibility {
+            adapter: Some("sql"),
+            ..e
+        };
+        let mut w = worker(1);
+        w.adapters = vec!["chat".into()];
+        assert_eq!(
+            sql.check_worker(&w),
+            Err(Ineligible::AdapterNotServed {
+                adapter: "sql".into()
+            })
+        );
+        assert_eq!(e.check_worker(&w), Ok(()), "a base-model request");
+        w.adapters.push("sql".into());
+        assert_eq!(sql.check_worker(&w), Ok(()));
+        assert_eq!(sql.check_worker(&worker(1)), Ok(()), "undeclared");
     }
 
     #[test]

@@ -124,6 +124,9 @@ pub struct ScoringOverrides {
 pub struct SelectRequest {
     pub request_id: String,
     pub model: String,
+    /// The LoRA adapter asked for: only workers that serve it (or declare
+    /// no adapters) are eligible.
+    pub adapter: Option<String>,
     pub phase: RequestPhase,
     /// Prompt length in tokens. With precomputed hashes only, the caller
     /// passes `hashes * block_size`.

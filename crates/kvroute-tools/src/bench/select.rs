@@ -329,6 +329,7 @@ async fn warm(
                 parent_engine_hash: None,
                 blocks,
                 lora_name: String::new(),
+                cache_namespace: String::new(),
             })),
         });
     }

@@ -17,6 +17,7 @@ pub(super) fn reason_name(reason: pb::IneligibleReason) -> &'static str {
         pb::IneligibleReason::Excluded => "excluded",
         pb::IneligibleReason::Role => "role",
         pb::IneligibleReason::PinnedElsewhere => "pinned elsewhere",
+        pb::IneligibleReason::Adapter => "adapter",
     }
 }
 

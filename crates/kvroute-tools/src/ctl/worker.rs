@@ -48,6 +48,18 @@ fn fields_text(w: &pb::WorkerInfo) -> String {
             w.taints.join(",")
         },
     );
+    field(
+        "adapters",
+        if w.adapters.is_empty() {
+            "-".into()
+        } else {
+            w.adapters
+                .iter()
+                .map(|a| format!("{}={}", a.id, a.name))
+                .collect::<Vec<_>>()
+                .join(",")
+        },
+    );
     field("lease left", lease_text(w.lease_remaining_ms));
     field("cordoned", yes_no(w.cordoned).into());
     field("kv events", kv_events_name(w.kv_events()).into());

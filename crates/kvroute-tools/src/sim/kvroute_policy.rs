@@ -150,6 +150,7 @@ impl KvRoutePolicy {
                 total_kv_blocks: load.total_blocks as u64,
                 max_num_batched_tokens: fleet.max_num_batched_tokens as u64,
                 taints: Vec::new(),
+                adapters: Vec::new(),
                 // The longest a worker may ask for; the replay never
                 // reaps leases, so they do not lapse in virtual time.
                 lease_ttl: Some(kvroute_core::registry::MAX_LEASE_TTL),
@@ -293,6 +294,7 @@ fn engine_event_to_pb(event_id: u64, event: &EngineKvEvent) -> pb::KvEvent {
                 })
                 .collect(),
             lora_name: String::new(),
+            cache_namespace: String::new(),
         }),
         EngineKvEvent::Removed { engine_hashes } => {
             pb::kv_event::Kind::Removed(pb::BlocksRemoved {

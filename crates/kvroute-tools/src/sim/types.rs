@@ -121,6 +121,7 @@ impl FleetView<'_> {
                 total_kv_blocks: load.total_blocks as u64,
                 max_num_batched_tokens: self.max_num_batched_tokens as u64,
                 taints: Vec::new(),
+                adapters: Vec::new(),
                 cordoned: false,
                 kv_events: Default::default(),
                 load: vec![(

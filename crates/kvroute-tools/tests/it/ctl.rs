@@ -61,6 +61,7 @@ fn stored_tokens(event_id: u64, first_engine_hash: u64, tokens: &[u32]) -> pb::K
             parent_engine_hash: None,
             blocks,
             lora_name: String::new(),
+            cache_namespace: String::new(),
         })),
     }
 }

@@ -143,12 +143,7 @@ fn free_port() -> u16 {
 }
 
 /// The request a frontend would send for one expected sequence.
-fn request(
-    case: &Case,
-    seq: &Value,
-    tokens: Vec<u32>,
-    mode: pb::SelectionMode,
-) -> pb::SelectWorkerRequest {
+fn request(seq: &Value, tokens: Vec<u32>, mode: pb::SelectionMode) -> pb::SelectWorkerRequest {
     let blocks = tokens.len() / BLOCK_SIZE as usize;
     let mut mm: Vec<pb::BlockMultimodalInfo> = seq["mm"]
         .as_array()
@@ -165,13 +160,9 @@ fn request(
         .collect();
     let has_mm = mm.iter().any(|b| !b.mm_hashes.is_empty());
     mm.resize(blocks, pb::BlockMultimodalInfo::default());
-    // SGLang publishes only the adapter's id; kvroute keys such blocks as
-    // "lora-id:<id>" (there is no id -> name map over gRPC).
-    let lora_name = match (seq["lora"].as_str(), case.engine) {
-        (Some(_), "sglang") => "lora-id:5".to_string(),
-        (Some(name), _) => name.to_string(),
-        (None, _) => String::new(),
-    };
+    // SGLang publishes only the adapter's id: kvroute names it by the
+    // adapters the worker registered (id 5 is "adapter-a").
+    let lora_name = seq["lora"].as_str().unwrap_or_default().to_string();
     pb::SelectWorkerRequest {
         request_id: "publisher-test".into(),
         model: "m".into(),
@@ -220,14 +211,14 @@ async fn cached_blocks(server: &TestServer) -> u64 {
 }
 
 /// Does kvroute hold exactly the expected state? Returns a mismatch.
-async fn check(server: &TestServer, case: &Case, expected: &Value) -> Option<String> {
+async fn check(server: &TestServer, expected: &Value) -> Option<String> {
     let want = expected["held_count"].as_u64().unwrap();
     let got = cached_blocks(server).await;
     if got != want {
         return Some(format!("cached_blocks {got} != {want}"));
     }
     for (i, seq) in expected["sequences"].as_array().unwrap().iter().enumerate() {
-        let req = request(case, seq, seq_tokens(seq), pb::SelectionMode::QueryOnly);
+        let req = request(seq, seq_tokens(seq), pb::SelectionMode::QueryOnly);
         let explained = server
             .admin()
             .explain_selection(req)
@@ -352,6 +343,11 @@ async fn register_workers(server: &TestServer, case: &Case, publisher: &Publishe
             events_dialect: case.engine.into(),
             replay_endpoint: publisher.replay_ep.clone(),
             lease_ttl_secs: 600,
+            // The driver's LORA_ID and LORA_NAME.
+            adapters: vec![pb::LoraAdapter {
+                id: 5,
+                name: "adapter-a".into(),
+            }],
             ..registration(WORKER, "m")
         })
         .await;
@@ -376,12 +372,12 @@ async fn wait_connected(server: &TestServer) {
 }
 
 /// Waits until kvroute holds the expected state; the last mismatch if not.
-async fn settle(server: &TestServer, case: &Case, expected: &Value) -> Option<String> {
+async fn settle(server: &TestServer, expected: &Value) -> Option<String> {
     let t0 = Instant::now();
-    let mut mismatch = check(server, case, expected).await;
+    let mut mismatch = check(server, expected).await;
     while mismatch.is_some() && t0.elapsed() < Duration::from_secs(15) {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        mismatch = check(server, case, expected).await;
+        mismatch = check(server, expected).await;
     }
     mismatch
 }
@@ -400,7 +396,7 @@ async fn run_case(case: Case) {
     driver.send("go");
     let expected: Value = serde_json::from_str(&driver.read_line("DONE")).unwrap();
 
-    let mismatch = settle(&server, &case, &expected).await;
+    let mismatch = settle(&server, &expected).await;
     let info = worker_info(&server).await;
     let (_, body) = server.http_get("/metrics").await;
     let m = |name: &str| metric(&body, &format!("kvroute_{name}"));
@@ -428,7 +424,7 @@ async fn run_case(case: Case) {
     let follow_up = stream[..seq_tokens(plain).len() + 64].to_vec();
     let chosen = server
         .router()
-        .select_worker(request(&case, plain, follow_up, pb::SelectionMode::Reserve))
+        .select_worker(request(plain, follow_up, pb::SelectionMode::Reserve))
         .await
         .unwrap()
         .into_inner();
@@ -544,7 +540,7 @@ async fn run_restart_case(case: Case) {
 
     let server = TestServer::start_with(config()).await;
     wait_connected(&server).await;
-    let mismatch = settle(&server, &case, &expected).await;
+    let mismatch = settle(&server, &expected).await;
     let info = worker_info(&server).await;
     let (_, body) = server.http_get("/metrics").await;
     let m = |name: &str| metric(&body, &format!("kvroute_{name}"));
@@ -599,7 +595,7 @@ async fn run_cluster_case(case: Case) {
     let mut digests = Vec::new();
     let mut duplicates = 0;
     for (i, r) in replicas.iter().enumerate() {
-        let mismatch = settle(r, &case, &expected).await;
+        let mismatch = settle(r, &expected).await;
         assert_eq!(mismatch, None, "replica {i}: index state differs");
         let stats = r
             .admin()

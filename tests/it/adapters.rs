@@ -1,0 +1,246 @@
+//! LoRA adapters and cache salts (#34's third part) over real gRPC: workers
+//! declare the adapters they serve; a request for an adapter is routed only
+//! among workers that serve it (or declare none); blocks stored through
+//! PublishEvents with an adapter and a cache namespace match exactly the
+//! requests hashed with the same two, and no others; hostile declarations
+//! are refused.
+
+use crate::common::{self, TestServer, batch, registration};
+use kvroute::pb;
+
+const SQL: u64 = 1;
+const CHAT: u64 = 2;
+const UNDECLARED: u64 = 3;
+
+fn adapters(list: &[(i64, &str)]) -> Vec<pb::LoraAdapter> {
+    list.iter()
+        .map(|&(id, name)| pb::LoraAdapter {
+            id,
+            name: name.into(),
+        })
+        .collect()
+}
+
+/// Worker 1 serves adapter "sql" (id 5), worker 2 "chat" (id 6), worker 3
+/// declares none.
+async fn fleet() -> TestServer {
+    let server = TestServer::start().await;
+    for (worker_id, declared) in [
+        (SQL, adapters(&[(5, "sql")])),
+        (CHAT, adapters(&[(6, "chat")])),
+        (UNDECLARED, Vec::new()),
+    ] {
+        server
+            .register(pb::RegisterWorkerRequest {
+                adapters: declared,
+                ..registration(worker_id, "m")
+            })
+            .await;
+    }
+    server
+}
+
+fn tokens() -> Vec<u32> {
+    (1000..1048).collect()
+}
+
+/// Worker `worker_id` stores the prompt's three blocks as token ids, under
+/// `lora_name` and `cache_namespace`.
+async fn store(server: &TestServer, worker_id: u64, lora: &str, namespace: &str) {
+    let blocks = tokens()
+        .chunks_exact(16)
+        .enumerate()
+        .map(|(i, chunk)| pb::StoredBlock {
+            engine_hash: worker_id * 100 + i as u64,
+            content: Some(pb::stored_block::Content::TokenIds(pb::TokenIds {
+                ids: chunk.to_vec(),
+            })),
+            mm_info: None,
+        })
+        .collect();
+    let event = pb::KvEvent {
+        event_id: 0,
+        kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: None,
+            blocks,
+            lora_name: lora.into(),
+            cache_namespace: namespace.into(),
+        })),
+    };
+    server
+        .publish(batch(worker_id, 0, vec![event]))
+        .await
+        .expect("publish");
+}
+
+/// Each candidate's (worker, eligible, reason, overlap) for a prompt of
+/// `tokens()` under `lora` and `namespace`.
+async fn explain(
+    server: &TestServer,
+    lora: &str,
+    namespace: &str,
+) -> Vec<(u64, bool, pb::IneligibleReason, u32)> {
+    let request = pb::SelectWorkerRequest {
+        request_id: "explain".into(),
+        model: "m".into(),
+        prompt: Some(pb::Prompt {
+            content: Some(pb::prompt::Content::TokenIds(pb::TokenIds {
+                ids: tokens(),
+            })),
+        }),
+        lora_name: lora.into(),
+        cache_namespace: namespace.into(),
+        ..Default::default()
+    };
+    let mut out: Vec<_> = server
+        .admin()
+        .explain_selection(request)
+        .await
+        .expect("explain")
+        .into_inner()
+        .candidates
+        .into_iter()
+        .map(|c| (c.worker_id, c.eligible, c.reason(), c.overlap_blocks))
+        .collect();
+    out.sort_by_key(|c| c.0);
+    out
+}
+
+#[tokio::test]
+async fn a_request_for_an_adapter_goes_only_where_it_is_served() {
+    let server = fleet().await;
+    use pb::IneligibleReason::{Adapter, None as Eligible};
+    let eligible = |rows: &[(u64, bool, pb::IneligibleReason, u32)]| -> Vec<(u64, bool)> {
+        rows.iter().map(|r| (r.0, r.1)).collect()
+    };
+    let sql = explain(&server, "sql", "").await;
+    assert_eq!(
+        eligible(&sql),
+        [(SQL, true), (CHAT, false), (UNDECLARED, true)]
+    );
+    assert_eq!(sql[1].2, Adapter, "{sql:?}");
+    let chat = explain(&server, "chat", "").await;
+    assert_eq!(
+        eligible(&chat),
+        [(SQL, false), (CHAT, true), (UNDECLARED, true)]
+    );
+    // The base model: every worker.
+    let base = explain(&server, "", "").await;
+    assert!(base.iter().all(|r| r.1 && r.2 == Eligible), "{base:?}");
+    // An adapter nobody declares goes to the worker that declares none.
+    let mut request = common::select_hashes("other", "m", &[1, 2, 3]);
+    request.lora_name = "unknown-adapter".into();
+    let reply = server
+        .router()
+        .select_worker(request)
+        .await
+        .expect("select")
+        .into_inner();
+    assert_eq!(reply.worker_id, UNDECLARED);
+    // GetWorker reports what was declared.
+    let info = server
+        .admin()
+        .get_worker(pb::GetWorkerRequest { worker_id: SQL })
+        .await
+        .expect("worker")
+        .into_inner();
+    assert_eq!(info.adapters, adapters(&[(5, "sql")]));
+}
+
+#[tokio::test]
+async fn events_with_an_adapter_and_a_salt_match_requests_with_both_and_no_others() {
+    let server = fleet().await;
+    store(&server, SQL, "sql", "tenant-a").await;
+    store(&server, UNDECLARED, "", "").await;
+    let overlap = |rows: &[(u64, bool, pb::IneligibleReason, u32)], worker: u64| {
+        rows.iter().find(|r| r.0 == worker).map(|r| r.3)
+    };
+    let both = explain(&server, "sql", "tenant-a").await;
+    assert_eq!(overlap(&both, SQL), Some(3), "{both:?}");
+    assert_eq!(
+        overlap(&both, UNDECLARED),
+        Some(0),
+        "plain blocks do not match"
+    );
+    for (lora, namespace) in [("sql", ""), ("", "tenant-a"), ("sql", "tenant-b"), ("", "")] {
+        let rows = explain(&server, lora, namespace).await;
+        assert_eq!(
+            overlap(&rows, SQL),
+            Some(0),
+            "{lora:?} / {namespace:?} matched the salted adapter's blocks: {rows:?}"
+        );
+    }
+    let plain = explain(&server, "", "").await;
+    assert_eq!(overlap(&plain, UNDECLARED), Some(3), "{plain:?}");
+}
+
+#[tokio::test]
+async fn hostile_adapter_declarations_are_refused() {
+    let server = TestServer::start().await;
+    let mut workers = server.workers();
+    let refused = |adapters: Vec<pb::LoraAdapter>| pb::RegisterWorkerRequest {
+        adapters,
+        ..registration(9, "m")
+    };
+    let too_many: Vec<(i64, String)> = (0..257).map(|i| (i, format!("a{i}"))).collect();
+    let cases = [
+        (
+            "too many",
+            refused(
+                too_many
+                    .iter()
+                    .map(|(id, name)| pb::LoraAdapter {
+                        id: *id,
+                        name: name.clone(),
+                    })
+                    .collect(),
+            ),
+        ),
+        ("an id naming two", refused(adapters(&[(1, "x"), (1, "y")]))),
+        ("no name", refused(adapters(&[(1, "")]))),
+        (
+            "a name over 1 KiB",
+            refused(vec![pb::LoraAdapter {
+                id: 1,
+                name: "n".repeat(1025),
+            }]),
+        ),
+    ];
+    for (what, request) in cases {
+        let status = workers.register_worker(request).await.expect_err(what);
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{what}: {status:?}"
+        );
+    }
+    assert!(
+        server
+            .admin()
+            .get_worker(pb::GetWorkerRequest { worker_id: 9 })
+            .await
+            .is_err(),
+        "nothing registered"
+    );
+    // A namespace over the name limit in an event is refused, the stream
+    // and the server go on.
+    server.register(registration(9, "m")).await;
+    let event = pb::KvEvent {
+        event_id: 0,
+        kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: None,
+            blocks: vec![pb::StoredBlock {
+                engine_hash: 1,
+                content: Some(pb::stored_block::Content::LocalHash(7)),
+                mm_info: None,
+            }],
+            lora_name: String::new(),
+            cache_namespace: "s".repeat(1025),
+        })),
+    };
+    let status = server
+        .publish(batch(9, 0, vec![event]))
+        .await
+        .expect_err("namespace too long");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+}
