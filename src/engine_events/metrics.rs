@@ -11,7 +11,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus::{GaugeVec, IntCounter, IntGauge};
 
-use super::wire::DecodeReason;
+use super::{
+    translate::{MEDIUM_LABELS, medium_label},
+    wire::DecodeReason,
+};
 use crate::metrics::EngineEventFamilies;
 use kvroute_core::types::WorkerId;
 
@@ -54,6 +57,10 @@ pub struct WorkerEventMetrics {
     pub rank_mismatch: IntCounter,
     /// Indexed by [`DecodeReason::index`].
     decode_errors: Vec<IntCounter>,
+    /// Store and remove events by medium, over every worker (the scraped
+    /// family's, whatever this worker's series budget), in the order of
+    /// [`MEDIUM_LABELS`].
+    media: Vec<IntCounter>,
     connected_ranks: IntGauge,
     /// Ranks whose blocks may differ from the engine's cache.
     unsynced_ranks: IntGauge,
@@ -133,6 +140,10 @@ impl WorkerEventMetrics {
     /// Binds `worker_id`'s series in `families`: from now on they exist (at
     /// zero until counted) and count through the returned handles.
     pub fn bound(families: &EngineEventFamilies, worker_id: WorkerId) -> Self {
+        let media = MEDIUM_LABELS
+            .iter()
+            .map(|label| families.media.with_label_values(&[label]))
+            .collect();
         let families = families.families_for(worker_id);
         let w = worker_id.to_string();
         let w = w.as_str();
@@ -164,6 +175,7 @@ impl WorkerEventMetrics {
                 .iter()
                 .map(|r| two(&f.decode_errors, r.label()))
                 .collect(),
+            media,
             connected_ranks: f.connected_ranks.with_label_values(&[w]),
             unsynced_ranks: f.unsynced_ranks.with_label_values(&[w]),
             last_event_age: (f.last_event_age.clone(), w.to_string()),
@@ -260,6 +272,28 @@ impl WorkerEventMetrics {
                 .with_label_values(&[worker.as_str()])
                 .set(age.as_secs_f64());
         }
+    }
+
+    /// Counts a store or remove event naming `medium`.
+    pub fn count_medium(&self, medium: Option<&str>) {
+        let label = medium_label(medium);
+        if let Some(counter) = MEDIUM_LABELS
+            .iter()
+            .position(|l| *l == label)
+            .and_then(|i| self.media.get(i))
+        {
+            counter.inc();
+        }
+    }
+
+    /// Events counted under a medium label, over every worker.
+    #[cfg(test)]
+    pub(crate) fn medium_count(&self, label: &str) -> u64 {
+        MEDIUM_LABELS
+            .iter()
+            .position(|l| *l == label)
+            .and_then(|i| self.media.get(i))
+            .map_or(0, IntCounter::get)
     }
 
     pub fn snapshot(&self) -> MetricsSnapshot {

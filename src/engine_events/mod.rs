@@ -551,8 +551,14 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
                 }
             };
             let kind = match &event {
-                EngineEvent::Stored(_) => &self.metrics.events_stored,
-                EngineEvent::Removed(_) => &self.metrics.events_removed,
+                EngineEvent::Stored(s) => {
+                    self.metrics.count_medium(s.medium.as_deref());
+                    &self.metrics.events_stored
+                }
+                EngineEvent::Removed(r) => {
+                    self.metrics.count_medium(r.medium.as_deref());
+                    &self.metrics.events_removed
+                }
                 EngineEvent::Cleared => &self.metrics.events_cleared,
             };
             WorkerEventMetrics::inc(kind);

@@ -572,6 +572,11 @@ fn processor_skips_malformed_and_other_media() {
     assert_eq!(snap.decode_error(DecodeReason::Msgpack), 1);
     assert_eq!(snap.decode_error(DecodeReason::UnknownEventType), 1);
     assert_eq!(snap.events_other_medium, 1);
+    // Counted by medium: each store by the medium it names.
+    assert_eq!(m.medium_count("CPU"), 1);
+    assert_eq!(m.medium_count("GPU"), 1);
+    assert_eq!(m.medium_count("none"), 0);
+    assert_eq!(m.medium_count("unknown"), 0);
     assert_eq!(snap.batches, 3);
     assert!(snap.last_event_age.is_some());
     assert_eq!(snap.last_seq, Some(2));
@@ -784,4 +789,28 @@ fn processor_resumed_from_a_saved_sequence() {
     assert_eq!(block_on(p.on_live(2)), Some(0..2));
     assert_eq!(idx.worker_blocks(p.target()), 0);
     assert_eq!(m.snapshot().restarts, 1);
+}
+
+/// Media are counted by their name when kvroute knows it, and as `unknown`
+/// whatever else an engine sends: the label set stays bounded.
+#[test]
+fn media_labels_are_known_names_none_or_unknown() {
+    use super::translate::{KNOWN_MEDIA, MEDIUM_LABELS, medium_label};
+    assert_eq!(medium_label(None), "none");
+    for known in KNOWN_MEDIA {
+        assert_eq!(medium_label(Some(known)), known);
+        assert_eq!(medium_label(Some(&known.to_ascii_lowercase())), known);
+        assert!(MEDIUM_LABELS.contains(&known));
+    }
+    let hostile = [
+        "",
+        "gpu ",
+        "NVME",
+        "\u{0}GPU",
+        "x".repeat(1 << 20).as_str(),
+        "é",
+    ]
+    .map(|m| medium_label(Some(m)));
+    assert!(hostile.iter().all(|l| *l == "unknown"), "{hostile:?}");
+    assert_eq!(MEDIUM_LABELS.len(), KNOWN_MEDIA.len() + 2);
 }

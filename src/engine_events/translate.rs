@@ -38,6 +38,53 @@ use kvroute_core::types::EngineHash;
 /// The medium engines report for device memory; also assumed when absent.
 pub const MEDIUM_GPU: &str = "GPU";
 
+/// The media engines name in their KV events (vLLM's `GPU`, `CPU`, `FS`,
+/// `OBJ`, `STORAGE`; SGLang's `CPU_PINNED`, `CPU_TIER1`, `CPU_TIER2`;
+/// llm-d's `SHARED_STORAGE`, `OBJECT_STORE`): the values
+/// `engine_event_media_total` counts by name.
+pub const KNOWN_MEDIA: [&str; 10] = [
+    "GPU",
+    "CPU",
+    "FS",
+    "OBJ",
+    "STORAGE",
+    "CPU_PINNED",
+    "CPU_TIER1",
+    "CPU_TIER2",
+    "SHARED_STORAGE",
+    "OBJECT_STORE",
+];
+
+/// Every label [`medium_label`] gives.
+pub const MEDIUM_LABELS: [&str; 12] = [
+    "none",
+    "GPU",
+    "CPU",
+    "FS",
+    "OBJ",
+    "STORAGE",
+    "CPU_PINNED",
+    "CPU_TIER1",
+    "CPU_TIER2",
+    "SHARED_STORAGE",
+    "OBJECT_STORE",
+    "unknown",
+];
+
+/// The label an event's medium is counted under: a known medium by its
+/// name (any case), `none` when the event names none, `unknown` for any
+/// other value, whatever its length or bytes (never echoed: an engine must
+/// not choose the metric's labels).
+pub fn medium_label(medium: Option<&str>) -> &'static str {
+    let Some(medium) = medium else {
+        return "none";
+    };
+    KNOWN_MEDIA
+        .into_iter()
+        .find(|known| known.eq_ignore_ascii_case(medium))
+        .unwrap_or("unknown")
+}
+
 /// kvroute's 64-bit id of a multimodal item identifier (see module docs).
 pub fn mm_identifier_hash(identifier: &str) -> u64 {
     xxh3_64_with_seed(identifier.as_bytes(), 0)

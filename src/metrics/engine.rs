@@ -18,6 +18,10 @@ pub struct EngineEventFamilies {
     pub events: IntCounterVec,
     /// `worker`, `reason` (other_medium, other_group, index_rejected)
     pub ignored: IntCounterVec,
+    /// `medium`: store and remove events by the medium they name, over
+    /// every worker (`engine_events::medium_label`: a known name, `none`,
+    /// or `unknown`, so an engine cannot grow the label set)
+    pub media: IntCounterVec,
     /// `worker`: batches stamped with another dp rank than the socket's
     /// (still applied to the socket's rank)
     pub rank_mismatch: IntCounterVec,
@@ -156,6 +160,11 @@ impl EngineEventFamilies {
                 "engine_events_ignored_total",
                 "Engine KV events not routed on, per worker and reason",
                 &["worker", "reason"],
+            )?,
+            media: families.counter_vec(
+                "engine_event_media_total",
+                "Engine KV store and remove events by the medium they name (none: no medium, the device; unknown: any name kvroute does not know)",
+                &["medium"],
             )?,
             rank_mismatch: families.counter_vec(
                 "engine_event_rank_mismatch_total",
