@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use prometheus::{GaugeVec, IntCounter, IntGauge};
 
 use super::{
-    translate::{MEDIUM_LABELS, medium_label},
+    translate::{MEDIUM_LABELS, medium_index},
     wire::DecodeReason,
 };
 use crate::metrics::EngineEventFamilies;
@@ -276,12 +276,7 @@ impl WorkerEventMetrics {
 
     /// Counts a store or remove event naming `medium`.
     pub fn count_medium(&self, medium: Option<&str>) {
-        let label = medium_label(medium);
-        if let Some(counter) = MEDIUM_LABELS
-            .iter()
-            .position(|l| *l == label)
-            .and_then(|i| self.media.get(i))
-        {
+        if let Some(counter) = self.media.get(medium_index(medium)) {
             counter.inc();
         }
     }

@@ -38,24 +38,11 @@ use kvroute_core::types::EngineHash;
 /// The medium engines report for device memory; also assumed when absent.
 pub const MEDIUM_GPU: &str = "GPU";
 
-/// The media engines name in their KV events (vLLM's `GPU`, `CPU`, `FS`,
-/// `OBJ`, `STORAGE`; SGLang's `CPU_PINNED`, `CPU_TIER1`, `CPU_TIER2`;
-/// llm-d's `SHARED_STORAGE`, `OBJECT_STORE`): the values
-/// `engine_event_media_total` counts by name.
-pub const KNOWN_MEDIA: [&str; 10] = [
-    "GPU",
-    "CPU",
-    "FS",
-    "OBJ",
-    "STORAGE",
-    "CPU_PINNED",
-    "CPU_TIER1",
-    "CPU_TIER2",
-    "SHARED_STORAGE",
-    "OBJECT_STORE",
-];
-
-/// Every label [`medium_label`] gives.
+/// The labels `engine_event_media_total` counts store and remove events
+/// under: `none` (an event naming no medium: the device), the media
+/// engines name in their KV events (vLLM's `GPU`, `CPU`, `FS`, `OBJ`,
+/// `STORAGE`; SGLang's `CPU_PINNED`, `CPU_TIER1`, `CPU_TIER2`; llm-d's
+/// `SHARED_STORAGE`, `OBJECT_STORE`), then `unknown` for any other value.
 pub const MEDIUM_LABELS: [&str; 12] = [
     "none",
     "GPU",
@@ -71,18 +58,32 @@ pub const MEDIUM_LABELS: [&str; 12] = [
     "unknown",
 ];
 
-/// The label an event's medium is counted under: a known medium by its
-/// name (any case), `none` when the event names none, `unknown` for any
-/// other value, whatever its length or bytes (never echoed: an engine must
-/// not choose the metric's labels).
-pub fn medium_label(medium: Option<&str>) -> &'static str {
+/// Where `unknown` is in [`MEDIUM_LABELS`].
+const UNKNOWN_MEDIUM: usize = MEDIUM_LABELS.len() - 1;
+
+/// The media engines name, by their names: [`MEDIUM_LABELS`] less `none`
+/// and `unknown`.
+pub fn known_media() -> &'static [&'static str] {
+    &MEDIUM_LABELS[1..UNKNOWN_MEDIUM]
+}
+
+/// Where in [`MEDIUM_LABELS`] an event's medium is counted: a known medium
+/// by its name (any case), `none` when the event names none, `unknown` for
+/// any other value, whatever its length or bytes (never echoed: an engine
+/// must not choose the metric's labels).
+pub fn medium_index(medium: Option<&str>) -> usize {
     let Some(medium) = medium else {
-        return "none";
+        return 0;
     };
-    KNOWN_MEDIA
-        .into_iter()
-        .find(|known| known.eq_ignore_ascii_case(medium))
-        .unwrap_or("unknown")
+    known_media()
+        .iter()
+        .position(|known| known.eq_ignore_ascii_case(medium))
+        .map_or(UNKNOWN_MEDIUM, |i| i + 1)
+}
+
+/// The label [`medium_index`] counts `medium` under.
+pub fn medium_label(medium: Option<&str>) -> &'static str {
+    MEDIUM_LABELS[medium_index(medium)]
 }
 
 /// kvroute's 64-bit id of a multimodal item identifier (see module docs).

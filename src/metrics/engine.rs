@@ -19,7 +19,7 @@ pub struct EngineEventFamilies {
     /// `worker`, `reason` (other_medium, other_group, index_rejected)
     pub ignored: IntCounterVec,
     /// `medium`: store and remove events by the medium they name, over
-    /// every worker (`engine_events::medium_label`: a known name, `none`,
+    /// every worker (`engine_events::translate::MEDIUM_LABELS`: a known name, `none`,
     /// or `unknown`, so an engine cannot grow the label set)
     pub media: IntCounterVec,
     /// `worker`: batches stamped with another dp rank than the socket's
