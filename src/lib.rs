@@ -36,6 +36,7 @@ pub mod pb {
     tonic::include_proto!("kvroute.v1");
 
     mod kv_events_mode;
+    mod lora_adapter;
     pub mod token_ids;
     pub use token_ids::TokenIds;
 

@@ -136,14 +136,7 @@ pub(crate) fn registration_from_pb(
         total_kv_blocks: request.total_kv_blocks,
         max_num_batched_tokens: request.max_num_batched_tokens,
         taints: request.taints,
-        adapters: request
-            .adapters
-            .into_iter()
-            .map(|a| Adapter {
-                id: a.id,
-                name: a.name,
-            })
-            .collect(),
+        adapters: request.adapters.into_iter().map(Adapter::from).collect(),
         lease_ttl: (request.lease_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
         kv_events: kv_events_from_pb(request.kv_events)?,
@@ -178,14 +171,7 @@ pub(crate) fn registration_to_pb(
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
-        adapters: r
-            .adapters
-            .iter()
-            .map(|a| pb::LoraAdapter {
-                id: a.id,
-                name: a.name.clone(),
-            })
-            .collect(),
+        adapters: r.adapters.iter().map(pb::LoraAdapter::from).collect(),
         lease_ttl_secs: r
             .lease_ttl
             .map_or(0, |ttl| u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX)),
@@ -893,14 +879,7 @@ pub(crate) fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
-        adapters: r
-            .adapters
-            .iter()
-            .map(|a| pb::LoraAdapter {
-                id: a.id,
-                name: a.name.clone(),
-            })
-            .collect(),
+        adapters: r.adapters.iter().map(pb::LoraAdapter::from).collect(),
         lease_remaining_ms: u64::try_from(record.lease_remaining(now()).as_millis())
             .unwrap_or(u64::MAX),
         cordoned: record.cordoned,

@@ -115,14 +115,7 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
-        adapters: r
-            .adapters
-            .iter()
-            .map(|a| pb::LoraAdapter {
-                id: a.id,
-                name: a.name.clone(),
-            })
-            .collect(),
+        adapters: r.adapters.iter().map(pb::LoraAdapter::from).collect(),
         lease_ttl_ms: millis(w.worker.lease_ttl),
         lease_remaining_ms: millis(w.worker.lease_remaining),
         cordoned: w.worker.cordoned,
@@ -235,14 +228,7 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
                 total_kv_blocks: w.total_kv_blocks,
                 max_num_batched_tokens: w.max_num_batched_tokens,
                 taints: w.taints,
-                adapters: w
-                    .adapters
-                    .into_iter()
-                    .map(|a| Adapter {
-                        id: a.id,
-                        name: a.name,
-                    })
-                    .collect(),
+                adapters: w.adapters.into_iter().map(Adapter::from).collect(),
                 lease_ttl: None,
                 kv_events: pb::KvEventsMode::to_domain(w.kv_events).ok_or_else(|| {
                     invalid(what(), format!("unknown KV events mode {}", w.kv_events))
