@@ -70,12 +70,25 @@ pub struct ClusterBenchArgs {
 /// `nats-server -js` started for the benchmark.
 pub(crate) struct NatsProcess {
     child: Child,
-    pub(crate) url: String,
+    url: String,
     store: PathBuf,
 }
 
 impl NatsProcess {
-    pub(crate) fn start() -> Result<Self, BenchError> {
+    /// The NATS at `url`, or one started here when none is given (kept
+    /// running while the process handle lives).
+    pub(crate) fn unless_given(url: Option<&str>) -> Result<(Option<Self>, String), BenchError> {
+        match url {
+            Some(url) => Ok((None, url.to_owned())),
+            None => {
+                let nats = Self::start()?;
+                let url = nats.url.clone();
+                Ok((Some(nats), url))
+            }
+        }
+    }
+
+    fn start() -> Result<Self, BenchError> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| BenchError::Setup(e.to_string()))?
@@ -145,15 +158,7 @@ pub struct ClusterLagReport {
 pub async fn run(
     args: &ClusterBenchArgs,
 ) -> Result<(ClusterIngestReport, ClusterLagReport), BenchError> {
-    let nats = match &args.nats_url {
-        Some(_) => None,
-        None => Some(NatsProcess::start()?),
-    };
-    let url = match (&args.nats_url, &nats) {
-        (Some(url), _) => url.clone(),
-        (None, Some(n)) => n.url.clone(),
-        (None, None) => return Err(BenchError::Setup("no NATS".into())),
-    };
+    let (nats, url) = NatsProcess::unless_given(args.nats_url.as_deref())?;
     let workload = Workload::load(&args.oplog, args.batch, 0)?;
     let cluster_name = format!("bench{}", std::process::id());
     let mut replicas = Vec::new();
@@ -246,10 +251,7 @@ async fn throughput(
 /// The last log position a replica applied.
 async fn position(replica: &LocalServer) -> u64 {
     let text = replica.scrape().await.unwrap_or_default();
-    text.lines()
-        .find_map(|l| l.strip_prefix("kvroute_cluster_log_position "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    super::series_value(&text, "kvroute_cluster_log_position").unwrap_or(0)
 }
 
 async fn lag(

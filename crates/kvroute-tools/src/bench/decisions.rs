@@ -100,15 +100,7 @@ pub struct DecisionsSummary {
 
 /// Runs the three modes.
 pub async fn run(args: &DecisionsBenchArgs) -> Result<DecisionsSummary, BenchError> {
-    let nats = match &args.nats_url {
-        Some(_) => None,
-        None => Some(NatsProcess::start()?),
-    };
-    let url = match (&args.nats_url, &nats) {
-        (Some(url), _) => url.clone(),
-        (None, Some(n)) => n.url.clone(),
-        (None, None) => return Err(BenchError::Setup("no NATS".into())),
-    };
+    let (nats, url) = NatsProcess::unless_given(args.nats_url.as_deref())?;
     let one = mode(args, "one", None).await?;
     let local = mode(args, "local", Some((&url, DecisionOrder::Local))).await?;
     let ordered = mode(args, "ordered", Some((&url, DecisionOrder::Ordered))).await?;
@@ -194,11 +186,8 @@ async fn mode(
 
 /// `kvroute_cluster_ordered_decisions_total{outcome}` in a scrape.
 fn counter(text: &str, outcome: &str) -> u64 {
-    let series = format!("kvroute_cluster_ordered_decisions_total{{outcome=\"{outcome}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    let series = format!("kvroute_cluster_ordered_decisions_total{{outcome=\"{outcome}\"}}");
+    super::series_value(text, &series).unwrap_or(0)
 }
 
 /// Registers the workers; worker `w` caches the shared prefixes `g` with

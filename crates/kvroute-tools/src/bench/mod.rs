@@ -137,6 +137,18 @@ pub(crate) async fn target(
 }
 
 /// The text of `GET /metrics` at `addr` (host:port, plaintext), if it answers.
+/// The value of the series `series` (a name, with its labels if it has
+/// any, as the exposition writes them) in a text exposition; `None` when
+/// absent or not a finite non-negative number.
+pub(crate) fn series_value(text: &str, series: &str) -> Option<u64> {
+    let line = text.lines().find(|l| {
+        l.strip_prefix(series)
+            .is_some_and(|rest| rest.starts_with(' '))
+    })?;
+    let value: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    (value.is_finite() && value >= 0.0).then_some(value as u64)
+}
+
 pub(crate) async fn scrape_metrics(addr: &str) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;

@@ -29,24 +29,14 @@ impl Memory {
             },
             Memory::Scrape(addr) => match scrape_metrics(addr).await {
                 Some(text) => MemoryReading {
-                    rss: gauge(&text, "process_resident_memory_bytes"),
-                    heap: gauge(&text, "kvroute_heap_allocated_bytes"),
+                    rss: crate::bench::series_value(&text, "process_resident_memory_bytes"),
+                    heap: crate::bench::series_value(&text, "kvroute_heap_allocated_bytes"),
                 },
                 None => MemoryReading::default(),
             },
             Memory::Unknown => MemoryReading::default(),
         }
     }
-}
-
-/// The value of an unlabelled gauge `name` in a text exposition.
-pub(super) fn gauge(text: &str, name: &str) -> Option<u64> {
-    let line = text.lines().find(|l| {
-        l.strip_prefix(name)
-            .is_some_and(|rest| rest.starts_with(' '))
-    })?;
-    let value: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    (value.is_finite() && value >= 0.0).then_some(value as u64)
 }
 
 /// Memory samples of the current interval.

@@ -185,10 +185,22 @@ fn heap_left_after_the_run_fails_past_the_tolerance() {
 #[test]
 fn gauges_are_read_by_their_exact_name() {
     let text = "kvroute_heap_allocated_bytes_total 9\nkvroute_heap_allocated_bytes 1234\nprocess_resident_memory_bytes 5e3\n";
-    assert_eq!(gauge(text, "kvroute_heap_allocated_bytes"), Some(1234));
-    assert_eq!(gauge(text, "process_resident_memory_bytes"), Some(5000));
-    assert_eq!(gauge(text, "missing"), None);
-    assert_eq!(gauge("x NaN\n", "x"), None);
+    assert_eq!(
+        crate::bench::series_value(text, "kvroute_heap_allocated_bytes"),
+        Some(1234)
+    );
+    assert_eq!(
+        crate::bench::series_value(text, "process_resident_memory_bytes"),
+        Some(5000)
+    );
+    assert_eq!(crate::bench::series_value(text, "missing"), None);
+    assert_eq!(crate::bench::series_value("x NaN\n", "x"), None);
+    // A labelled series, by its name and labels.
+    let labelled = "c_total{outcome=\"local\"} 2\nc_total{outcome=\"ordered\"} 7\n";
+    assert_eq!(
+        crate::bench::series_value(labelled, "c_total{outcome=\"ordered\"}"),
+        Some(7)
+    );
 }
 
 #[test]
