@@ -8,18 +8,22 @@ use std::sync::Arc;
 use crate::{
     grpc::convert,
     pb,
-    router::ordered::{OrderedRequest, SeenWorker},
+    router::{
+        PreparedRequest,
+        ordered::{OrderedRequest, SeenWorker},
+    },
 };
 
-/// A decision in wire form.
-pub(super) fn decision_to_pb(request: &OrderedRequest) -> pb::OrderedDecision {
-    let prepared = &request.prepared;
+/// The decision of `prepared` on `workers`' cordons and loads, in wire form.
+pub(super) fn decision_to_pb(
+    prepared: &PreparedRequest,
+    workers: &[SeenWorker],
+) -> pb::OrderedDecision {
     pb::OrderedDecision {
         request: Some(convert::prepared_to_pb(prepared)),
         prompt_tokens: prepared.request.prompt_tokens,
         owner: prepared.owner.as_deref().map(str::to_owned),
-        workers: request
-            .workers
+        workers: workers
             .iter()
             .map(|w| pb::OrderedWorker {
                 worker_id: w.worker_id,
@@ -64,7 +68,6 @@ pub(super) fn decision_from_pb(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router::PreparedRequest;
     use kvroute_core::{
         admission::AdmissionMode,
         select::{
@@ -129,7 +132,7 @@ mod tests {
                 )],
             }],
         };
-        let bytes = decision_to_pb(&request).encode_to_vec();
+        let bytes = decision_to_pb(&request.prepared, &request.workers).encode_to_vec();
         let back = decision_from_pb(
             pb::OrderedDecision::decode(bytes.as_slice()).expect("decodes"),
             1024,

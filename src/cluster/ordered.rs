@@ -18,8 +18,8 @@ use super::{
 use crate::{
     pb::{self, log_record::Body},
     router::{
-        RouteError,
-        ordered::{BookingStep, OrderedAnswer, OrderedLog, OrderedRequest, Unordered},
+        PreparedRequest, RouteError,
+        ordered::{BookingStep, OrderedAnswer, OrderedLog, SeenWorker, Unordered},
     },
 };
 
@@ -38,15 +38,16 @@ impl LogOrder {
 }
 
 impl OrderedLog for LogOrder {
-    fn decide(
-        &self,
-        request: OrderedRequest,
-    ) -> BoxFuture<'_, Result<Result<OrderedAnswer, RouteError>, Unordered>> {
+    fn decide<'a>(
+        &'a self,
+        prepared: &'a PreparedRequest,
+        workers: Vec<SeenWorker>,
+    ) -> BoxFuture<'a, Result<Result<OrderedAnswer, RouteError>, Unordered>> {
         Box::pin(async move {
             if let Some(away) = self.away() {
                 return Err(away);
             }
-            let record = decision_to_pb(&request);
+            let record = decision_to_pb(prepared, &workers);
             if record.encoded_len() > self.log.max_record_bytes() {
                 // A prompt longer than one NATS message holds (a server
                 // with a small max_payload): decided here, and counted.

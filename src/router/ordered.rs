@@ -46,6 +46,7 @@ pub use super::routing_state::OrderedAnswer;
 use super::{
     RouterCore,
     clock::millis,
+    members::ModelView,
     now,
     routing::{Admitted, RouteOutcome},
     routing_state::{PreparedRequest, RouteError},
@@ -69,7 +70,7 @@ const MAX_STEPS_AWAITING_LOG: usize = 65_536;
 /// try is a log record, so waiting calls must not poll the log quickly.
 const BUSY_RETRY: Duration = Duration::from_secs(1);
 
-/// A RESERVE call as a log record carries it.
+/// A RESERVE call as a log record gives it back to every replica.
 #[derive(Clone, Debug)]
 pub struct OrderedRequest {
     pub prepared: PreparedRequest,
@@ -108,12 +109,14 @@ pub enum Unordered {
 
 /// The shared log as ordered decisions use it (the cluster implements it).
 pub trait OrderedLog: Send + Sync + 'static {
-    /// Appends a decision and answers with what this replica's follower
-    /// decided at its position.
-    fn decide(
-        &self,
-        request: OrderedRequest,
-    ) -> BoxFuture<'_, Result<Result<OrderedAnswer, RouteError>, Unordered>>;
+    /// Appends the decision of `prepared` on the cordons and loads of
+    /// `workers`, and answers with what this replica's follower decided at
+    /// its position.
+    fn decide<'a>(
+        &'a self,
+        prepared: &'a PreparedRequest,
+        workers: Vec<SeenWorker>,
+    ) -> BoxFuture<'a, Result<Result<OrderedAnswer, RouteError>, Unordered>>;
 
     /// Appends a booking step; answers whether the booking changed here.
     fn step(&self, step: BookingStep) -> BoxFuture<'_, Result<bool, Unordered>>;
@@ -145,24 +148,11 @@ impl RouterCore {
         }
     }
 
-    /// The cordons and loads of `model`'s workers, as an ordered record
-    /// carries them.
-    fn seen_workers(&self, model: &str) -> Vec<SeenWorker> {
-        self.model_view(model)
-            .workers()
-            .iter()
-            .map(|w| SeenWorker {
-                worker_id: w.worker_id,
-                cordoned: w.cordoned,
-                load: w.load.clone(),
-            })
-            .collect()
-    }
-
-    /// Routes a RESERVE call through the log; `None`: the log is away and
-    /// the caller decides locally.
+    /// Routes a RESERVE call prepared on `model` through the log; `None`:
+    /// the log is away and the caller decides locally.
     pub(super) async fn route_in_order(
         &self,
+        model: &ModelView,
         prepared: &PreparedRequest,
         deadline: tokio::time::Instant,
     ) -> Option<Result<RouteOutcome, RouteError>> {
@@ -177,12 +167,14 @@ impl RouterCore {
             request_id: request.request_id.clone(),
             why,
         };
+        // The model's view read again for each try after the first: loads
+        // and cordons change while a call waits.
+        let mut fresh: Option<ModelView> = None;
         loop {
-            let record = OrderedRequest {
-                prepared: prepared.clone(),
-                workers: self.seen_workers(&request.model),
-            };
-            let answer = match tokio::time::timeout_at(deadline, log.decide(record)).await {
+            let workers = seen_workers(fresh.as_ref().unwrap_or(model));
+            let answer = match tokio::time::timeout_at(deadline, log.decide(prepared, workers))
+                .await
+            {
                 Err(_) => {
                     self.count_ordered("not_decided");
                     return Some(Err(not_decided(
@@ -246,6 +238,7 @@ impl RouterCore {
                         }
                         .into())
                     } else {
+                        fresh = Some(self.model_view(&request.model));
                         continue;
                     }
                 }
@@ -351,6 +344,20 @@ impl RouterCore {
             .with_label_values(&[outcome])
             .inc();
     }
+}
+
+/// The cordons and loads of the workers of `model`, as an ordered record
+/// carries them.
+fn seen_workers(model: &ModelView) -> Vec<SeenWorker> {
+    model
+        .workers()
+        .iter()
+        .map(|w| SeenWorker {
+            worker_id: w.worker_id,
+            cordoned: w.cordoned,
+            load: w.load.clone(),
+        })
+        .collect()
 }
 
 /// One of the calls waiting for load to free, counted while it lives.

@@ -106,7 +106,7 @@ impl RouterCore {
         let query_only = prepared.request.mode == SelectMode::QueryOnly;
         if !query_only
             && prepared.admission != AdmissionMode::Advisory
-            && let Some(outcome) = self.route_in_order(&prepared, deadline).await
+            && let Some(outcome) = self.route_in_order(model, &prepared, deadline).await
         {
             return outcome;
         }
