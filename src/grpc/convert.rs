@@ -419,6 +419,22 @@ pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
             engine_hashes: blocks.clone(),
         }),
         KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::CacheCleared {}),
+        // No wire form names a block by engine hash alone yet: its blocks
+        // go without content, which `index_event_from_pb` and the gRPC
+        // validation refuse, so it can never be applied as something else.
+        KvEvent::StoredKnown { blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_engine_hash: None,
+            blocks: blocks
+                .iter()
+                .map(|&engine| pb::StoredBlock {
+                    engine_hash: engine,
+                    content: None,
+                    mm_info: None,
+                })
+                .collect(),
+            lora_name: String::new(),
+            cache_namespace: String::new(),
+        }),
     };
     pb::KvEvent {
         event_id,

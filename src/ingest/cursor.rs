@@ -367,11 +367,7 @@ impl EventCursor {
 /// What an event weighs in the held buffer: its stored blocks or removed
 /// engine hashes.
 fn event_blocks(event: &KvEvent) -> usize {
-    match event {
-        KvEvent::Stored { blocks, .. } => blocks.len(),
-        KvEvent::Removed { blocks } => blocks.len(),
-        KvEvent::Cleared => 0,
-    }
+    event.block_count()
 }
 
 fn count(n: usize) -> u32 {

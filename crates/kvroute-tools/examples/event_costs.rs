@@ -32,11 +32,12 @@ fn main() -> ExitCode {
                     (0, q.len())
                 }
                 Op::Event { worker, event } => {
-                    let (kind, blocks) = match &event {
-                        KvEvent::Stored { blocks, .. } => (1, blocks.len()),
-                        KvEvent::Removed { blocks } => (2, blocks.len()),
-                        KvEvent::Cleared => (usize::MAX, 0),
+                    let kind = match &event {
+                        KvEvent::Stored { .. } => 1,
+                        KvEvent::Removed { .. } => 2,
+                        KvEvent::Cleared | KvEvent::StoredKnown { .. } => usize::MAX,
                     };
+                    let blocks = event.block_count();
                     let _ = idx.apply_owned(worker, event);
                     (kind, blocks)
                 }

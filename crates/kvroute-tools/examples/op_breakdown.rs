@@ -36,7 +36,7 @@ fn main() -> ExitCode {
                     let k = match event {
                         KvEvent::Stored { .. } => 1,
                         KvEvent::Removed { .. } => 2,
-                        KvEvent::Cleared => 3,
+                        KvEvent::Cleared | KvEvent::StoredKnown { .. } => 3,
                     };
                     let _ = idx.apply_owned(worker, event);
                     k

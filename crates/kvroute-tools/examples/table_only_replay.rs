@@ -67,6 +67,8 @@ fn main() -> ExitCode {
                     remove += t0.elapsed().as_secs_f64();
                 }
                 KvEvent::Cleared => table.clear(),
+                // op logs carry device events only
+                KvEvent::StoredKnown { .. } => {}
             }
         }
         println!(

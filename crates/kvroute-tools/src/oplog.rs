@@ -90,11 +90,7 @@ impl Op {
     pub(crate) fn blocks(&self) -> u64 {
         match self {
             Op::Match(q) => q.len() as u64,
-            Op::Event { event, .. } => match event {
-                KvEvent::Stored { blocks, .. } => blocks.len() as u64,
-                KvEvent::Removed { blocks } => blocks.len() as u64,
-                KvEvent::Cleared => 0,
-            },
+            Op::Event { event, .. } => event.block_count() as u64,
         }
     }
 }

@@ -49,7 +49,7 @@ impl Harness {
                 seen.push("C".into());
                 true
             }
-            KvEvent::Stored { .. } => true,
+            KvEvent::Stored { .. } | KvEvent::StoredKnown { .. } => true,
         })
     }
 

@@ -13,6 +13,7 @@
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::KvEvent;
+use super::tier::Tier;
 use crate::types::{EngineHash, LocalHash, WorkerRank};
 
 /// One block of a target's content.
@@ -34,6 +35,10 @@ pub struct TargetContent {
     pub nodes: Vec<ContentNode>,
     /// Engine hashes beyond a held node's first: `(node index, hash)`.
     pub more_engines: Vec<(u32, EngineHash)>,
+    /// What the target holds in its tiers below the device, each as its
+    /// own content (a tier's own `lower_tiers` are empty). Empty for a
+    /// target that holds blocks only on the device.
+    pub lower_tiers: Vec<(Tier, TargetContent)>,
 }
 
 /// The digest contribution of one cached (target, block) entry: XXH3-64
@@ -42,9 +47,17 @@ pub struct TargetContent {
 /// index's digest is the wrapping sum over its entries, so it depends on
 /// the content only, never on the order it was built in.
 pub fn digest_term(target: WorkerRank, depth: u64, local: LocalHash) -> u64 {
+    digest_term_in(target, Tier::Device, depth, local)
+}
+
+/// [`digest_term`] of an entry in any tier: the tier's index goes in the
+/// high half of the `dp_rank` word (0 for the device, so device entries
+/// digest as they always did).
+pub fn digest_term_in(target: WorkerRank, tier: Tier, depth: u64, local: LocalHash) -> u64 {
+    let rank_word = u64::from(target.dp_rank) | ((tier.index() as u64) << 32);
     let mut bytes = [0u8; 32];
     bytes[0..8].copy_from_slice(&target.worker_id.to_le_bytes());
-    bytes[8..16].copy_from_slice(&u64::from(target.dp_rank).to_le_bytes());
+    bytes[8..16].copy_from_slice(&rank_word.to_le_bytes());
     bytes[16..24].copy_from_slice(&depth.to_le_bytes());
     bytes[24..32].copy_from_slice(&local.to_le_bytes());
     xxh3_64(&bytes)
@@ -65,13 +78,26 @@ impl IndexDigest {
 }
 
 impl TargetContent {
-    /// Blocks the target holds.
+    /// Blocks the target holds, every tier.
     pub fn held(&self) -> usize {
         self.nodes.iter().filter(|n| n.engine.is_some()).count()
+            + self
+                .lower_tiers
+                .iter()
+                .map(|(_, c)| c.held())
+                .sum::<usize>()
     }
 
-    /// The digest of this target's entries.
+    /// The digest of this target's entries, every tier.
     pub fn digest(&self, target: WorkerRank) -> IndexDigest {
+        let mut out = self.digest_in(target, Tier::Device);
+        for (tier, lower) in &self.lower_tiers {
+            out.add(lower.digest_in(target, *tier));
+        }
+        out
+    }
+
+    fn digest_in(&self, target: WorkerRank, tier: Tier) -> IndexDigest {
         let mut depth: Vec<u64> = Vec::with_capacity(self.nodes.len());
         let mut out = IndexDigest::default();
         for node in &self.nodes {
@@ -82,14 +108,26 @@ impl TargetContent {
             depth.push(d);
             if node.engine.is_some() {
                 out.entries += 1;
-                out.digest = out.digest.wrapping_add(digest_term(target, d, node.local));
+                out.digest = out
+                    .digest
+                    .wrapping_add(digest_term_in(target, tier, d, node.local));
             }
         }
         out
     }
 
-    /// Whether every parent index points before its node.
+    /// Whether every parent index points before its node, in every tier,
+    /// and each lower tier appears once with no tiers of its own.
     pub fn is_well_formed(&self) -> bool {
+        let mut seen = [false; super::tier::TIERS];
+        let tiers_ok = self.lower_tiers.iter().all(|(tier, c)| {
+            let fresh = *tier != Tier::Device && !std::mem::replace(&mut seen[tier.index()], true);
+            fresh && c.lower_tiers.is_empty() && c.is_well_formed_tier()
+        });
+        tiers_ok && self.is_well_formed_tier()
+    }
+
+    fn is_well_formed_tier(&self) -> bool {
         let n = self.nodes.len();
         self.nodes
             .iter()

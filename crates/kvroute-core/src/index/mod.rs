@@ -13,6 +13,12 @@
 //!   holds contiguously from block 0; removing a block mid-chain ends the
 //!   prefix there even though deeper blocks stay held.
 //! * A target's block count is the number of distinct engine hashes it holds.
+//! * Tiers ([`tier`]): each tier of a target is a holder of its own; an
+//!   event applies to one tier ([`KvIndex::apply_in`]; [`KvIndex::apply`]
+//!   is the device). A lower tier's store may name a parent that any tier
+//!   of the target holds. A target's prefix is the longest run of query
+//!   blocks each held in some tier, each counted for the fastest tier
+//!   holding it ([`WorkerOverlap::tiers`]); its block count is its device's.
 //!
 //! Event rules (each checked by the naive oracle in `crates/kvroute-core/tests/it/index_oracle.rs`):
 //! * `Stored` whose parent the target does not hold: rejected with
@@ -43,13 +49,15 @@ pub mod content;
 pub mod group_table;
 pub mod naive;
 pub mod radix;
+pub mod tier;
 
 use crate::types::{EngineHash, LocalHash, WorkerId, WorkerRank};
 use parking_lot::RwLock;
 use serde::Serialize;
 
-pub use content::{IndexDigest, TargetContent, digest_term};
+pub use content::{IndexDigest, TargetContent, digest_term, digest_term_in};
 pub use radix::IndexCore;
+pub use tier::{Holder, TIERS, Tier, TierBlocks};
 
 /// One KV event of one (worker, dp_rank).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,8 +70,24 @@ pub enum KvEvent {
     },
     /// The target evicted these blocks.
     Removed { blocks: Vec<EngineHash> },
-    /// The target dropped its whole cache.
+    /// The target dropped its whole cache (of the tier applied to).
     Cleared,
+    /// The target now also caches these blocks, which another of its
+    /// tiers holds: events that name blocks only by engine hash (vLLM's
+    /// host tier before its self-describing events). Each is placed where
+    /// the other tier holds it.
+    StoredKnown { blocks: Vec<EngineHash> },
+}
+
+impl KvEvent {
+    /// Blocks the event names: stored blocks or removed engine hashes.
+    pub fn block_count(&self) -> usize {
+        match self {
+            KvEvent::Stored { blocks, .. } => blocks.len(),
+            KvEvent::Removed { blocks } | KvEvent::StoredKnown { blocks } => blocks.len(),
+            KvEvent::Cleared => 0,
+        }
+    }
 }
 
 /// Why an event was rejected. A rejected event leaves the index untouched.
@@ -103,14 +127,20 @@ pub struct ApplyOutcome {
     pub applied: u64,
     /// Blocks that were counted no-ops: duplicate stores, unknown removes.
     pub skipped: u64,
+    /// Blocks of a [`KvEvent::StoredKnown`] that no tier of the target
+    /// held, so their place in the tree is unknown: left out.
+    pub unresolved: u64,
 }
 
 /// One target's overlap with a query.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerOverlap {
     pub worker: WorkerRank,
-    /// Leading query blocks held contiguously from block 0 (always > 0).
+    /// Leading query blocks held contiguously from block 0, in any tier
+    /// (always > 0).
     pub blocks: u32,
+    /// `blocks` by the fastest tier holding each; they sum to `blocks`.
+    pub tiers: TierBlocks,
     /// `blocks * block_size`.
     pub cached_tokens: u64,
     /// Blocks this target holds in total (its cache occupancy).
@@ -140,15 +170,24 @@ impl OverlapScores {
 /// Size and occupancy of the index.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IndexStats {
-    /// Cached (block, target) entries.
+    /// Cached (block, target, tier) entries.
     pub blocks: u64,
     /// Tree nodes (distinct paths), root excluded.
     pub nodes: u64,
     /// Targets holding at least one block (a registered target that has
     /// stored nothing yet is not one).
     pub workers: u64,
-    /// Blocks per target, sorted by target; targets holding nothing omitted.
+    /// Device blocks per target, sorted by target; targets holding nothing
+    /// there omitted.
     pub per_worker: Vec<(WorkerRank, u64)>,
+    /// Cached entries per tier (indexed by [`Tier::index`]); they sum to
+    /// `blocks`.
+    pub per_tier: [u64; TIERS],
+    /// Blocks of placeholder stores that no tier of their target held,
+    /// left out.
+    pub blocks_unresolved: u64,
+    /// Blocks bounded tiers evicted to stay within their capacity.
+    pub blocks_evicted: u64,
     /// Estimated heap bytes, from the capacities of every table.
     pub bytes_used: u64,
     pub events_applied: u64,
@@ -176,8 +215,16 @@ impl KvIndex {
     }
 
     /// Apply one event of `worker` (see the module docs for the rules).
+    /// Apply one event of `worker`'s device tier (see the module docs for
+    /// the rules).
     pub fn apply(&self, worker: WorkerRank, event: &KvEvent) -> Result<ApplyOutcome, IndexError> {
-        self.core.write().apply(worker, event)
+        self.core.write().apply(Holder::device(worker), event)
+    }
+
+    /// Apply one event of one tier of a target. A lower tier's store may
+    /// name a parent that another tier of the target holds.
+    pub fn apply_in(&self, holder: Holder, event: &KvEvent) -> Result<ApplyOutcome, IndexError> {
+        self.core.write().apply(holder, event)
     }
 
     /// [`Self::apply`] for an event the caller is done with: a store that
@@ -188,7 +235,16 @@ impl KvIndex {
         worker: WorkerRank,
         event: KvEvent,
     ) -> Result<ApplyOutcome, IndexError> {
-        self.core.write().apply_owned(worker, event)
+        self.core.write().apply_owned(Holder::device(worker), event)
+    }
+
+    /// [`Self::apply_owned`] for one tier of a target.
+    pub fn apply_owned_in(
+        &self,
+        holder: Holder,
+        event: KvEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        self.core.write().apply_owned(holder, event)
     }
 
     /// Expect `worker` to cache up to `blocks` blocks (its KV capacity, from
@@ -198,14 +254,28 @@ impl KvIndex {
     /// [`radix::MAX_RESERVED_BLOCKS`] per target and a fixed budget in all
     /// (room comes back when a target goes); forgotten with the target.
     pub fn reserve(&self, worker: WorkerRank, blocks: u64) {
-        self.core.write().reserve(worker, blocks);
+        self.core.write().reserve(Holder::device(worker), blocks);
     }
 
     /// Holds `worker` to `blocks` cached blocks, its KV capacity: a store
     /// that would take it past them is rejected
     /// ([`IndexError::OverCapacity`]). Forgotten with the target.
     pub fn limit_capacity(&self, worker: WorkerRank, blocks: u64) {
-        self.core.write().limit_capacity(worker, blocks);
+        self.core
+            .write()
+            .limit_capacity(Holder::device(worker), blocks);
+    }
+
+    /// Holds a tier below the device to `blocks` blocks by evicting the
+    /// least recently stored ones when a store takes it past them (for
+    /// engines that report no evictions from it); the index also makes
+    /// table room for them. Forgotten with the target.
+    pub fn bound_tier(&self, holder: Holder, blocks: u64) {
+        let mut core = self.core.write();
+        core.bound_tier(holder, blocks);
+        if blocks > 0 {
+            core.reserve(holder, blocks);
+        }
     }
 
     /// Drop every dp rank of `worker` and all their blocks; returns blocks dropped.
@@ -213,7 +283,7 @@ impl KvIndex {
         self.core.write().remove_worker(worker)
     }
 
-    /// Drop one target and all its blocks; returns blocks dropped.
+    /// Drop one target, every tier, and all its blocks; returns blocks dropped.
     pub fn remove_rank(&self, worker: WorkerRank) -> u64 {
         self.core.write().remove_rank(worker)
     }
@@ -230,7 +300,12 @@ impl KvIndex {
         self.core.read().find_matches_into(query, out);
     }
 
-    /// Blocks held by one target.
+    /// Blocks one tier of a target holds.
+    pub fn holder_blocks(&self, holder: Holder) -> u64 {
+        self.core.read().holder_blocks(holder)
+    }
+
+    /// Blocks held in one target's device tier.
     pub fn worker_blocks(&self, worker: WorkerRank) -> u64 {
         self.core.read().worker_blocks(worker)
     }
@@ -245,14 +320,31 @@ impl KvIndex {
         self.core.read().stats()
     }
 
-    /// The targets holding blocks, by target.
+    /// The targets holding blocks in any tier, by target.
     pub fn targets(&self) -> Vec<WorkerRank> {
-        self.core.read().targets()
+        let mut targets: Vec<WorkerRank> = self
+            .core
+            .read()
+            .holders()
+            .into_iter()
+            .map(|h| h.target)
+            .collect();
+        targets.dedup();
+        targets
     }
 
-    /// Everything one target holds (see [`content::TargetContent`]).
+    /// Everything one target holds, every tier (see
+    /// [`content::TargetContent`]).
     pub fn export_target(&self, worker: WorkerRank) -> TargetContent {
-        self.core.read().export_target(worker)
+        let core = self.core.read();
+        let mut content = core.export_holder(Holder::device(worker));
+        for tier in &Tier::ALL[1..] {
+            let lower = core.export_holder(Holder::new(worker, *tier));
+            if !lower.nodes.is_empty() {
+                content.lower_tiers.push((*tier, lower));
+            }
+        }
+        content
     }
 
     /// Rebuilds `content` for a target that holds nothing yet, through
@@ -265,7 +357,12 @@ impl KvIndex {
     ) -> Result<(), IndexError> {
         let mut core = self.core.write();
         for event in content.events(radix::MAX_EVENT_BLOCKS) {
-            core.apply_owned(worker, event)?;
+            core.apply_owned(Holder::device(worker), event)?;
+        }
+        for (tier, lower) in &content.lower_tiers {
+            for event in lower.events(radix::MAX_EVENT_BLOCKS) {
+                core.apply_owned(Holder::new(worker, *tier), event)?;
+            }
         }
         Ok(())
     }

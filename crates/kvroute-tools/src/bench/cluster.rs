@@ -306,11 +306,7 @@ async fn lag(
             events: vec![kvroute::grpc::convert::kv_event_to_pb(*id, event)],
         };
         *id += 1;
-        sent_blocks += match event {
-            kvroute_core::index::KvEvent::Stored { blocks, .. } => blocks.len() as u64,
-            kvroute_core::index::KvEvent::Removed { blocks } => blocks.len() as u64,
-            kvroute_core::index::KvEvent::Cleared => 0,
-        };
+        sent_blocks += event.block_count() as u64;
         let sent_at = Instant::now();
         tx.send(batch)
             .await

@@ -165,14 +165,7 @@ impl Workload {
                 Op::Match(_) => None,
             })
             .collect();
-        let blocks: u64 = events
-            .iter()
-            .map(|(_, e)| match e {
-                KvEvent::Stored { blocks, .. } => blocks.len() as u64,
-                KvEvent::Removed { blocks } => blocks.len() as u64,
-                KvEvent::Cleared => 0,
-            })
-            .sum();
+        let blocks: u64 = events.iter().map(|(_, e)| e.block_count() as u64).sum();
 
         // The in-process reference: the same events straight into an index.
         let reference = KvIndex::new(block_size);

@@ -8,28 +8,30 @@
 //! never count events themselves.
 
 use super::IndexCore;
+use crate::index::tier::Holder;
 use crate::index::{ApplyOutcome, IndexError, KvEvent};
-use crate::types::WorkerRank;
 use std::borrow::Cow;
 
 impl IndexCore {
     pub(crate) fn apply(
         &mut self,
-        worker: WorkerRank,
+        holder: impl Into<Holder>,
         event: &KvEvent,
     ) -> Result<ApplyOutcome, IndexError> {
+        let holder = holder.into();
         let res = match event {
             KvEvent::Stored { parent, blocks } => {
-                self.store(worker, *parent, Cow::Borrowed(blocks))
+                self.store_any(holder, *parent, Cow::Borrowed(blocks))
             }
-            KvEvent::Removed { blocks } => Ok(self.remove(worker, blocks)),
+            KvEvent::StoredKnown { blocks } => self.store_known_any(holder, blocks),
+            KvEvent::Removed { blocks } => Ok(self.remove(holder, blocks)),
             KvEvent::Cleared => Ok(ApplyOutcome {
                 applied: self
                     .slot_of
-                    .get(&worker)
+                    .get(&holder)
                     .copied()
                     .map_or(0, |s| self.clear_slot(s)),
-                skipped: 0,
+                ..ApplyOutcome::default()
             }),
         };
         self.count_outcome(res)
@@ -41,15 +43,16 @@ impl IndexCore {
     /// caller's use).
     pub(crate) fn apply_owned(
         &mut self,
-        worker: WorkerRank,
+        holder: impl Into<Holder>,
         event: KvEvent,
     ) -> Result<ApplyOutcome, IndexError> {
+        let holder = holder.into();
         match event {
             KvEvent::Stored { parent, blocks } => {
-                let res = self.store(worker, parent, Cow::Owned(blocks));
+                let res = self.store_any(holder, parent, Cow::Owned(blocks));
                 self.count_outcome(res)
             }
-            other => self.apply(worker, &other),
+            other => self.apply(holder, &other),
         }
     }
 
@@ -62,6 +65,7 @@ impl IndexCore {
             Ok(o) => {
                 self.events_applied += 1;
                 self.blocks_skipped += o.skipped;
+                self.blocks_unresolved += o.unresolved;
             }
             Err(_) => self.events_rejected += 1,
         }

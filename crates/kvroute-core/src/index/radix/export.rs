@@ -9,28 +9,29 @@
 
 use rustc_hash::FxHashMap;
 
-use super::{IndexCore, Pos, ROOT, pos, pos_abs, pos_seg};
+use super::{IndexCore, Pos, ROOT, pos_abs, pos_seg};
 use crate::index::content::{ContentNode, TargetContent};
-use crate::types::{EngineHash, LocalHash, WorkerRank};
+use crate::index::tier::Holder;
+use crate::types::{EngineHash, LocalHash};
 
 impl IndexCore {
-    /// The targets with a slot, holding blocks or not.
-    pub(crate) fn targets(&self) -> Vec<WorkerRank> {
-        let mut targets: Vec<WorkerRank> = self
+    /// The holders holding blocks, in order (a target's tiers together).
+    pub(crate) fn holders(&self) -> Vec<Holder> {
+        let mut holders: Vec<Holder> = self
             .slots
             .iter()
             .filter(|s| s.live && s.count > 0)
-            .map(|s| s.worker)
+            .map(|s| s.holder)
             .collect();
-        targets.sort_unstable();
-        targets
+        holders.sort_unstable();
+        holders
     }
 
-    /// Everything `worker` holds; empty when it holds nothing.
-    pub(crate) fn export_target(&self, worker: WorkerRank) -> TargetContent {
+    /// Everything `holder` holds; empty when it holds nothing.
+    pub(crate) fn export_holder(&self, holder: Holder) -> TargetContent {
         let Some(slot) = self
             .slot_of
-            .get(&worker)
+            .get(&holder)
             .and_then(|&s| self.slots.get(s as usize))
         else {
             return TargetContent::default();
@@ -54,7 +55,7 @@ impl IndexCore {
                 },
                 None => {
                     node_of.insert(p, found.len());
-                    found.push((p, self.parent_of(p), self.local_at(p), Some(e)));
+                    found.push((p, self.parent_of(p), self.local_at(p).unwrap_or(0), Some(e)));
                 }
             }
             // Unheld ancestors, up to the first position already found.
@@ -65,7 +66,7 @@ impl IndexCore {
                 }
                 node_of.insert(a, found.len());
                 let parent = self.parent_of(a);
-                found.push((a, parent, self.local_at(a), None));
+                found.push((a, parent, self.local_at(a).unwrap_or(0), None));
                 up = parent;
             }
         }
@@ -136,28 +137,5 @@ impl IndexCore {
             memo.insert(child, depth);
         }
         memo.get(&id).copied().unwrap_or(depth)
-    }
-
-    /// The position before `p` on its path; `None` below the root.
-    fn parent_of(&self, p: Pos) -> Option<Pos> {
-        let (id, abs) = (pos_seg(p), pos_abs(p));
-        let seg = self.segs.get(id as usize)?;
-        if abs > seg.start {
-            return Some(pos(id, abs - 1));
-        }
-        if seg.parent == ROOT {
-            return None;
-        }
-        let parent = self.segs.get(seg.parent as usize)?;
-        let len = u32::try_from(parent.pairs.len()).ok()?;
-        Some(pos(seg.parent, parent.start + len.checked_sub(1)?))
-    }
-
-    /// The local hash at position `p`.
-    fn local_at(&self, p: Pos) -> LocalHash {
-        self.segs
-            .get(pos_seg(p) as usize)
-            .and_then(|s| s.pairs.get(pos_abs(p).checked_sub(s.start)? as usize))
-            .map_or(0, |b| b.1)
     }
 }

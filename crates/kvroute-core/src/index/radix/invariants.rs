@@ -19,7 +19,46 @@ impl IndexCore {
         for (s, slot) in self.slots.iter().enumerate() {
             self.check_slot(s as u32, slot)?;
         }
+        self.check_tiers()?;
         self.check_holders()
+    }
+
+    /// `slot_of`, `tier_slots` and `lower_slots` name exactly the live
+    /// slots, each under its own holder.
+    fn check_tiers(&self) -> Result<(), String> {
+        let live: Vec<(u32, &Slot)> = (0u32..)
+            .zip(self.slots.iter())
+            .filter(|(_, x)| x.live)
+            .collect();
+        if live.len() != self.slot_of.len() {
+            return Err("slot_of does not name every live slot".into());
+        }
+        let lower = live
+            .iter()
+            .filter(|(_, x)| x.holder.tier != crate::index::Tier::Device)
+            .count();
+        if lower != self.lower_slots as usize {
+            return Err(format!("lower_slots {} != {lower}", self.lower_slots));
+        }
+        for &(s, x) in &live {
+            let by_tier = self
+                .tier_slots
+                .get(&x.holder.target)
+                .map(|t| t[x.holder.tier.index()]);
+            if self.slot_of.get(&x.holder) != Some(&s) || by_tier != Some(s) {
+                return Err(format!("slot {s} of {} not mapped", x.holder));
+            }
+        }
+        let named = self
+            .tier_slots
+            .values()
+            .flatten()
+            .filter(|&&s| s != NIL)
+            .count();
+        if named != live.len() {
+            return Err("tier_slots names dead slots".into());
+        }
+        Ok(())
     }
 
     /// Every live segment and its children list, then the totals kept for

@@ -45,8 +45,12 @@
 //!   (`apply_owned`) keeps the event's array as the segment's; freed
 //!   segments' arrays wait in a bounded `ArrayPool` for the next split,
 //!   shift or copied store.
-//! * Targets (worker, dp_rank) are interned into dense slots; the lowest
-//!   free slot is reused. Holder sets are bitmasks: slots 0..64 inline in
+//! * Holders (a tier of a target (worker, dp_rank), see `index::tier`)
+//!   are interned into dense slots; the lowest free slot is reused.
+//!   `tier_slots` lists each target's slots by tier: a lower tier's store
+//!   may hang under a parent another of its target's tiers holds, and the
+//!   query follows a target through all its tiers while any lower-tier
+//!   slot lives (`lower_slots`); device-only traffic never sees them. Holder sets are bitmasks: slots 0..64 inline in
 //!   `mask`, higher slots in a per-segment `wide` vector (empty for most).
 //! * Engine hashes: each slot maps engine hash -> position in a table of
 //!   positions keyed by the position's creation engine hash (the usual
@@ -73,11 +77,13 @@
 //!   each segment's holders and comparing hashes linearly up to the first
 //!   hole or `held`.
 //!
-//! Files, one concept each. The first seven form a chain: each calls only
+//! Files, one concept each. The first eight form a chain: each calls only
 //! into files listed after it (and into this root: the struct, its
 //! constants, position names and hashes), never back.
 //! * `events.rs`: the entry point; each event kind to its mechanism, and
 //!   the event counts.
+//! * `bound.rs`: tiers held to a capacity by evicting the least recently
+//!   stored blocks (engines that report no evictions).
 //! * `store.rs`: a store's walk, joining existing runs, appending or
 //!   starting segments, and the rollback of a conflict.
 //! * `remove.rs`: a remove's two passes, unholding (holes, lowered
@@ -96,11 +102,13 @@
 
 use super::array_pool::ArrayPool;
 use super::group_table::CHECK_BITS;
+use crate::index::tier::{Holder, TIERS};
 use crate::types::{EngineHash, LocalHash, WorkerRank};
 use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 
+mod bound;
 mod events;
 mod export;
 mod query;
@@ -167,20 +175,29 @@ pub struct IndexCore {
     positions: u64,
     edges: HashTable<u32>,
     slots: Vec<Slot>,
-    slot_of: FxHashMap<WorkerRank, u32>,
+    slot_of: FxHashMap<Holder, u32>,
+    /// Each target's slot per tier (`NIL` where it has none).
+    tier_slots: FxHashMap<WorkerRank, [u32; TIERS]>,
+    /// Live slots of tiers below the device: while there are none, a
+    /// query takes the device-only walk.
+    lower_slots: u32,
     free_slots: BTreeSet<u32>,
     /// Blocks each target expects to cache (its KV capacity): its table
     /// is sized for them when it registers (again, if its slot was dropped,
     /// when it next stores), and never grows after (growing reads every key
     /// back through the tree, under the lock).
-    reserved: FxHashMap<WorkerRank, u64>,
+    reserved: FxHashMap<Holder, u64>,
     /// Most room granted to all slots together, in blocks.
     reserve_budget: u64,
     /// Most engine hashes each target may hold (its declared KV capacity):
     /// an engine cannot cache more, so a store past it is rejected, and one
     /// worker cannot grow the index without bound. Targets not here are
     /// not held to one (the index's own tests and benchmarks).
-    capacity: FxHashMap<WorkerRank, u64>,
+    capacity: FxHashMap<Holder, u64>,
+    /// Tiers below the device that engines fill without reporting
+    /// evictions (LMCache): held to their capacity by evicting the least
+    /// recently stored blocks (`bound.rs`).
+    bounded: FxHashMap<Holder, bound::StoreOrder>,
     /// (position, slot) -> references beyond the first.
     extra_refs: FxHashMap<(Pos, u32), u32>,
     /// Scratch: engine hashes added by the store being applied.
@@ -203,6 +220,9 @@ pub struct IndexCore {
     events_applied: u64,
     events_rejected: u64,
     blocks_skipped: u64,
+    blocks_unresolved: u64,
+    /// Blocks bounded tiers evicted to stay within their capacity.
+    blocks_evicted: u64,
 }
 
 #[inline(always)]
@@ -233,10 +253,13 @@ impl IndexCore {
             edges: HashTable::new(),
             slots: Vec::new(),
             slot_of: FxHashMap::default(),
+            tier_slots: FxHashMap::default(),
+            lower_slots: 0,
             free_slots: BTreeSet::new(),
             reserved: FxHashMap::default(),
             reserve_budget: MAX_RESERVED_TOTAL,
             capacity: FxHashMap::default(),
+            bounded: FxHashMap::default(),
             extra_refs: FxHashMap::default(),
             undo: Vec::new(),
             pending: Vec::new(),
@@ -249,6 +272,8 @@ impl IndexCore {
             events_applied: 0,
             events_rejected: 0,
             blocks_skipped: 0,
+            blocks_unresolved: 0,
+            blocks_evicted: 0,
         }
     }
 }

@@ -8,10 +8,13 @@
 //! compares the segment's local hashes linearly (4 at a time) and takes
 //! one child lookup per segment; a slot that drops out scores the depth
 //! reached before that segment. At most 64 slots live in one word
-//! (`find_matches_into`); more take the wide walk.
+//! (`find_matches_into`); more take the wide walk. While any target holds
+//! blocks below the device, the tiered walk follows targets instead of
+//! slots.
 
 use super::segment::Seg;
 use super::{Block, INLINE_SLOTS, IndexCore, ROOT};
+use crate::index::tier::{TIERS, TierBlocks};
 use crate::index::{OverlapScores, WorkerOverlap};
 use crate::types::LocalHash;
 
@@ -19,8 +22,9 @@ impl IndexCore {
     fn push_score(&self, out: &mut OverlapScores, s: u32, depth: u32) {
         if let Some(slot) = self.slots.get(s as usize) {
             out.scores.push(WorkerOverlap {
-                worker: slot.worker,
+                worker: slot.holder.target,
                 blocks: depth,
+                tiers: TierBlocks::device(depth),
                 cached_tokens: u64::from(depth) * u64::from(self.block_size),
                 worker_blocks: slot.count,
             });
@@ -43,6 +47,9 @@ impl IndexCore {
 
     pub(crate) fn find_matches_into(&self, query: &[LocalHash], out: &mut OverlapScores) {
         out.scores.clear();
+        if self.lower_slots > 0 {
+            return self.find_matches_tiered(query, out);
+        }
         if self.slots.len() > INLINE_SLOTS as usize {
             return self.find_matches_wide(query, out);
         }
@@ -114,6 +121,75 @@ impl IndexCore {
                 self.push_word(out, i, a, depth as u32);
             }
         }
+    }
+}
+
+impl IndexCore {
+    /// The walk when some target holds blocks below the device: a target
+    /// goes on while any of its tiers holds the next segment, and each
+    /// segment's blocks count for the fastest of its tiers there (a block
+    /// held in two tiers counts once). Within one segment every holder
+    /// holds the same positions (holes only exist with a single holder),
+    /// so the segment's matched run is each holding target's run.
+    fn find_matches_tiered(&self, query: &[LocalHash], out: &mut OverlapScores) {
+        let mut alive: Vec<(crate::types::WorkerRank, [u32; TIERS], TierBlocks)> = self
+            .tier_slots
+            .iter()
+            .map(|(&target, &slots)| (target, slots, TierBlocks::default()))
+            .collect();
+        let mut depth = 0usize;
+        let mut cur = ROOT;
+        while let Some(&q) = query.get(depth) {
+            let id = self.child(cur, q);
+            let Some(g) = self.seg(id) else {
+                break;
+            };
+            let m = g.matched(query.get(depth..).unwrap_or(&[]));
+            let mut i = 0;
+            while let Some(entry) = alive.get_mut(i) {
+                let best = entry.1.iter().position(|&s| s != super::NIL && g.has(s));
+                match best {
+                    Some(t) => {
+                        entry.2.0[t] += m as u32;
+                        i += 1;
+                    }
+                    None => {
+                        let (target, _, tiers) = alive.swap_remove(i);
+                        self.push_tiered(out, target, tiers);
+                    }
+                }
+            }
+            if alive.is_empty() {
+                return;
+            }
+            depth += m;
+            if m < g.pairs.len() {
+                break;
+            }
+            cur = id;
+        }
+        for (target, _, tiers) in alive {
+            self.push_tiered(out, target, tiers);
+        }
+    }
+
+    fn push_tiered(
+        &self,
+        out: &mut OverlapScores,
+        target: crate::types::WorkerRank,
+        tiers: TierBlocks,
+    ) {
+        let blocks = tiers.total();
+        if blocks == 0 {
+            return;
+        }
+        out.scores.push(WorkerOverlap {
+            worker: target,
+            blocks,
+            tiers,
+            cached_tokens: u64::from(blocks) * u64::from(self.block_size),
+            worker_blocks: self.worker_blocks(target),
+        });
     }
 }
 

@@ -16,15 +16,16 @@ use super::slots::drop_extra_ref;
 use super::tree::engine_in;
 use super::{FREE, IndexCore, Pos, engine_hash, pos, pos_abs, pos_seg};
 use crate::index::ApplyOutcome;
+use crate::index::tier::{Holder, Tier};
 use crate::types::{EngineHash, WorkerId, WorkerRank};
 use rustc_hash::FxHashMap;
 
 impl IndexCore {
-    pub(super) fn remove(&mut self, worker: WorkerRank, blocks: &[EngineHash]) -> ApplyOutcome {
-        let Some(&s) = self.slot_of.get(&worker) else {
+    pub(super) fn remove(&mut self, holder: Holder, blocks: &[EngineHash]) -> ApplyOutcome {
+        let Some(&s) = self.slot_of.get(&holder) else {
             return ApplyOutcome {
-                applied: 0,
                 skipped: blocks.len() as u64,
+                ..ApplyOutcome::default()
             };
         };
         // pass 1: take every block's entry out of the maps (one probe each);
@@ -282,10 +283,13 @@ impl IndexCore {
         n
     }
 
-    pub(crate) fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
-        self.reserved.remove(&worker);
-        self.capacity.remove(&worker);
-        match self.slot_of.get(&worker).copied() {
+    /// Drop one holder and its blocks (and its reservation, capacity and
+    /// store order); returns blocks dropped.
+    pub(crate) fn remove_holder(&mut self, holder: Holder) -> u64 {
+        self.reserved.remove(&holder);
+        self.capacity.remove(&holder);
+        self.bounded.remove(&holder);
+        match self.slot_of.get(&holder).copied() {
             Some(s) => {
                 let n = self.clear_slot(s);
                 self.release_slot(s);
@@ -295,15 +299,26 @@ impl IndexCore {
         }
     }
 
+    /// Drop every tier of one target.
+    pub(crate) fn remove_rank(&mut self, worker: WorkerRank) -> u64 {
+        Tier::ALL
+            .into_iter()
+            .map(|tier| self.remove_holder(Holder::new(worker, tier)))
+            .sum()
+    }
+
     pub(crate) fn remove_worker(&mut self, worker: WorkerId) -> u64 {
-        self.reserved.retain(|r, _| r.worker_id != worker);
-        self.capacity.retain(|r, _| r.worker_id != worker);
-        let ranks: Vec<WorkerRank> = self
+        self.reserved.retain(|r, _| r.target.worker_id != worker);
+        self.capacity.retain(|r, _| r.target.worker_id != worker);
+        self.bounded.retain(|r, _| r.target.worker_id != worker);
+        let mut ranks: Vec<WorkerRank> = self
             .slot_of
             .keys()
-            .filter(|r| r.worker_id == worker)
-            .copied()
+            .filter(|r| r.target.worker_id == worker)
+            .map(|r| r.target)
             .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
         ranks.into_iter().map(|r| self.remove_rank(r)).sum()
     }
 }

@@ -11,14 +11,16 @@
 //! first are counted in the core's `extra_refs`. A table is sized once by a
 //! reservation, within one budget for all slots.
 
+use super::NIL;
 use super::tree::engine_in;
 use super::{IndexCore, MAX_RESERVED_BLOCKS, Pos, engine_hash};
 use crate::index::group_table::GroupTable;
-use crate::types::{EngineHash, WorkerRank};
+use crate::index::tier::{Holder, TIERS, Tier};
+use crate::types::EngineHash;
 use rustc_hash::FxHashMap;
 
 pub(super) struct Slot {
-    pub(super) worker: WorkerRank,
+    pub(super) holder: Holder,
     pub(super) live: bool,
     /// Positions, keyed by their creation engine hash.
     pub(super) table: GroupTable,
@@ -35,9 +37,9 @@ pub(super) struct Slot {
 }
 
 impl Slot {
-    fn new(worker: WorkerRank) -> Self {
+    fn new(holder: Holder) -> Self {
         Self {
-            worker,
+            holder,
             live: true,
             table: GroupTable::new(),
             alias: FxHashMap::default(),
@@ -100,46 +102,70 @@ impl Slot {
 }
 
 impl IndexCore {
-    pub(super) fn slot_or_create(&mut self, worker: WorkerRank) -> u32 {
-        if let Some(&s) = self.slot_of.get(&worker) {
+    pub(super) fn slot_or_create(&mut self, holder: Holder) -> u32 {
+        if let Some(&s) = self.slot_of.get(&holder) {
             return s;
         }
         let s = match self.free_slots.pop_first() {
             Some(s) => {
                 if let Some(slot) = self.slots.get_mut(s as usize) {
-                    *slot = Slot::new(worker);
+                    *slot = Slot::new(holder);
                 }
                 s
             }
             None => {
-                self.slots.push(Slot::new(worker));
+                self.slots.push(Slot::new(holder));
                 (self.slots.len() - 1) as u32
             }
         };
-        self.slot_of.insert(worker, s);
-        if let Some(&blocks) = self.reserved.get(&worker) {
+        self.slot_of.insert(holder, s);
+        let tiers = self.tier_slots.entry(holder.target).or_insert([NIL; TIERS]);
+        tiers[holder.tier.index()] = s;
+        if holder.tier != Tier::Device {
+            self.lower_slots += 1;
+        }
+        if let Some(&blocks) = self.reserved.get(&holder) {
             self.reserve_slot(s, blocks);
         }
         s
     }
 
-    /// Give target `worker`'s table room for `blocks` blocks (at most
+    /// The slots of `target`'s other tiers, device first (where a store's
+    /// parent or a placeholder's block is looked up when the tier's own
+    /// slot does not hold it).
+    pub(super) fn sibling_slots(&self, holder: Holder) -> impl Iterator<Item = u32> + '_ {
+        self.tier_slots
+            .get(&holder.target)
+            .into_iter()
+            .flat_map(|t| t.iter().copied())
+            .filter(move |&s| s != NIL && self.slot_of.get(&holder) != Some(&s))
+    }
+
+    /// The position any tier of `holder`'s target holds under `e`, its own
+    /// tier first.
+    pub(super) fn lookup_target(&self, holder: Holder, e: EngineHash) -> Option<Pos> {
+        let own = self.slot_of.get(&holder).and_then(|&s| self.lookup(s, e));
+        own.or_else(|| self.sibling_slots(holder).find_map(|s| self.lookup(s, e)))
+    }
+
+    /// Give `holder`'s table room for `blocks` blocks (at most
     /// [`MAX_RESERVED_BLOCKS`]) once it holds anything: now if it already
     /// does, else when its first block is stored (a new slot takes its
     /// reservation from `reserved` as it is made). Not at registration: a
     /// capacity claimed and never used must cost nothing.
-    pub(crate) fn reserve(&mut self, worker: WorkerRank, blocks: u64) {
+    pub(crate) fn reserve(&mut self, holder: impl Into<Holder>, blocks: u64) {
+        let holder = holder.into();
         let blocks = blocks.min(MAX_RESERVED_BLOCKS);
-        self.reserved.insert(worker, blocks);
-        if let Some(&s) = self.slot_of.get(&worker) {
+        self.reserved.insert(holder, blocks);
+        if let Some(&s) = self.slot_of.get(&holder) {
             self.reserve_slot(s, blocks);
         }
     }
 
-    /// Hold target `worker` to `blocks` engine hashes (its KV capacity):
+    /// Hold `holder` to `blocks` engine hashes (its KV capacity):
     /// stores past it are rejected. Forgotten with the target.
-    pub(crate) fn limit_capacity(&mut self, worker: WorkerRank, blocks: u64) {
-        self.capacity.insert(worker, blocks);
+    pub(crate) fn limit_capacity(&mut self, holder: Holder, blocks: u64) {
+        self.capacity.insert(holder, blocks);
     }
 
     fn reserve_slot(&mut self, s: u32, blocks: u64) {
@@ -163,11 +189,23 @@ impl IndexCore {
     }
 
     pub(super) fn release_slot(&mut self, s: u32) {
-        if let Some(slot) = self.slots.get_mut(s as usize) {
-            self.slot_of.remove(&slot.worker);
-            *slot = Slot::new(slot.worker);
+        if let Some(slot) = self.slots.get_mut(s as usize)
+            && slot.live
+        {
+            let holder = slot.holder;
+            self.slot_of.remove(&holder);
+            *slot = Slot::new(holder);
             slot.live = false;
             self.free_slots.insert(s);
+            if holder.tier != Tier::Device {
+                self.lower_slots -= 1;
+            }
+            if let Some(tiers) = self.tier_slots.get_mut(&holder.target) {
+                tiers[holder.tier.index()] = NIL;
+                if tiers.iter().all(|&x| x == NIL) {
+                    self.tier_slots.remove(&holder.target);
+                }
+            }
         }
     }
 

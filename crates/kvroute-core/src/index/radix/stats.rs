@@ -12,29 +12,44 @@ use super::IndexCore;
 use super::segment::Seg;
 use super::slots::Slot;
 use crate::index::IndexStats;
+use crate::index::tier::{Holder, TIERS, Tier};
 use crate::types::WorkerRank;
 
 impl IndexCore {
+    /// Blocks in `worker`'s device tier (its cache occupancy).
     pub(crate) fn worker_blocks(&self, worker: WorkerRank) -> u64 {
+        self.holder_blocks(Holder::device(worker))
+    }
+
+    pub(crate) fn holder_blocks(&self, holder: Holder) -> u64 {
         self.slot_of
-            .get(&worker)
+            .get(&holder)
             .and_then(|&s| self.slots.get(s as usize))
             .map_or(0, |slot| slot.count)
     }
 
     pub(crate) fn stats(&self) -> IndexStats {
-        let mut per_worker: Vec<(WorkerRank, u64)> = self
-            .slots
-            .iter()
-            .filter(|s| s.live && s.count > 0)
-            .map(|s| (s.worker, s.count))
+        let held = || self.slots.iter().filter(|s| s.live && s.count > 0);
+        let mut per_worker: Vec<(WorkerRank, u64)> = held()
+            .filter(|s| s.holder.tier == Tier::Device)
+            .map(|s| (s.holder.target, s.count))
             .collect();
         per_worker.sort_unstable();
+        let mut per_tier = [0u64; TIERS];
+        for s in held() {
+            per_tier[s.holder.tier.index()] += s.count;
+        }
+        let mut targets: Vec<WorkerRank> = held().map(|s| s.holder.target).collect();
+        targets.sort_unstable();
+        targets.dedup();
         IndexStats {
-            blocks: per_worker.iter().map(|(_, n)| n).sum(),
+            blocks: per_tier.iter().sum(),
             nodes: self.positions,
-            workers: per_worker.len() as u64,
+            workers: targets.len() as u64,
             per_worker,
+            per_tier,
+            blocks_unresolved: self.blocks_unresolved,
+            blocks_evicted: self.blocks_evicted,
             bytes_used: self.bytes_used(),
             events_applied: self.events_applied,
             events_rejected: self.events_rejected,
@@ -74,6 +89,8 @@ impl IndexCore {
                 .sum::<u64>();
         }
         b += table_bytes(self.slot_of.capacity(), 24);
+        b += table_bytes(self.tier_slots.capacity(), 28);
+        b += self.bounded_bytes() as u64;
         b += table_bytes(self.extra_refs.capacity(), 24);
         b += (self.undo.capacity() * 8 + self.pending.capacity() * 8) as u64;
         b += (self.shifted.capacity() * 16 + self.pool.bytes()) as u64;

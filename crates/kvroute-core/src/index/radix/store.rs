@@ -17,8 +17,9 @@
 use super::segment::Seg;
 use super::tree::engine_in;
 use super::{Block, IndexCore, Pos, ROOT, engine_hash, pos, pos_abs, pos_seg};
+use crate::index::tier::Holder;
 use crate::index::{ApplyOutcome, IndexError};
-use crate::types::{EngineHash, LocalHash, WorkerRank};
+use crate::types::{EngineHash, LocalHash};
 use std::borrow::Cow;
 
 /// Where a store's walk stands: after `used` positions of segment `seg`
@@ -32,10 +33,11 @@ struct Cursor {
 impl IndexCore {
     pub(super) fn store(
         &mut self,
-        worker: WorkerRank,
+        holder: Holder,
         parent: Option<EngineHash>,
         blocks: Cow<'_, [Block]>,
     ) -> Result<ApplyOutcome, IndexError> {
+        let worker = holder.target;
         if blocks.len() >= self.abs_limit as usize {
             return Err(IndexError::TooManyBlocks {
                 worker,
@@ -43,20 +45,35 @@ impl IndexCore {
                 max: self.abs_limit as usize - 1,
             });
         }
-        let existing = self.slot_of.get(&worker).copied();
+        // a lower tier's blocks may hang under a parent another tier holds
         let parent_pos = match parent {
             None => None,
-            Some(p) => match existing.and_then(|s| self.lookup(s, p)) {
+            Some(p) => match self.lookup_target(holder, p) {
                 Some(x) => Some(x),
                 None => return Err(IndexError::UnknownParent { worker, parent: p }),
             },
         };
+        self.store_at(holder, parent_pos, blocks)
+    }
+
+    /// A store under a resolved parent position (`None`: the root).
+    pub(super) fn store_at(
+        &mut self,
+        holder: Holder,
+        parent_pos: Option<Pos>,
+        blocks: Cow<'_, [Block]>,
+    ) -> Result<ApplyOutcome, IndexError> {
+        let worker = holder.target;
+        let existing = self.slot_of.get(&holder).copied();
         if blocks.is_empty() {
             return Ok(ApplyOutcome::default());
         }
         // Held to capacity before anything changes. Near it, only blocks
         // the target does not hold yet count (one probe each).
-        if let Some(&capacity) = self.capacity.get(&worker) {
+        // (a bounded tier makes room after the store instead: `bound.rs`)
+        if let Some(&capacity) = self.capacity.get(&holder)
+            && !self.bounded.contains_key(&holder)
+        {
             let held = existing
                 .and_then(|s| self.slots.get(s as usize))
                 .map_or(0, |x| x.count);
@@ -76,7 +93,7 @@ impl IndexCore {
                 });
             }
         }
-        let s = self.slot_or_create(worker);
+        let s = self.slot_or_create(holder);
         self.undo.clear();
         match self.store_blocks(s, parent_pos, blocks) {
             Ok(out) => Ok(out),
@@ -88,6 +105,39 @@ impl IndexCore {
                 })
             }
         }
+    }
+
+    /// A store of blocks named only by engine hash (vLLM's host-tier events
+    /// before its self-describing events carry no tokens): each is found
+    /// where another tier of the same target holds it, and `holder` joins
+    /// it there. Blocks it already holds are skipped; blocks no tier of the
+    /// target holds are counted `unresolved` and left alone.
+    pub(super) fn store_known(
+        &mut self,
+        holder: Holder,
+        blocks: &[EngineHash],
+    ) -> Result<ApplyOutcome, IndexError> {
+        let mut out = ApplyOutcome::default();
+        for &e in blocks {
+            let own = self.slot_of.get(&holder).copied();
+            if own.is_some_and(|s| self.lookup(s, e).is_some()) {
+                out.skipped += 1;
+                continue;
+            }
+            let Some(p) = self.sibling_slots(holder).find_map(|s| self.lookup(s, e)) else {
+                out.unresolved += 1;
+                continue;
+            };
+            let Some(local) = self.local_at(p) else {
+                out.unresolved += 1;
+                continue;
+            };
+            let parent = self.parent_of(p);
+            let one = self.store_at(holder, parent, Cow::Owned(vec![(e, local)]))?;
+            out.applied += one.applied;
+            out.skipped += one.skipped;
+        }
+        Ok(out)
     }
 
     /// Undo the blocks the failed store added (every structural change it

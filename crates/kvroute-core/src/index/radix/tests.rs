@@ -5,6 +5,7 @@
 
 use super::super::test_events::{rm, store, w};
 use super::*;
+use crate::index::tier::{Holder, Tier};
 use crate::index::{ApplyOutcome, IndexError, KvEvent, OverlapScores};
 
 /// `c.apply`, with the error as text for a test's `?`.
@@ -240,7 +241,8 @@ fn batch_removes_in_any_order() -> Result<(), String> {
         out,
         ApplyOutcome {
             applied: 10,
-            skipped: 0
+            skipped: 0,
+            ..ApplyOutcome::default()
         }
     );
     ok(&c)?;
@@ -261,7 +263,8 @@ fn batch_removes_in_any_order() -> Result<(), String> {
         out,
         ApplyOutcome {
             applied: 1,
-            skipped: 2
+            skipped: 2,
+            ..ApplyOutcome::default()
         }
     );
     ok(&c)?;
@@ -341,7 +344,8 @@ fn same_engine_hash_twice_and_aliases() -> Result<(), String> {
         out,
         ApplyOutcome {
             applied: 0,
-            skipped: 4
+            skipped: 4,
+            ..ApplyOutcome::default()
         }
     );
     // the same hash twice in one event: rejected, nothing changes
@@ -378,7 +382,7 @@ fn reservations_size_tables_once_within_a_budget() -> Result<(), String> {
     c.reserve_budget = 3000;
     let table_bytes = |c: &IndexCore, who: WorkerRank| {
         c.slot_of
-            .get(&who)
+            .get(&Holder::device(who))
             .and_then(|&s| c.slots.get(s as usize))
             .map_or(0, |s| s.table.bytes())
     };
@@ -445,11 +449,13 @@ proptest::proptest! {
     /// layout invariant.
     #[test]
     fn invariants_hold(ops in proptest::collection::vec(
-        (0u64..4, 0u8..14, proptest::option::of(0u64..40),
+        (0u64..4, 0usize..3, 0u8..16, proptest::option::of(0u64..40),
          proptest::collection::vec((0u64..40, 0u64..2), 0..12)), 1..80)) {
         let mut c = IndexCore::new(1);
-        for (who, kind, parent, blocks) in ops {
-            let who = WorkerRank::new(who, 0);
+        for (who, tier, kind, parent, blocks) in ops {
+            // most events on the device, some on lower tiers
+            let tier = [Tier::Device, Tier::Host, Tier::Device][tier];
+            let who = Holder::new(WorkerRank::new(who, 0), tier);
             match kind {
                 0..=2 => { let _ = c.apply(who, &store(parent, &blocks)); }
                 3..=5 => { let _ = c.apply_owned(who, store(parent, &blocks)); }
@@ -463,10 +469,17 @@ proptest::proptest! {
                         .map(|(i, b)| (first + i as u64, b.1)).collect();
                     let _ = c.apply_owned(who, store(first.checked_sub(1), &chain));
                 }
-                _ => {
+                12 | 13 => {
                     let first = parent.unwrap_or(0);
                     let ids: Vec<u64> = (first..first + blocks.len() as u64).rev().collect();
                     let _ = c.apply(who, &rm(&ids));
+                }
+                14 => {
+                    let ids = blocks.iter().map(|b| b.0).collect();
+                    let _ = c.apply(who, &KvEvent::StoredKnown { blocks: ids });
+                }
+                _ => {
+                    c.bound_tier(Holder::new(who.target, Tier::Host), blocks.len() as u64);
                 }
             }
             if let Err(e) = c.check_invariants() {

@@ -13,7 +13,7 @@
 //! is freed (`prune`).
 
 use super::segment::Seg;
-use super::{FREE, IndexCore, NIL, Pos, ROOT, edge_hash, pos_abs, pos_seg};
+use super::{FREE, IndexCore, NIL, Pos, ROOT, edge_hash, pos, pos_abs, pos_seg};
 use crate::types::{EngineHash, LocalHash};
 
 impl IndexCore {
@@ -188,4 +188,28 @@ pub(super) fn engine_in(segs: &[Seg], p: Pos) -> Option<EngineHash> {
     let s = segs.get(pos_seg(p) as usize)?;
     let i = pos_abs(p).checked_sub(s.start)? as usize;
     s.pairs.get(i).map(|x| x.0)
+}
+
+impl IndexCore {
+    /// The local hash at position `p`.
+    pub(super) fn local_at(&self, p: Pos) -> Option<LocalHash> {
+        let g = self.seg(pos_seg(p))?;
+        let i = pos_abs(p).checked_sub(g.start)? as usize;
+        g.pairs.get(i).map(|x| x.1)
+    }
+
+    /// The position before `p` on its path (`None`: `p` is a root block).
+    pub(super) fn parent_of(&self, p: Pos) -> Option<Pos> {
+        let (id, abs) = (pos_seg(p), pos_abs(p));
+        let seg = self.segs.get(id as usize)?;
+        if abs > seg.start {
+            return Some(pos(id, abs - 1));
+        }
+        if seg.parent == ROOT {
+            return None;
+        }
+        let parent = self.segs.get(seg.parent as usize)?;
+        let len = u32::try_from(parent.pairs.len()).ok()?;
+        Some(pos(seg.parent, parent.start + len.checked_sub(1)?))
+    }
 }
