@@ -16,7 +16,7 @@ use super::segment::Seg;
 use super::{Block, INLINE_SLOTS, IndexCore, ROOT};
 use crate::index::tier::{TIERS, TierBlocks};
 use crate::index::{OverlapScores, WorkerOverlap};
-use crate::types::LocalHash;
+use crate::types::{LocalHash, WorkerRank};
 
 impl IndexCore {
     fn push_score(&self, out: &mut OverlapScores, s: u32, depth: u32) {
@@ -132,7 +132,7 @@ impl IndexCore {
     /// holds the same positions (holes only exist with a single holder),
     /// so the segment's matched run is each holding target's run.
     fn find_matches_tiered(&self, query: &[LocalHash], out: &mut OverlapScores) {
-        let mut alive: Vec<(crate::types::WorkerRank, [u32; TIERS], TierBlocks)> = self
+        let mut alive: Vec<(WorkerRank, [u32; TIERS], TierBlocks)> = self
             .tier_slots
             .iter()
             .map(|(&target, &slots)| (target, slots, TierBlocks::default()))
@@ -154,8 +154,8 @@ impl IndexCore {
                         i += 1;
                     }
                     None => {
-                        let (target, _, tiers) = alive.swap_remove(i);
-                        self.push_tiered(out, target, tiers);
+                        let (target, slots, tiers) = alive.swap_remove(i);
+                        self.push_tiered(out, target, slots, tiers);
                     }
                 }
             }
@@ -168,15 +168,16 @@ impl IndexCore {
             }
             cur = id;
         }
-        for (target, _, tiers) in alive {
-            self.push_tiered(out, target, tiers);
+        for (target, slots, tiers) in alive {
+            self.push_tiered(out, target, slots, tiers);
         }
     }
 
     fn push_tiered(
         &self,
         out: &mut OverlapScores,
-        target: crate::types::WorkerRank,
+        target: WorkerRank,
+        slots: [u32; TIERS],
         tiers: TierBlocks,
     ) {
         let blocks = tiers.total();
@@ -188,7 +189,8 @@ impl IndexCore {
             blocks,
             tiers,
             cached_tokens: u64::from(blocks) * u64::from(self.block_size),
-            worker_blocks: self.worker_blocks(target),
+            // the device slot's count, read through the walk's own slots
+            worker_blocks: self.slots.get(slots[0] as usize).map_or(0, |x| x.count),
         });
     }
 }

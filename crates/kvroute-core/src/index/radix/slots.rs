@@ -134,11 +134,13 @@ impl IndexCore {
     /// parent or a placeholder's block is looked up when the tier's own
     /// slot does not hold it).
     pub(super) fn sibling_slots(&self, holder: Holder) -> impl Iterator<Item = u32> + '_ {
+        let own = holder.tier.index();
         self.tier_slots
             .get(&holder.target)
             .into_iter()
-            .flat_map(|t| t.iter().copied())
-            .filter(move |&s| s != NIL && self.slot_of.get(&holder) != Some(&s))
+            .flat_map(move |t| t.iter().enumerate().filter(move |&(i, _)| i != own))
+            .map(|(_, &s)| s)
+            .filter(|&s| s != NIL)
     }
 
     /// The position any tier of `holder`'s target holds under `e`, its own
