@@ -28,7 +28,7 @@ use crate::{
         TrustSettings,
     },
 };
-use kvroute_core::select::TtftSettings;
+use kvroute_core::select::{TierSavings, TtftSettings};
 
 // the most blocks per event that the flag accepts is the index's own limit
 const _: () = assert!(kvroute_core::index::radix::MAX_EVENT_BLOCKS == 16_777_215);
@@ -140,6 +140,13 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_OVERLAP_CREDIT", default_value_t = DEFAULT_OVERLAP_CREDIT,
           value_parser = parse_non_negative_f64)]
     pub overlap_credit: f64,
+
+    /// What a cached block below the device saves of its prefill, per tier:
+    /// `host=0.9,storage=0.6,external=0.4` (the defaults, from the replay in
+    /// docs/TIERS.md). 0 ignores a tier; a worker may declare its own.
+    #[arg(long, env = "KVROUTE_TIER_SAVINGS", default_value = "host=0.9,storage=0.6,external=0.4",
+          value_parser = parse_tier_savings)]
+    pub tier_savings: TierSavings,
 
     /// Softmax temperature of scoring; 0 always takes the lowest cost.
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0,
@@ -363,6 +370,7 @@ impl ServeConfig {
             booking_ttl: r.booking_ttl,
             overlap_weight: r.overlap_weight,
             overlap_credit: r.overlap_credit,
+            tier_savings: r.tier_savings,
             temperature: r.temperature,
             scorer: ScoringPolicy::Cost,
             busy_threshold: r.busy_threshold,
@@ -397,6 +405,7 @@ impl ServeConfig {
             booking_limits: self.limits.booking_limits(),
             overlap_weight: self.overlap_weight,
             overlap_credit: self.overlap_credit,
+            tier_savings: self.tier_savings,
             temperature: self.temperature,
             busy_threshold: self.busy_threshold,
             kv_busy_fraction: self.kv_busy_fraction,
@@ -543,6 +552,11 @@ fn parse_positive_duration(text: &str) -> Result<Duration, String> {
         return Err("must be greater than zero".into());
     }
     Ok(d)
+}
+
+/// `--tier-savings`: `tier=fraction` pairs over the defaults.
+pub fn parse_tier_savings(text: &str) -> Result<TierSavings, String> {
+    TierSavings::DEFAULT.parse_onto(text)
 }
 
 pub fn parse_non_negative_f64(text: &str) -> Result<f64, String> {

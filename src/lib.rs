@@ -35,6 +35,7 @@ pub mod web;
 pub mod pb {
     tonic::include_proto!("kvroute.v1");
 
+    pub mod cache_tier;
     mod kv_events_mode;
     mod lora_adapter;
     pub mod token_ids;

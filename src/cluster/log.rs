@@ -520,7 +520,7 @@ impl EngineForward for LogForward {
             let events: Vec<pb::KvEvent> = batch
                 .events
                 .iter()
-                .map(|e| convert::kv_event_to_pb(0, e))
+                .map(|e| convert::tiered_event_to_pb(0, e))
                 .collect();
             // One NATS message each: a large engine batch goes as parts.
             let limit = self.log.max_record_bytes();

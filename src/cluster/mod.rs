@@ -640,7 +640,7 @@ fn split_to_fit(batch: ValidatedBatch, limit: usize) -> Result<Vec<Part>, Cluste
     let events: Vec<pb::KvEvent> = batch
         .events
         .iter()
-        .map(|e| convert::kv_event_to_pb(e.event_id, &e.event))
+        .map(|e| convert::tiered_event_to_pb(e.event_id, &e.event))
         .collect();
     let sizes: Vec<usize> = events.iter().map(|e| e.encoded_len() + 8).collect();
     if sizes.iter().sum::<usize>() <= limit {
@@ -790,7 +790,7 @@ impl WriteSnapshot for ReplicatedChanges {
 mod tests {
     use super::*;
     use crate::ingest::IngestEvent;
-    use kvroute_core::index::KvEvent;
+    use kvroute_core::index::{KvEvent, TieredEvent};
 
     fn batch(events: usize, blocks: u64) -> ValidatedBatch {
         ValidatedBatch {
@@ -801,10 +801,10 @@ mod tests {
             events: (0..events as u64)
                 .map(|id| IngestEvent {
                     event_id: id,
-                    event: KvEvent::Stored {
+                    event: TieredEvent::device(KvEvent::Stored {
                         parent: None,
                         blocks: (0..blocks).map(|b| (id * 1000 + b, b)).collect(),
-                    },
+                    }),
                 })
                 .collect(),
         }

@@ -38,6 +38,13 @@ pub struct LimitOptions {
           value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
     pub default_kv_blocks_per_rank: u64,
 
+    /// Largest capacity (blocks per dp rank) a worker may declare for one
+    /// cache tier below the device (host memory, storage, an external
+    /// pool); each declared tier counts against the memory budget.
+    #[arg(long, env = "KVROUTE_MAX_TIER_BLOCKS_PER_RANK", default_value_t = 1 << 24,
+          value_parser = clap::value_parser!(u64).range(0..=1 << 34))]
+    pub max_tier_blocks_per_rank: u64,
+
     /// Index memory every registered rank's KV capacity may add up to, in
     /// bytes (suffixes KiB, MiB, GiB), at 96 bytes a block: a registration
     /// past it gets RESOURCE_EXHAUSTED. Size it below the container's
@@ -81,6 +88,7 @@ impl Default for LimitOptions {
             max_ranks_per_worker: r.max_ranks_per_worker,
             max_kv_blocks_per_rank: r.max_kv_blocks_per_rank,
             default_kv_blocks_per_rank: r.default_kv_blocks_per_rank,
+            max_tier_blocks_per_rank: r.max_tier_blocks_per_rank,
             index_memory_budget: r.index_memory_budget,
             max_booking_memory: BookingLimits::default().max_bytes,
             max_booking_memory_per_identity: BookingLimits::default().max_bytes_per_owner,
@@ -98,6 +106,7 @@ impl LimitOptions {
             max_ranks_per_worker: self.max_ranks_per_worker,
             max_kv_blocks_per_rank: self.max_kv_blocks_per_rank,
             default_kv_blocks_per_rank: self.default_kv_blocks_per_rank,
+            max_tier_blocks_per_rank: self.max_tier_blocks_per_rank,
             index_memory_budget: self.index_memory_budget,
         }
     }

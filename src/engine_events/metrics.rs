@@ -30,8 +30,8 @@ pub struct WorkerEventMetrics {
     pub events_stored: IntCounter,
     pub events_removed: IntCounter,
     pub events_cleared: IntCounter,
-    /// Store/remove events on a medium not counted as cached (counted only).
-    pub events_other_medium: IntCounter,
+    /// Store/remove events on a medium kvroute does not know (ignored).
+    pub events_unknown_medium: IntCounter,
     /// Events of a KV cache group other than the configured one.
     pub events_other_group: IntCounter,
     /// Events the index rejected (unknown parent, hash conflict).
@@ -61,6 +61,7 @@ pub struct WorkerEventMetrics {
     /// family's, whatever this worker's series budget), in the order of
     /// [`MEDIUM_LABELS`].
     media: Vec<IntCounter>,
+    unknown_media: crate::metrics::UnknownMedia,
     connected_ranks: IntGauge,
     /// Ranks whose blocks may differ from the engine's cache.
     unsynced_ranks: IntGauge,
@@ -76,7 +77,7 @@ pub struct WorkerEventMetrics {
 /// The `kind` labels of `engine_events_total`.
 const EVENT_KINDS: [&str; 3] = ["stored", "removed", "cleared"];
 /// The `reason` labels of `engine_events_ignored_total`.
-const IGNORED_REASONS: [&str; 3] = ["other_medium", "other_group", "index_rejected"];
+const IGNORED_REASONS: [&str; 3] = ["unknown_medium", "other_group", "index_rejected"];
 /// The `outcome` labels of `engine_event_replays_total`.
 const REPLAY_OUTCOMES: [&str; 2] = ["requested", "failed"];
 /// The `event` labels of `engine_event_connections_total`.
@@ -91,7 +92,7 @@ pub struct MetricsSnapshot {
     pub events_stored: u64,
     pub events_removed: u64,
     pub events_cleared: u64,
-    pub events_other_medium: u64,
+    pub events_unknown_medium: u64,
     pub events_other_group: u64,
     pub index_rejected: u64,
     pub gaps: u64,
@@ -144,6 +145,7 @@ impl WorkerEventMetrics {
             .iter()
             .map(|label| families.media.with_label_values(&[label]))
             .collect();
+        let unknown_media = families.unknown_media.clone();
         let families = families.families_for(worker_id);
         let w = worker_id.to_string();
         let w = w.as_str();
@@ -156,7 +158,7 @@ impl WorkerEventMetrics {
             events_stored: two(&f.events, EVENT_KINDS[0]),
             events_removed: two(&f.events, EVENT_KINDS[1]),
             events_cleared: two(&f.events, EVENT_KINDS[2]),
-            events_other_medium: two(&f.ignored, IGNORED_REASONS[0]),
+            events_unknown_medium: two(&f.ignored, IGNORED_REASONS[0]),
             events_other_group: two(&f.ignored, IGNORED_REASONS[1]),
             index_rejected: two(&f.ignored, IGNORED_REASONS[2]),
             gaps: one(&f.gaps),
@@ -176,6 +178,7 @@ impl WorkerEventMetrics {
                 .map(|r| two(&f.decode_errors, r.label()))
                 .collect(),
             media,
+            unknown_media,
             connected_ranks: f.connected_ranks.with_label_values(&[w]),
             unsynced_ranks: f.unsynced_ranks.with_label_values(&[w]),
             last_event_age: (f.last_event_age.clone(), w.to_string()),
@@ -276,9 +279,21 @@ impl WorkerEventMetrics {
 
     /// Counts a store or remove event naming `medium`.
     pub fn count_medium(&self, medium: Option<&str>) {
-        if let Some(counter) = self.media.get(medium_index(medium)) {
+        let index = medium_index(medium);
+        if let Some(counter) = self.media.get(index) {
             counter.inc();
         }
+        if let Some(name) = medium
+            && MEDIUM_LABELS[index] == "unknown"
+        {
+            self.unknown_media.count(name);
+        }
+    }
+
+    /// Unknown-medium events counted under `label`.
+    #[cfg(test)]
+    pub(crate) fn unknown_medium_count(&self, label: &str) -> u64 {
+        self.unknown_media.get(label)
     }
 
     /// Events counted under a medium label, over every worker.
@@ -299,7 +314,7 @@ impl WorkerEventMetrics {
             events_stored: g(&self.events_stored),
             events_removed: g(&self.events_removed),
             events_cleared: g(&self.events_cleared),
-            events_other_medium: g(&self.events_other_medium),
+            events_unknown_medium: g(&self.events_unknown_medium),
             events_other_group: g(&self.events_other_group),
             index_rejected: g(&self.index_rejected),
             gaps: g(&self.gaps),

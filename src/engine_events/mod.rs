@@ -41,7 +41,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use kvroute_core::index::{KvEvent, KvIndex};
+use kvroute_core::index::{KvEvent, KvIndex, TieredEvent};
 use kvroute_core::types::{DpRank, EngineHash, WorkerId, WorkerRank};
 
 pub use metrics::{MetricsSnapshot, WorkerEventMetrics};
@@ -76,7 +76,7 @@ pub trait EventSink: Send + Sync + 'static {
         &self,
         target: WorkerRank,
         sequence: u64,
-        events: Vec<KvEvent>,
+        events: Vec<TieredEvent>,
     ) -> BoxFuture<'_, SinkOutcome>;
     /// Drop everything the target holds (engine restart, noticed at the
     /// batch `sequence`).
@@ -88,11 +88,11 @@ impl EventSink for KvIndex {
         &self,
         target: WorkerRank,
         _sequence: u64,
-        events: Vec<KvEvent>,
+        events: Vec<TieredEvent>,
     ) -> BoxFuture<'_, SinkOutcome> {
         let mut outcome = SinkOutcome::default();
         for event in &events {
-            match KvIndex::apply(self, target, event) {
+            match self.apply_tiered(target, event.clone()) {
                 Ok(_) => outcome.applied += 1,
                 Err(e) => {
                     outcome.rejected += 1;
@@ -150,8 +150,6 @@ pub struct EngineEventsConfig {
     /// Explicit endpoints per rank (e.g. `ipc://` paths).
     pub rank_endpoints: HashMap<DpRank, RankEndpoints>,
     pub dialect: Dialect,
-    /// Media whose blocks count as cached for routing (default `["GPU"]`).
-    pub cached_media: Vec<String>,
     /// Topic prefix to subscribe to (engines default to "").
     pub topic: String,
     /// KV cache group to index (hybrid models); `None` indexes every group.
@@ -200,7 +198,6 @@ impl EngineEventsConfig {
             replay_endpoint: None,
             rank_endpoints: HashMap::new(),
             dialect,
-            cached_media: vec![MEDIUM_GPU.to_owned()],
             topic: String::new(),
             kv_group: Some(0),
             lora_names: HashMap::new(),
@@ -256,7 +253,6 @@ impl EngineEventsConfig {
     pub(crate) fn translate_options(&self) -> TranslateOptions {
         TranslateOptions {
             block_size: self.block_size,
-            cached_media: self.cached_media.clone(),
             kv_group: self.kv_group,
             lora_names: self.lora_names.clone(),
         }
@@ -564,8 +560,8 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
             WorkerEventMetrics::inc(kind);
             match self.translator.translate(event) {
                 Err(e) => self.count_error(&e),
-                Ok(Translated::OtherMedium) => {
-                    WorkerEventMetrics::inc(&self.metrics.events_other_medium);
+                Ok(Translated::UnknownMedium) => {
+                    WorkerEventMetrics::inc(&self.metrics.events_unknown_medium);
                 }
                 Ok(Translated::OtherGroup) => {
                     WorkerEventMetrics::inc(&self.metrics.events_other_group);
@@ -577,7 +573,9 @@ impl<S: EventSink + ?Sized> RankProcessor<S> {
         if translated.is_empty() {
             return false;
         }
-        let cleared = translated.iter().any(|e| matches!(e, KvEvent::Cleared));
+        let cleared = translated
+            .iter()
+            .any(|e| matches!(e.event, KvEvent::Cleared));
         let outcome = self.sink.apply(self.target, seq, translated).await;
         WorkerEventMetrics::add(&self.metrics.index_rejected, u64::from(outcome.rejected));
         cleared

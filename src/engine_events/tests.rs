@@ -85,6 +85,7 @@ fn golden_vllm_array() {
                 ..BlockStored::default()
             })),
             Ok(EngineEvent::Removed(BlockRemoved {
+                locality: None,
                 block_hashes: vec![1],
                 medium: Some("GPU".into()),
                 group_idx: None,
@@ -123,6 +124,7 @@ fn golden_vllm_array_full_trailing_fields() {
     assert_eq!(
         b.events[0],
         Ok(EngineEvent::Stored(BlockStored {
+            locality: None,
             block_hashes: vec![5],
             parent_block_hash: Some(4),
             token_ids: vec![1, 2],
@@ -211,6 +213,7 @@ fn golden_vllm_map_bytes_hashes() {
                 ..BlockStored::default()
             })),
             Ok(EngineEvent::Removed(BlockRemoved {
+                locality: None,
                 block_hashes: vec![0x0102_0304_0506_0708],
                 medium: Some("GPU".into()),
                 group_idx: Some(0),
@@ -284,6 +287,7 @@ fn golden_sglang_array_no_rank_signed_hashes_metadata() {
                 ..BlockStored::default()
             })),
             Ok(EngineEvent::Removed(BlockRemoved {
+                locality: None,
                 block_hashes: vec![u64::MAX],
                 medium: None,
                 group_idx: None,
@@ -347,6 +351,7 @@ fn golden_sglang_map() {
                 ..BlockStored::default()
             })),
             Ok(EngineEvent::Removed(BlockRemoved {
+                locality: None,
                 block_hashes: vec![u64::MAX - 1],
                 medium: None,
                 group_idx: None,
@@ -544,7 +549,7 @@ fn processor_unrecovered_gap_counts_and_continues() {
 }
 
 #[test]
-fn processor_skips_malformed_and_other_media() {
+fn processor_skips_malformed_and_unknown_media() {
     let (mut p, idx, m) = processor(Dialect::Vllm);
     block_on(p.on_live(0));
     block_on(p.apply_batch(0, &[0x93, 0xcb, 0x3f]));
@@ -559,7 +564,7 @@ fn processor_skips_malformed_and_other_media() {
         &[0x92, 0x01, 0x02],
         &[0x02],
         NIL,
-        &s("CPU"),
+        &s("NVME"),
         NIL,
         &[0x91],
         &s("Bogus"),
@@ -571,12 +576,13 @@ fn processor_skips_malformed_and_other_media() {
     let snap = m.snapshot();
     assert_eq!(snap.decode_error(DecodeReason::Msgpack), 1);
     assert_eq!(snap.decode_error(DecodeReason::UnknownEventType), 1);
-    assert_eq!(snap.events_other_medium, 1);
-    // Counted by medium: each store by the medium it names.
-    assert_eq!(m.medium_count("CPU"), 1);
+    assert_eq!(snap.events_unknown_medium, 1);
+    // Counted by medium: each store by the medium it names, an unknown
+    // one also by its value.
+    assert_eq!(m.medium_count("unknown"), 1);
+    assert_eq!(m.unknown_medium_count("NVME"), 1);
     assert_eq!(m.medium_count("GPU"), 1);
     assert_eq!(m.medium_count("none"), 0);
-    assert_eq!(m.medium_count("unknown"), 0);
     assert_eq!(snap.batches, 3);
     assert!(snap.last_event_age.is_some());
     assert_eq!(snap.last_seq, Some(2));
@@ -814,4 +820,31 @@ fn media_labels_are_known_names_none_or_unknown() {
     assert!(hostile.iter().all(|l| *l == "unknown"), "{hostile:?}");
     assert_eq!(MEDIUM_LABELS.len(), known_media().len() + 2);
     assert_eq!((MEDIUM_LABELS[0], MEDIUM_LABELS[11]), ("none", "unknown"));
+}
+
+/// Unknown media are counted by their value, made printable and cut short,
+/// and only so many values get a series of their own.
+#[test]
+fn unknown_media_are_counted_by_a_bounded_set_of_values() {
+    use crate::metrics::UnknownMedia;
+    let (_p, _idx, m) = processor(Dialect::Vllm);
+    m.count_medium(Some(&"y".repeat(1 << 20)));
+    m.count_medium(Some("a\u{0}b é"));
+    for i in 0..40 {
+        m.count_medium(Some(&format!("X{i}")));
+    }
+    assert_eq!(
+        m.unknown_medium_count(&"y".repeat(UnknownMedia::MAX_LEN)),
+        1
+    );
+    assert_eq!(m.unknown_medium_count("a?b??"), 1);
+    let own = UnknownMedia::MAX_VALUES - 2;
+    assert_eq!(m.unknown_medium_count("X0"), 1);
+    assert_eq!(m.unknown_medium_count(&format!("X{}", own - 1)), 1);
+    assert_eq!(m.unknown_medium_count("(other)"), (40 - own) as u64);
+    assert_eq!(m.medium_count("unknown"), 42);
+    // A known medium is never counted as unknown.
+    m.count_medium(Some("cpu"));
+    assert_eq!(m.medium_count("CPU"), 1);
+    assert_eq!(m.medium_count("unknown"), 42);
 }

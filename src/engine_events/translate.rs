@@ -21,9 +21,16 @@
 //!   represented: the event is skipped ([`DecodeReason::UnsupportedExtraKey`])
 //!   rather than risk matching requests that merely share token ids.
 //!
-//! Only media in `cached_media` (default `GPU`; no medium means GPU) change
-//! the index; other media are counted. Events of a KV cache group other than
-//! the configured one (hybrid models) are counted and skipped.
+//! Media are tiers ([`medium_tier`]): the device (`GPU`, or no medium), host
+//! memory, local storage, or an external pool. A medium kvroute does not know
+//! is counted and the event ignored, never guessed. A host-tier store that
+//! names its blocks by engine hash alone (vLLM before
+//! `self_describing_kv_events`: no token ids, `block_size` 0) becomes
+//! [`KvEvent::StoredKnown`]: the index places each block where another tier
+//! of the rank holds it. `AllBlocksCleared` clears every tier (see
+//! [`TieredEvent`]). Events of a KV
+//! cache group other than the configured one (hybrid models) are counted and
+//! skipped.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,11 +39,45 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::wire::{DecodeError, DecodeReason, EngineEvent, ExtraKey};
 use kvroute_core::hashing::{HashOptions, compute_block_hashes};
-use kvroute_core::index::KvEvent;
+use kvroute_core::index::{KvEvent, Tier, TieredEvent};
 use kvroute_core::types::EngineHash;
 
 /// The medium engines report for device memory; also assumed when absent.
 pub const MEDIUM_GPU: &str = "GPU";
+
+/// The tier an event's medium names; `None` for a medium kvroute does not
+/// know. `locality` is vLLM's for `STORAGE`: `REMOTE` storage is shared
+/// beyond the machine (external), anything else local.
+///
+/// * device: no medium, `GPU`;
+/// * host: vLLM's and LMCache's `CPU`, SGLang's `CPU_PINNED` and its older
+///   `CPU_TIER1`;
+/// * storage: vLLM's `FS`, local `STORAGE`, SGLang's older `CPU_TIER2`
+///   (its third tier, below host memory);
+/// * external: vLLM's `OBJ`, remote `STORAGE`, llm-d's `SHARED_STORAGE` and
+///   `OBJECT_STORE`.
+pub fn medium_tier(medium: Option<&str>, locality: Option<&str>) -> Option<Tier> {
+    let Some(medium) = medium else {
+        return Some(Tier::Device);
+    };
+    let is = |name: &str| medium.eq_ignore_ascii_case(name);
+    Some(if is("GPU") {
+        Tier::Device
+    } else if is("CPU") || is("CPU_PINNED") || is("CPU_TIER1") {
+        Tier::Host
+    } else if is("FS") || is("CPU_TIER2") {
+        Tier::Storage
+    } else if is("STORAGE") {
+        match locality {
+            Some(l) if l.eq_ignore_ascii_case("REMOTE") => Tier::External,
+            _ => Tier::Storage,
+        }
+    } else if is("OBJ") || is("SHARED_STORAGE") || is("OBJECT_STORE") {
+        Tier::External
+    } else {
+        return None;
+    })
+}
 
 /// The labels `engine_event_media_total` counts store and remove events
 /// under: `none` (an event naming no medium: the device), the media
@@ -94,9 +135,9 @@ pub fn mm_identifier_hash(identifier: &str) -> u64 {
 /// What to do with one engine event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Translated {
-    Apply(KvEvent),
-    /// Stored or removed on a medium not counted as cached.
-    OtherMedium,
+    Apply(TieredEvent),
+    /// Stored or removed on a medium kvroute does not know.
+    UnknownMedium,
     /// A KV cache group other than the configured one.
     OtherGroup,
     /// Nothing to do (e.g. an empty block list).
@@ -107,8 +148,6 @@ pub enum Translated {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TranslateOptions {
     pub block_size: u32,
-    /// Media whose blocks count as cached for routing.
-    pub cached_media: Vec<String>,
     /// The KV cache group to index; events without a group always count.
     /// `None`: every group.
     pub kv_group: Option<i64>,
@@ -155,14 +194,6 @@ impl Translator {
         self.salts.lock().clear();
     }
 
-    fn counts_medium(&self, medium: Option<&str>) -> bool {
-        let m = medium.unwrap_or(MEDIUM_GPU);
-        self.opts
-            .cached_media
-            .iter()
-            .any(|c| c.eq_ignore_ascii_case(m))
-    }
-
     fn counts_group(&self, group: Option<i64>) -> bool {
         match (self.opts.kv_group, group) {
             (Some(want), Some(got)) => want == got,
@@ -174,15 +205,16 @@ impl Translator {
         match event {
             EngineEvent::Cleared => {
                 self.salts.lock().clear();
-                Ok(Translated::Apply(KvEvent::Cleared))
+                // Every tier (see `TieredEvent`).
+                Ok(Translated::Apply(TieredEvent::device(KvEvent::Cleared)))
             }
             EngineEvent::Removed(r) => {
                 if !self.counts_group(r.group_idx) {
                     return Ok(Translated::OtherGroup);
                 }
-                if !self.counts_medium(r.medium.as_deref()) {
-                    return Ok(Translated::OtherMedium);
-                }
+                let Some(tier) = medium_tier(r.medium.as_deref(), r.locality.as_deref()) else {
+                    return Ok(Translated::UnknownMedium);
+                };
                 if r.block_hashes.is_empty() {
                     return Ok(Translated::Nothing);
                 }
@@ -191,19 +223,31 @@ impl Translator {
                     salts.remove(h);
                 }
                 drop(salts);
-                Ok(Translated::Apply(KvEvent::Removed {
-                    blocks: r.block_hashes,
-                }))
+                Ok(Translated::Apply(TieredEvent::new(
+                    tier,
+                    KvEvent::Removed {
+                        blocks: r.block_hashes,
+                    },
+                )))
             }
             EngineEvent::Stored(s) => {
                 if !self.counts_group(s.group_idx) {
                     return Ok(Translated::OtherGroup);
                 }
-                if !self.counts_medium(s.medium.as_deref()) {
-                    return Ok(Translated::OtherMedium);
-                }
+                let Some(tier) = medium_tier(s.medium.as_deref(), s.locality.as_deref()) else {
+                    return Ok(Translated::UnknownMedium);
+                };
                 if s.block_hashes.is_empty() {
                     return Ok(Translated::Nothing);
+                }
+                if tier != Tier::Device && s.block_size == 0 && s.token_ids.is_empty() {
+                    // Named by engine hash only: blocks another tier holds.
+                    return Ok(Translated::Apply(TieredEvent::new(
+                        tier,
+                        KvEvent::StoredKnown {
+                            blocks: s.block_hashes,
+                        },
+                    )));
                 }
                 let bs = self.opts.block_size;
                 if s.block_size != bs {
@@ -255,10 +299,13 @@ impl Translator {
                         salts.insert(*h, Arc::clone(ns));
                     }
                 }
-                Ok(Translated::Apply(KvEvent::Stored {
-                    parent: s.parent_block_hash,
-                    blocks: s.block_hashes.into_iter().zip(locals).collect(),
-                }))
+                Ok(Translated::Apply(TieredEvent::new(
+                    tier,
+                    KvEvent::Stored {
+                        parent: s.parent_block_hash,
+                        blocks: s.block_hashes.into_iter().zip(locals).collect(),
+                    },
+                )))
             }
         }
     }
@@ -316,7 +363,6 @@ mod tests {
     fn opts() -> Arc<TranslateOptions> {
         Arc::new(TranslateOptions {
             block_size: 2,
-            cached_media: vec![MEDIUM_GPU.to_owned()],
             kv_group: Some(0),
             lora_names: HashMap::from([(7, "ad".to_owned())]),
         })
@@ -334,9 +380,10 @@ mod tests {
 
     fn locals(ev: &Translated) -> Vec<u64> {
         match ev {
-            Translated::Apply(KvEvent::Stored { blocks, .. }) => {
-                blocks.iter().map(|b| b.1).collect()
-            }
+            Translated::Apply(TieredEvent {
+                event: KvEvent::Stored { blocks, .. },
+                ..
+            }) => blocks.iter().map(|b| b.1).collect(),
             _ => Vec::new(),
         }
     }
@@ -395,13 +442,96 @@ mod tests {
     }
 
     #[test]
+    fn media_name_tiers() {
+        let cases = [
+            (None, None, Some(Tier::Device)),
+            (Some("gpu"), None, Some(Tier::Device)),
+            (Some("CPU"), None, Some(Tier::Host)),
+            (Some("CPU_PINNED"), None, Some(Tier::Host)),
+            (Some("CPU_TIER1"), None, Some(Tier::Host)),
+            (Some("CPU_TIER2"), None, Some(Tier::Storage)),
+            (Some("FS"), None, Some(Tier::Storage)),
+            (Some("STORAGE"), None, Some(Tier::Storage)),
+            (Some("STORAGE"), Some("LOCAL"), Some(Tier::Storage)),
+            (Some("STORAGE"), Some("remote"), Some(Tier::External)),
+            (Some("OBJ"), None, Some(Tier::External)),
+            (Some("SHARED_STORAGE"), None, Some(Tier::External)),
+            (Some("OBJECT_STORE"), None, Some(Tier::External)),
+            (Some(""), None, None),
+            (Some("NVME"), None, None),
+        ];
+        for (medium, locality, want) in cases {
+            assert_eq!(
+                medium_tier(medium, locality),
+                want,
+                "{medium:?} {locality:?}"
+            );
+        }
+        // Every medium the metrics name is a tier.
+        for known in known_media() {
+            assert!(medium_tier(Some(known), None).is_some(), "{known}");
+        }
+    }
+
+    #[test]
+    fn host_events_with_and_without_tokens() -> Result<(), DecodeError> {
+        let mut t = Translator::new(opts());
+        // Self-describing: tokens, parent on the device; hashed as usual.
+        let mut s = stored(&[2], Some(1), &[3, 4]);
+        s.medium = Some("CPU".into());
+        let out = t.translate(EngineEvent::Stored(s))?;
+        assert!(matches!(
+            &out,
+            Translated::Apply(TieredEvent {
+                tier: Tier::Host,
+                event: KvEvent::Stored {
+                    parent: Some(1),
+                    ..
+                }
+            })
+        ));
+        assert_eq!(
+            locals(&out),
+            compute_block_hashes(&[3, 4], 2, &HashOptions::plain(), None)
+        );
+        // A placeholder: engine hashes only.
+        let placeholder = BlockStored {
+            block_hashes: vec![1, 2],
+            medium: Some("CPU".into()),
+            ..BlockStored::default()
+        };
+        assert_eq!(
+            t.translate(EngineEvent::Stored(placeholder.clone()))?,
+            Translated::Apply(TieredEvent::new(
+                Tier::Host,
+                KvEvent::StoredKnown { blocks: vec![1, 2] }
+            ))
+        );
+        // The same shape on the device is malformed, as before.
+        let device = BlockStored {
+            medium: None,
+            ..placeholder
+        };
+        assert_eq!(
+            t.translate(EngineEvent::Stored(device))
+                .map_err(|e| e.reason),
+            Err(DecodeReason::BlockSizeMismatch)
+        );
+        assert_eq!(
+            t.translate(EngineEvent::Cleared)?,
+            Translated::Apply(TieredEvent::device(KvEvent::Cleared))
+        );
+        Ok(())
+    }
+
+    #[test]
     fn media_groups_and_errors() {
         let mut t = Translator::new(opts());
         let mut s = stored(&[1], None, &[1, 2]);
-        s.medium = Some("CPU_PINNED".into());
+        s.medium = Some("CPU_PINNED\u{0}".into());
         assert_eq!(
             t.translate(EngineEvent::Stored(s)),
-            Ok(Translated::OtherMedium)
+            Ok(Translated::UnknownMedium)
         );
         let mut s = stored(&[1], None, &[1, 2]);
         s.group_idx = Some(1);
@@ -410,13 +540,17 @@ mod tests {
             Ok(Translated::OtherGroup)
         );
         let r = BlockRemoved {
+            locality: None,
             block_hashes: vec![1],
             medium: Some("gpu".into()),
             group_idx: None,
         };
         assert!(matches!(
             t.translate(EngineEvent::Removed(r)),
-            Ok(Translated::Apply(KvEvent::Removed { .. }))
+            Ok(Translated::Apply(TieredEvent {
+                tier: Tier::Device,
+                event: KvEvent::Removed { .. }
+            }))
         ));
         let s = stored(&[1, 2], None, &[1, 2, 3]);
         assert_eq!(

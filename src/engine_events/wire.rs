@@ -248,6 +248,8 @@ pub struct BlockStored {
     pub lora_id: Option<i64>,
     pub lora_name: Option<String>,
     pub medium: Option<String>,
+    /// vLLM's `locality` of a `STORAGE` medium (`LOCAL`, `REMOTE`).
+    pub locality: Option<String>,
     /// One entry per block (`None`: no extra keys for that block).
     pub extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     pub group_idx: Option<i64>,
@@ -261,6 +263,8 @@ pub struct BlockStored {
 pub struct BlockRemoved {
     pub block_hashes: Vec<u64>,
     pub medium: Option<String>,
+    /// As [`BlockStored::locality`].
+    pub locality: Option<String>,
     pub group_idx: Option<i64>,
 }
 
@@ -396,6 +400,7 @@ fn decode_positional(items: &[Value], dialect: Dialect) -> Result<EngineEvent, D
             Ok(EngineEvent::Removed(BlockRemoved {
                 block_hashes: hashes(&fields[0])?,
                 medium: opt_str(at(1), "medium")?,
+                locality: None,
                 group_idx: match dialect {
                     Dialect::Vllm => opt_int(at(2), "group_idx")?,
                     Dialect::Sglang => None,
@@ -445,6 +450,7 @@ fn decode_map(entries: &[(Value, Value)]) -> Result<EngineEvent, DecodeError> {
                 lora_id: opt_int(get("lora_id"), "lora_id")?,
                 lora_name: opt_str(get("lora_name"), "lora_name")?,
                 medium: opt_str(get("medium"), "medium")?,
+                locality: opt_str(get("locality"), "locality")?,
                 extra_keys: extra_keys(get("extra_keys"))?,
                 group_idx: opt_int(get("group_idx"), "group_idx")?,
                 kv_cache_spec_kind: opt_str(get("kv_cache_spec_kind"), "kv_cache_spec_kind")?,
@@ -454,6 +460,7 @@ fn decode_map(entries: &[(Value, Value)]) -> Result<EngineEvent, DecodeError> {
         "BlockRemoved" => Ok(EngineEvent::Removed(BlockRemoved {
             block_hashes: hashes(require("block_hashes")?)?,
             medium: opt_str(get("medium"), "medium")?,
+            locality: opt_str(get("locality"), "locality")?,
             group_idx: opt_int(get("group_idx"), "group_idx")?,
         })),
         "AllBlocksCleared" => Ok(EngineEvent::Cleared),

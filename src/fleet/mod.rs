@@ -290,6 +290,7 @@ impl Fleet {
                 adapters: Vec::new(),
                 lease_ttl: None,
                 kv_events: kvroute_core::types::KvEventsMode::Exact,
+                tiers: Vec::new(),
             };
             check_source(&spec.source, &registration)?;
             let _turn = self.turn(worker_id).await;

@@ -31,7 +31,7 @@ use crate::{
     metrics::Metrics,
 };
 use kvroute_core::{
-    index::KvEvent,
+    index::TieredEvent,
     registry::WorkerRecord,
     types::{DpRank, WorkerId, WorkerRank},
 };
@@ -55,7 +55,12 @@ pub struct IngestSink {
 }
 
 impl IngestSink {
-    async fn send(&self, target: WorkerRank, sequence: u64, events: Vec<KvEvent>) -> SinkOutcome {
+    async fn send(
+        &self,
+        target: WorkerRank,
+        sequence: u64,
+        events: Vec<TieredEvent>,
+    ) -> SinkOutcome {
         let batch = EngineBatch {
             worker_id: self.worker_id,
             generation: self.generation,
@@ -94,14 +99,15 @@ impl EventSink for IngestSink {
         &self,
         target: WorkerRank,
         sequence: u64,
-        events: Vec<KvEvent>,
+        events: Vec<TieredEvent>,
     ) -> BoxFuture<'_, SinkOutcome> {
         Box::pin(self.send(target, sequence, events))
     }
 
     fn clear(&self, target: WorkerRank, sequence: u64) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            self.send(target, sequence, vec![KvEvent::Cleared]).await;
+            let clear = TieredEvent::device(kvroute_core::index::KvEvent::Cleared);
+            self.send(target, sequence, vec![clear]).await;
         })
     }
 }
@@ -477,6 +483,7 @@ mod tests {
         let subscriptions = Subscriptions::new(ingest, metrics.clone());
         let record = router
             .register_worker(Registration {
+                tiers: Vec::new(),
                 worker_id: 7,
                 model: "m".into(),
                 role: WorkerRole::Aggregated,

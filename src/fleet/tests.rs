@@ -22,6 +22,7 @@ fn fleet() -> Fleet {
 
 fn registration(worker_id: WorkerId, block_size: u32) -> Registration {
     Registration {
+        tiers: Vec::new(),
         worker_id,
         model: "m".into(),
         role: WorkerRole::Aggregated,

@@ -62,6 +62,7 @@ pub fn publish_events(data: &[u8]) {
     let core = Arc::new(RouterCore::new(RouterConfig::default(), metrics));
     for (worker_id, dp_size) in WORKERS {
         let registered = core.register_worker(Registration {
+            tiers: Vec::new(),
             worker_id,
             model: MODEL.into(),
             role: WorkerRole::Aggregated,
@@ -127,7 +128,16 @@ pub fn publish_events(data: &[u8]) {
         let cursor = reference.cursors.entry(rank).or_default();
         let mut first_rejection = None;
         let receipt = cursor.receive(validated.events.clone(), |event| {
-            match naive.apply(rank, &event) {
+            // The fuzzed worker declares no tier below the device.
+            let applied = if event.tier == kvroute_core::index::Tier::Device {
+                naive.apply(rank, &event.event)
+            } else {
+                Err(kvroute_core::index::IndexError::TierNotDeclared {
+                    worker: rank,
+                    tier: event.tier,
+                })
+            };
+            match applied {
                 Ok(_) => true,
                 Err(error) => {
                     first_rejection.get_or_insert(error);
@@ -221,6 +231,7 @@ fn batch(
             4 | 5 => {
                 let n = input.u8() % 4;
                 Some(pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+                    tier: 0,
                     engine_hashes: (0..n)
                         .map(|_| u64::from(input.u8() % ENGINE_HASHES))
                         .collect(),
@@ -289,6 +300,7 @@ fn stored(input: &mut Bytes<'_>, kind: u8) -> (pb::BlocksStored, Vec<LocalHash>)
         });
     }
     let stored = pb::BlocksStored {
+        tier: 0,
         parent_engine_hash: parent,
         blocks,
         lora_name: if kind & 4 == 0 {

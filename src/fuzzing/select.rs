@@ -53,6 +53,7 @@ fn fleet() -> Option<RouterCore> {
     ];
     for (worker_id, role, dp_size, taints) in workers {
         core.register_worker(Registration {
+            tiers: Vec::new(),
             worker_id,
             model: MODEL.into(),
             role,

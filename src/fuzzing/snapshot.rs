@@ -36,6 +36,7 @@ pub fn snapshot_payload(data: &[u8]) {
     };
     let config = RouterConfig {
         registry_limits: RegistryLimits {
+            max_tier_blocks_per_rank: 1 << 24,
             max_workers: MAX_WORKERS,
             max_models: 2,
             max_ranks_per_worker: MAX_RANKS,

@@ -13,7 +13,7 @@ use crate::engine_events::{
     translate::{TranslateOptions, Translated, Translator},
     wire::{self, Dialect, EngineEvent, ReplayFrame},
 };
-use kvroute_core::index::KvEvent;
+use kvroute_core::index::{KvEvent, TieredEvent};
 
 /// Block sizes the translation is tried with (flag bits 4..6).
 const BLOCK_SIZES: [u32; 4] = [1, 2, 4, 16];
@@ -50,7 +50,6 @@ pub fn zmq_payload(data: &[u8]) {
     };
     let opts = TranslateOptions {
         block_size: BLOCK_SIZES[usize::from(flags >> 4) & 3],
-        cached_media: vec!["GPU".into(), "cpu".into()],
         kv_group: (flags & 8 != 0).then_some(0),
         lora_names: HashMap::from([(1, "adapter".to_string())]),
     };
@@ -62,11 +61,17 @@ pub fn zmq_payload(data: &[u8]) {
             EngineEvent::Cleared => 0,
         };
         match translator.translate(event) {
-            Ok(Translated::Apply(KvEvent::Stored { blocks, .. })) => {
+            Ok(Translated::Apply(TieredEvent {
+                event: KvEvent::Stored { blocks, .. },
+                ..
+            })) => {
                 assert_eq!(blocks.len(), announced, "one local hash per engine block");
             }
-            Ok(Translated::Apply(KvEvent::Removed { blocks })) => {
-                assert_eq!(blocks.len(), announced, "every removed block kept");
+            Ok(Translated::Apply(TieredEvent {
+                event: KvEvent::Removed { blocks } | KvEvent::StoredKnown { blocks },
+                ..
+            })) => {
+                assert_eq!(blocks.len(), announced, "every named block kept");
             }
             Ok(_) | Err(_) => {}
         }

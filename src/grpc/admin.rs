@@ -149,6 +149,8 @@ impl pb::admin_server::Admin for AdminService {
                     }),
                     cache_view: crate::grpc::convert::cache_view_to_pb(c.view).into(),
                     cache_view_reason: c.view.describe().to_owned(),
+                    overlap_by_tier: Some(c.tiers.into()),
+                    effective_overlap_blocks: c.effective_overlap_blocks,
                 }
             })
             .collect();

@@ -9,13 +9,13 @@ use crate::{
     fleet::{IndexView, WorkerView},
     grpc::status::InvalidInput,
     ingest::{BatchOutcome, IngestEvent, ValidatedBatch},
-    pb,
+    pb::{self, cache_tier},
     router::{Admitted, PreparedRequest, now},
 };
 use kvroute_core::{
     admission::AdmissionMode,
     hashing::{HashOptions, compute_block_hashes, compute_block_hashes_le},
-    index::KvEvent,
+    index::{KvEvent, TIERS, Tier, TieredEvent},
     registry::{Adapter, EventTarget, Registration},
     select::{
         RoutingHints, ScoringOverrides, SelectMode, SelectRequest,
@@ -125,6 +125,24 @@ pub(crate) fn registration_from_pb(
             format!("worker {} declares block_size 0", request.worker_id),
         ));
     }
+    if request.cache_tiers.len() > TIERS - 1 {
+        return Err(InvalidInput::new(
+            "cache_tiers",
+            format!(
+                "worker {worker_id} declares {} cache tiers; there are {} below the device",
+                request.cache_tiers.len(),
+                TIERS - 1
+            ),
+        ));
+    }
+    let tiers = request
+        .cache_tiers
+        .iter()
+        .map(cache_tier::tier_spec)
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(|message| {
+            InvalidInput::new("cache_tiers", format!("worker {worker_id}: {message}"))
+        })?;
     let registration = Registration {
         worker_id: request.worker_id,
         model: request.model,
@@ -140,6 +158,7 @@ pub(crate) fn registration_from_pb(
         lease_ttl: (request.lease_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
         kv_events: kv_events_from_pb(request.kv_events)?,
+        tiers,
     };
     if registration.kv_events == KvEventsMode::Approximate && source.is_some() {
         return Err(InvalidInput::new(
@@ -168,6 +187,7 @@ pub(crate) fn registration_to_pb(
         block_size: r.block_size,
         dp_start_rank: r.dp_start_rank,
         dp_size: r.dp_size,
+        cache_tiers: r.tiers.iter().map(pb::CacheTierSpec::from).collect(),
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
@@ -242,7 +262,7 @@ pub fn batch_from_pb(
                 dp_rank,
                 event_id: event.event_id,
             };
-            let converted = event_from_pb(event.kind, &place, target.block_size, limits)?;
+            let converted = event_from_pb(event.kind, &place, target, limits)?;
             Ok(IngestEvent {
                 event_id: event.event_id,
                 event: converted,
@@ -298,12 +318,19 @@ impl EventPlace {
     }
 }
 
+/// The tier an event names; an error for a value no version of the API
+/// defines.
+fn event_tier(raw: i32, place: &EventPlace, field: &str) -> Result<Tier, InvalidInput> {
+    cache_tier::tier_of(raw)
+        .ok_or_else(|| place.error(field, format_args!("unknown cache tier {raw}")))
+}
+
 fn event_from_pb(
     kind: Option<pb::kv_event::Kind>,
     place: &EventPlace,
-    block_size: u32,
+    target: &EventTarget,
     limits: BatchLimits,
-) -> Result<KvEvent, InvalidInput> {
+) -> Result<TieredEvent, InvalidInput> {
     let too_many = |field: &str, n: usize| {
         place.error(
             field,
@@ -321,7 +348,11 @@ fn event_from_pb(
             if stored.blocks.len() > limits.max_blocks_per_event {
                 return Err(too_many("stored.blocks", stored.blocks.len()));
             }
-            stored_from_pb(stored, place, block_size)
+            let tier = event_tier(stored.tier, place, "stored.tier")?;
+            Ok(TieredEvent::new(
+                tier,
+                stored_from_pb(stored, place, target.block_size)?,
+            ))
         }
         pb::kv_event::Kind::Removed(removed) => {
             if removed.engine_hashes.len() > limits.max_blocks_per_event {
@@ -330,11 +361,35 @@ fn event_from_pb(
                     removed.engine_hashes.len(),
                 ));
             }
-            Ok(KvEvent::Removed {
-                blocks: removed.engine_hashes,
-            })
+            Ok(TieredEvent::new(
+                event_tier(removed.tier, place, "removed.tier")?,
+                KvEvent::Removed {
+                    blocks: removed.engine_hashes,
+                },
+            ))
         }
-        pb::kv_event::Kind::Cleared(_) => Ok(KvEvent::Cleared),
+        pb::kv_event::Kind::Cleared(_) => Ok(TieredEvent::device(KvEvent::Cleared)),
+        pb::kv_event::Kind::Copied(copied) => {
+            if copied.engine_hashes.is_empty() {
+                return Err(place.error("copied.engine_hashes", "copied event with no blocks"));
+            }
+            if copied.engine_hashes.len() > limits.max_blocks_per_event {
+                return Err(too_many("copied.engine_hashes", copied.engine_hashes.len()));
+            }
+            let tier = event_tier(copied.tier, place, "copied.tier")?;
+            if tier == Tier::Device {
+                return Err(place.error(
+                    "copied.tier",
+                    "blocks are copied to a tier below the device; the device's are stored with their content",
+                ));
+            }
+            Ok(TieredEvent::new(
+                tier,
+                KvEvent::StoredKnown {
+                    blocks: copied.engine_hashes,
+                },
+            ))
+        }
     }
 }
 
@@ -401,7 +456,14 @@ fn stored_from_pb(
 /// The wire form of an index event, blocks given by their local hashes: what
 /// a worker that hashes its own blocks sends (benchmarks, test workers).
 pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
-    let kind = match event {
+    tiered_event_to_pb(event_id, &TieredEvent::device(event.clone()))
+}
+
+/// [`kv_event_to_pb`] of an event in any tier (cluster mode's log carries
+/// the engines' events in this form).
+pub fn tiered_event_to_pb(event_id: u64, tiered: &TieredEvent) -> pb::KvEvent {
+    let tier = pb::CacheTier::from(tiered.tier) as i32;
+    let kind = match &tiered.event {
         KvEvent::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
             parent_engine_hash: *parent,
             blocks: blocks
@@ -414,26 +476,16 @@ pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
                 .collect(),
             lora_name: String::new(),
             cache_namespace: String::new(),
+            tier,
         }),
         KvEvent::Removed { blocks } => pb::kv_event::Kind::Removed(pb::BlocksRemoved {
             engine_hashes: blocks.clone(),
+            tier,
         }),
         KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::CacheCleared {}),
-        // No wire form names a block by engine hash alone yet: its blocks
-        // go without content, which `index_event_from_pb` and the gRPC
-        // validation refuse, so it can never be applied as something else.
-        KvEvent::StoredKnown { blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
-            parent_engine_hash: None,
-            blocks: blocks
-                .iter()
-                .map(|&engine| pb::StoredBlock {
-                    engine_hash: engine,
-                    content: None,
-                    mm_info: None,
-                })
-                .collect(),
-            lora_name: String::new(),
-            cache_namespace: String::new(),
+        KvEvent::StoredKnown { blocks } => pb::kv_event::Kind::Copied(pb::BlocksCopied {
+            engine_hashes: blocks.clone(),
+            tier,
         }),
     };
     pb::KvEvent {
@@ -445,7 +497,7 @@ pub fn kv_event_to_pb(event_id: u64, event: &KvEvent) -> pb::KvEvent {
 /// The inverse of [`kv_event_to_pb`]: an event whose blocks are all given
 /// by local hash (cluster mode's log carries events in this form). `None`
 /// for anything else.
-pub(crate) fn index_event_from_pb(event: pb::KvEvent) -> Option<KvEvent> {
+pub(crate) fn index_event_from_pb(event: pb::KvEvent) -> Option<TieredEvent> {
     Some(match event.kind? {
         pb::kv_event::Kind::Stored(stored) => {
             let mut blocks = Vec::with_capacity(stored.blocks.len());
@@ -455,15 +507,25 @@ pub(crate) fn index_event_from_pb(event: pb::KvEvent) -> Option<KvEvent> {
                 };
                 blocks.push((block.engine_hash, local));
             }
-            KvEvent::Stored {
+            let event = KvEvent::Stored {
                 parent: stored.parent_engine_hash,
                 blocks,
-            }
+            };
+            TieredEvent::new(cache_tier::tier_of(stored.tier)?, event)
         }
-        pb::kv_event::Kind::Removed(removed) => KvEvent::Removed {
-            blocks: removed.engine_hashes,
-        },
-        pb::kv_event::Kind::Cleared(_) => KvEvent::Cleared,
+        pb::kv_event::Kind::Removed(removed) => TieredEvent::new(
+            cache_tier::tier_of(removed.tier)?,
+            KvEvent::Removed {
+                blocks: removed.engine_hashes,
+            },
+        ),
+        pb::kv_event::Kind::Cleared(_) => TieredEvent::device(KvEvent::Cleared),
+        pb::kv_event::Kind::Copied(copied) => TieredEvent::new(
+            cache_tier::tier_of(copied.tier)?,
+            KvEvent::StoredKnown {
+                blocks: copied.engine_hashes,
+            },
+        ),
     })
 }
 
@@ -857,6 +919,7 @@ pub(crate) fn selection_to_pb(
         dp_rank: selection.target.dp_rank,
         overlap_blocks: selection.overlap_blocks,
         effective_overlap_blocks: selection.effective_overlap_blocks,
+        overlap_by_tier: Some(selection.tiers.into()),
         cached_tokens: selection.cached_tokens,
         total_blocks: selection.total_blocks,
         potential_prefill_tokens: selection.potential_prefill_tokens,
@@ -892,6 +955,7 @@ pub(crate) fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         block_size: r.block_size,
         dp_start_rank: r.dp_start_rank,
         dp_size: r.dp_size,
+        cache_tiers: r.tiers.iter().map(pb::CacheTierSpec::from).collect(),
         total_kv_blocks: r.total_kv_blocks,
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
@@ -926,6 +990,9 @@ pub(crate) fn index_view_to_pb(view: &IndexView) -> pb::IndexStats {
         memory_bytes: view.stats.bytes_used,
         entries: view.digest.entries,
         digest: view.digest.digest,
+        blocks_by_tier: Some(pb::BlocksByTier::from_counts(view.stats.per_tier)),
+        blocks_unresolved: view.stats.blocks_unresolved,
+        blocks_evicted: view.stats.blocks_evicted,
     }
 }
 
@@ -939,6 +1006,7 @@ mod tests {
     #[test]
     fn a_registration_reads_back_as_it_was_written() {
         let full = Registration {
+            tiers: Vec::new(),
             worker_id: 42,
             model: "llama".into(),
             role: WorkerRole::Prefill,
@@ -959,6 +1027,7 @@ mod tests {
             replay_endpoint: Some("tcp://127.0.0.1:5600".into()),
         };
         let bare = Registration {
+            tiers: Vec::new(),
             worker_id: 7,
             model: "m".into(),
             role: WorkerRole::Decode,

@@ -56,7 +56,7 @@
 
 use std::{collections::BTreeMap, sync::Arc};
 
-use kvroute_core::index::KvEvent;
+use kvroute_core::index::{KvEvent, TieredEvent};
 
 /// Ids past the next expected one that may be held: at most this many
 /// events wait per (worker, rank). A full batch (4096 events, the default
@@ -72,7 +72,7 @@ pub const MAX_HELD_BLOCKS: usize = 65_536;
 #[derive(Clone, Debug)]
 pub struct IngestEvent {
     pub event_id: u64,
-    pub event: KvEvent,
+    pub event: TieredEvent,
 }
 
 /// Why an event was skipped (not applied, not rejected by the index).
@@ -150,7 +150,7 @@ pub struct EventCursor {
     /// Events past a gap, by id, waiting for it to fill. Shared, so that a
     /// copy of the cursor for the Admin API costs nothing; the writer copies
     /// the map only if such a copy is alive when it changes it.
-    held: Arc<BTreeMap<u64, KvEvent>>,
+    held: Arc<BTreeMap<u64, TieredEvent>>,
     /// Blocks of the held events (see [`MAX_HELD_BLOCKS`]).
     held_blocks: usize,
     /// A resync was asked for and not yet answered.
@@ -226,13 +226,13 @@ impl EventCursor {
     /// returns false when the index rejected it.
     pub(crate) fn receive<F>(&mut self, events: Vec<IngestEvent>, mut apply: F) -> Receipt
     where
-        F: FnMut(KvEvent) -> bool,
+        F: FnMut(TieredEvent) -> bool,
     {
         let mut receipt = Receipt::default();
         let Some(first) = events.first() else {
             return receipt;
         };
-        let leading_clear = matches!(first.event, KvEvent::Cleared);
+        let leading_clear = matches!(first.event.event, KvEvent::Cleared);
         let answers_resync = self.resync_required
             && self
                 .resync_floor()
@@ -274,9 +274,9 @@ impl EventCursor {
         self.resyncs += 1;
     }
 
-    fn receive_one<F>(&mut self, id: u64, event: KvEvent, apply: &mut F, receipt: &mut Receipt)
+    fn receive_one<F>(&mut self, id: u64, event: TieredEvent, apply: &mut F, receipt: &mut Receipt)
     where
-        F: FnMut(KvEvent) -> bool,
+        F: FnMut(TieredEvent) -> bool,
     {
         if self.resync_required {
             receipt.skip(SkipReason::Resync, 1);
@@ -292,7 +292,7 @@ impl EventCursor {
             receipt.skip(SkipReason::Duplicate, 1);
             return;
         }
-        if id > next && matches!(event, KvEvent::Cleared) {
+        if id > next && matches!(event.event, KvEvent::Cleared) {
             // A barrier: what came before it no longer matters.
             let held = Arc::make_mut(&mut self.held);
             let kept = held.split_off(&id);
@@ -310,7 +310,7 @@ impl EventCursor {
 
     /// Holds `event` past the gap before it, or asks for a resync when it
     /// does not fit.
-    fn hold(&mut self, id: u64, next: u64, event: KvEvent, receipt: &mut Receipt) {
+    fn hold(&mut self, id: u64, next: u64, event: TieredEvent, receipt: &mut Receipt) {
         let blocks = event_blocks(&event);
         if id - next > MAX_HELD_EVENTS || self.held_blocks + blocks > MAX_HELD_BLOCKS {
             self.ask_resync(receipt);
@@ -326,9 +326,9 @@ impl EventCursor {
     }
 
     /// Applies the event with the next id and moves past it.
-    fn pass<F>(&mut self, id: u64, event: KvEvent, apply: &mut F, receipt: &mut Receipt)
+    fn pass<F>(&mut self, id: u64, event: TieredEvent, apply: &mut F, receipt: &mut Receipt)
     where
-        F: FnMut(KvEvent) -> bool,
+        F: FnMut(TieredEvent) -> bool,
     {
         if apply(event) {
             receipt.applied += 1;
@@ -342,7 +342,7 @@ impl EventCursor {
     /// Applies the held events that now follow without a gap.
     fn release<F>(&mut self, apply: &mut F, receipt: &mut Receipt)
     where
-        F: FnMut(KvEvent) -> bool,
+        F: FnMut(TieredEvent) -> bool,
     {
         while let Next::At(next) = self.next {
             if !self.held.contains_key(&next) {
@@ -366,8 +366,8 @@ impl EventCursor {
 
 /// What an event weighs in the held buffer: its stored blocks or removed
 /// engine hashes.
-fn event_blocks(event: &KvEvent) -> usize {
-    event.block_count()
+fn event_blocks(event: &TieredEvent) -> usize {
+    event.event.block_count()
 }
 
 fn count(n: usize) -> u32 {

@@ -36,7 +36,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::router::RouterCore;
 use cursor::{EventCursor, SkipReason};
 use kvroute_core::{
-    index::{IndexError, KvEvent, KvIndex, TargetContent},
+    index::{Holder, IndexError, KvIndex, TIERS, TargetContent, Tier, TieredEvent},
     types::{DpRank, WorkerId, WorkerRank, WorkerSnapshot},
 };
 
@@ -94,7 +94,7 @@ pub struct EngineBatch {
     pub generation: u64,
     pub model: String,
     pub dp_rank: DpRank,
-    pub events: Vec<KvEvent>,
+    pub events: Vec<TieredEvent>,
 }
 
 /// What the writer did with an [`EngineBatch`].
@@ -102,6 +102,8 @@ pub struct EngineBatch {
 pub struct EngineOutcome {
     pub applied: u32,
     pub rejected: u32,
+    /// Blocks of placeholder events no tier of the rank held (left out).
+    pub unresolved: u64,
     /// The first rejection, for logs.
     pub first_rejection: Option<IndexError>,
 }
@@ -350,7 +352,9 @@ impl EventWriter {
             .fold((0, 0), |(s, r), c| (s + c.skipped, r + c.rejected))
     }
 
-    /// Holds `worker`'s dp ranks to their KV capacity and sizes their tables.
+    /// Holds `worker`'s dp ranks to their KV capacity and sizes their
+    /// tables; holds each declared lower tier to its capacity, and drops a
+    /// tier the worker no longer declares.
     pub fn reserve(&self, worker: &WorkerSnapshot) {
         let capacity = self
             .router
@@ -364,8 +368,30 @@ impl EventWriter {
                 if worker.total_kv_blocks > 0 {
                     index.reserve(target, worker.total_kv_blocks);
                 }
+                for tier in &Tier::ALL[1..] {
+                    let holder = Holder::new(target, *tier);
+                    match worker.tiers.iter().find(|t| t.tier == *tier) {
+                        Some(spec) => index.bound_tier(holder, spec.capacity_blocks),
+                        None => {
+                            index.remove_tier(holder);
+                        }
+                    }
+                }
             }
         }
+    }
+
+    /// The tiers below the device `worker_id` declares (events for others
+    /// are rejected: the index holds no tier it was not told the size of).
+    fn declared_tiers(&self, worker_id: WorkerId) -> [bool; TIERS] {
+        let mut declared = [false; TIERS];
+        declared[Tier::Device.index()] = true;
+        if let Some(worker) = self.router.worker(worker_id) {
+            for spec in &worker.registration.tiers {
+                declared[spec.tier.index()] = true;
+            }
+        }
+        declared
     }
 
     /// A target's blocks and last applied event id, if its registration is
@@ -453,7 +479,7 @@ impl EventWriter {
             self.router.note_events(worker_id);
         }
         let target = WorkerRank::new(worker_id, batch.dp_rank);
-        let mut tally = Tally::default();
+        let mut tally = Tally::new(self.declared_tiers(worker_id));
         let mut cursors = self.cursors.lock();
         let cursor = cursors.entry(target).or_default();
         // A batch that answers a resend request is catch-up (after a gap,
@@ -504,7 +530,7 @@ impl EventWriter {
             self.router.note_events(worker_id);
         }
         let target = WorkerRank::new(worker_id, batch.dp_rank);
-        let mut tally = Tally::default();
+        let mut tally = Tally::new(self.declared_tiers(worker_id));
         for event in batch.events {
             tally.apply(&index, target, event);
         }
@@ -526,8 +552,9 @@ impl EventWriter {
 
 /// Applies a batch's events one by one and counts what happened, for the
 /// caller's outcome and the events metrics.
-#[derive(Default)]
 struct Tally {
+    /// The tiers the worker declared, by [`Tier::index`].
+    declared: [bool; TIERS],
     outcome: EngineOutcome,
     /// Events the index rejected, by reason.
     rejected: HashMap<&'static str, u64>,
@@ -536,12 +563,31 @@ struct Tally {
 }
 
 impl Tally {
+    fn new(declared: [bool; TIERS]) -> Self {
+        Self {
+            declared,
+            outcome: EngineOutcome::default(),
+            rejected: HashMap::new(),
+            skipped: HashMap::new(),
+        }
+    }
+
     /// Applies `event` (handed over: a store keeps its block array); false
-    /// if the index rejected it.
-    fn apply(&mut self, index: &KvIndex, target: WorkerRank, event: KvEvent) -> bool {
-        match index.apply_owned(target, event) {
-            Ok(_) => {
+    /// if the index rejected it, or it names a tier the worker did not
+    /// declare.
+    fn apply(&mut self, index: &KvIndex, target: WorkerRank, event: TieredEvent) -> bool {
+        let result = if self.declared[event.tier.index()] {
+            index.apply_tiered(target, event)
+        } else {
+            Err(IndexError::TierNotDeclared {
+                worker: target,
+                tier: event.tier,
+            })
+        };
+        match result {
+            Ok(applied) => {
                 self.outcome.applied += 1;
+                self.outcome.unresolved += applied.unresolved;
                 true
             }
             Err(error) => {
@@ -579,5 +625,6 @@ fn rejection_reason(error: &IndexError) -> &'static str {
         IndexError::EngineHashConflict { .. } => "engine_hash_conflict",
         IndexError::TooManyBlocks { .. } => "too_many_blocks",
         IndexError::OverCapacity { .. } => "over_capacity",
+        IndexError::TierNotDeclared { .. } => "tier_not_declared",
     }
 }

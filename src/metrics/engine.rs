@@ -16,12 +16,15 @@ pub struct EngineEventFamilies {
     pub batches: IntCounterVec,
     /// `worker`, `kind` (stored, removed, cleared)
     pub events: IntCounterVec,
-    /// `worker`, `reason` (other_medium, other_group, index_rejected)
+    /// `worker`, `reason` (unknown_medium, other_group, index_rejected)
     pub ignored: IntCounterVec,
     /// `medium`: store and remove events by the medium they name, over
     /// every worker (`engine_events::translate::MEDIUM_LABELS`: a known name, `none`,
     /// or `unknown`, so an engine cannot grow the label set)
     pub media: IntCounterVec,
+    /// `value`: events naming a medium kvroute does not know, by what they
+    /// named (see [`UnknownMedia`]).
+    pub unknown_media: UnknownMedia,
     /// `worker`: batches stamped with another dp rank than the socket's
     /// (still applied to the socket's rank)
     pub rank_mismatch: IntCounterVec,
@@ -49,6 +52,60 @@ pub struct EngineEventFamilies {
     pub last_event_age: GaugeVec,
     /// Which workers have series of their own (`None` in the shadow).
     series: Option<Arc<SeriesBudget>>,
+}
+
+/// Events naming an unknown medium, counted by the name they gave, so an
+/// operator sees what an engine sends: each name made printable and cut to
+/// [`UnknownMedia::MAX_LEN`] bytes, and at most [`UnknownMedia::MAX_VALUES`]
+/// names over the process's life, the rest as `(other)`. An engine cannot
+/// grow the scrape, only fill the table once.
+#[derive(Clone)]
+pub struct UnknownMedia {
+    family: IntCounterVec,
+    seen: Arc<parking_lot::Mutex<std::collections::HashSet<String>>>,
+}
+
+impl std::fmt::Debug for UnknownMedia {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnknownMedia")
+            .field("values", &self.seen.lock().len())
+            .finish()
+    }
+}
+
+impl UnknownMedia {
+    pub const MAX_VALUES: usize = 16;
+    pub const MAX_LEN: usize = 32;
+
+    /// Counts one event that named `medium`.
+    pub fn count(&self, medium: &str) {
+        let value: String = medium
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "_-.:".contains(c) {
+                    c
+                } else {
+                    '?'
+                }
+            })
+            .take(Self::MAX_LEN)
+            .collect();
+        let mut seen = self.seen.lock();
+        let label = if seen.contains(&value) || seen.len() < Self::MAX_VALUES {
+            seen.insert(value.clone());
+            value
+        } else {
+            "(other)".to_owned()
+        };
+        drop(seen);
+        self.family.with_label_values(&[label.as_str()]).inc();
+    }
+
+    /// Events counted under `label`.
+    #[cfg(test)]
+    pub fn get(&self, label: &str) -> u64 {
+        self.family.with_label_values(&[label]).get()
+    }
 }
 
 /// At most `cap` workers get engine-event series: each one adds about 30,
@@ -166,6 +223,14 @@ impl EngineEventFamilies {
                 "Engine KV store and remove events by the medium they name (none: no medium, the device; unknown: any name kvroute does not know)",
                 &["medium"],
             )?,
+            unknown_media: UnknownMedia {
+                family: families.counter_vec(
+                    "engine_event_unknown_media_total",
+                    "Engine KV events ignored for naming a medium kvroute does not know, by the name (printable, cut to 32 bytes; 16 names at most, then (other))",
+                    &["value"],
+                )?,
+                seen: Arc::default(),
+            },
             rank_mismatch: families.counter_vec(
                 "engine_event_rank_mismatch_total",
                 "Engine batches stamped with another dp rank than their socket's",

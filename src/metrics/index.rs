@@ -2,7 +2,7 @@
 //! while catching up, and the size of what it and the predicted caches
 //! hold.
 
-use prometheus::{IntCounterVec, IntGauge};
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::registrar::Registrar;
 
@@ -10,6 +10,7 @@ pub(super) struct IndexFamilies {
     pub(super) events: IntCounterVec,
     pub(super) catchup_events: IntCounterVec,
     pub(super) blocks: IntGauge,
+    pub(super) tier_blocks: IntGaugeVec,
     pub(super) bytes: IntGauge,
     pub(super) predicted_blocks: IntGauge,
 }
@@ -30,6 +31,11 @@ impl IndexFamilies {
             blocks: families.int_gauge(
                 "index_blocks",
                 "Cached (block, worker rank) entries in the index",
+            )?,
+            tier_blocks: families.int_gauge_vec(
+                "index_tier_blocks",
+                "Cached (block, worker rank) entries by tier (device, host, storage, external)",
+                &["tier"],
             )?,
             bytes: families.int_gauge("index_memory_bytes", "Estimated bytes used by the index")?,
             predicted_blocks: families.int_gauge(

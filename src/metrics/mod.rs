@@ -34,7 +34,7 @@ use prometheus::{
 };
 
 pub use cluster::ClusterFamilies;
-pub use engine::{DEFAULT_ENGINE_SERIES_WORKERS, EngineEventFamilies};
+pub use engine::{DEFAULT_ENGINE_SERIES_WORKERS, EngineEventFamilies, UnknownMedia};
 pub use gateway::GatewayFamilies;
 pub use memory::{
     count_heap_with, heap_allocated_bytes, resident_memory_bytes, return_freed_memory,
@@ -64,6 +64,8 @@ pub struct Metrics {
     // Routing and admission (`routing`).
     pub decisions: IntCounterVec,
     pub overlap_ratio: HistogramVec,
+    /// `tier`: the chosen workers' cached prompt blocks.
+    pub overlap_tier_blocks: IntCounterVec,
     pub queue_depth: IntGauge,
     pub queue_wait: HistogramVec,
     pub bookings_active: IntGauge,
@@ -81,6 +83,8 @@ pub struct Metrics {
     /// engine's catch-up is `engine_event_replayed_batches_total{worker}`.
     pub catchup_events: IntCounterVec,
     pub index_blocks: IntGauge,
+    /// `tier`: entries per cache tier.
+    pub index_tier_blocks: IntGaugeVec,
     pub index_bytes: IntGauge,
     pub predicted_blocks: IntGauge,
     // Trust in exact workers' events (`trust`).
@@ -124,6 +128,7 @@ impl Metrics {
             web_requests: rpc.web_requests,
             decisions: routing.decisions,
             overlap_ratio: routing.overlap_ratio,
+            overlap_tier_blocks: routing.overlap_tier_blocks,
             queue_depth: routing.queue_depth,
             queue_wait: routing.queue_wait,
             bookings_active: routing.bookings_active,
@@ -135,6 +140,7 @@ impl Metrics {
             events: index.events,
             catchup_events: index.catchup_events,
             index_blocks: index.blocks,
+            index_tier_blocks: index.tier_blocks,
             index_bytes: index.bytes,
             predicted_blocks: index.predicted_blocks,
             worker_trust_changes: trust.changes,

@@ -8,6 +8,7 @@ use super::registrar::{LATENCY_BUCKETS, Registrar};
 pub(super) struct RoutingFamilies {
     pub(super) decisions: IntCounterVec,
     pub(super) overlap_ratio: HistogramVec,
+    pub(super) overlap_tier_blocks: IntCounterVec,
     pub(super) queue_depth: IntGauge,
     pub(super) queue_wait: HistogramVec,
     pub(super) bookings_active: IntGauge,
@@ -29,6 +30,11 @@ impl RoutingFamilies {
                 "Cached share of the prompt's blocks on the chosen worker",
                 &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
                 &["mode"],
+            )?,
+            overlap_tier_blocks: families.counter_vec(
+                "routing_overlap_blocks_total",
+                "Cached prompt blocks on the chosen workers, by the fastest tier holding each (device, host, storage, external)",
+                &["tier"],
             )?,
             queue_depth: families.int_gauge(
                 "admission_queue_depth",

@@ -16,6 +16,11 @@
 //! total_kv_blocks = 65536     # per rank; 0: the server's default
 //! max_num_batched_tokens = 8192
 //! members = ["10.0.0.5", "10.0.0.6"]   # or: dns = "vllm.serving.svc"
+//!
+//! [[cache_tiers]]             # optional: tiers below the device
+//! tier = "host"               # host, storage or external
+//! capacity_blocks = 262144    # per rank
+//! prefill_saving = 0.9        # optional: else the router's setting
 //! ```
 
 use std::{collections::BTreeSet, net::IpAddr, path::Path};
@@ -25,8 +30,9 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::engine_events::EngineSource;
 use kvroute_core::{
+    index::Tier,
     registry::{Adapter, Registration},
-    types::{KvEventsMode, WorkerId, WorkerRole},
+    types::{KvEventsMode, TierSpec, WorkerId, WorkerRole},
 };
 
 /// Largest pool file read, in bytes.
@@ -36,7 +42,7 @@ const MAX_FILE_BYTES: u64 = 1 << 20;
 pub(crate) const MAX_MEMBERS: usize = 4096;
 
 /// One pool file, read.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PoolSpec {
     pub model: String,
@@ -60,6 +66,22 @@ pub(crate) struct PoolSpec {
     /// `id` and `name`), as RegisterWorker's `adapters`.
     #[serde(default)]
     pub adapters: Vec<PoolAdapter>,
+    /// The cache tiers below the device every member keeps
+    /// (`[[cache_tiers]]` tables of `tier` = host, storage or external,
+    /// `capacity_blocks` and optionally `prefill_saving`), as
+    /// RegisterWorker's `cache_tiers`.
+    #[serde(default)]
+    pub cache_tiers: Vec<PoolTier>,
+}
+
+/// A cache tier below the device of a pool's members.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoolTier {
+    pub tier: String,
+    pub capacity_blocks: u64,
+    #[serde(default)]
+    pub prefill_saving: Option<f64>,
 }
 
 /// A LoRA adapter of a pool's members.
@@ -177,6 +199,22 @@ impl PoolSpec {
                 .collect(),
             lease_ttl: None,
             kv_events: KvEventsMode::Exact,
+            tiers: self
+                .cache_tiers
+                .iter()
+                .map(|t| {
+                    let tier = Tier::from_name(&t.tier)
+                        .filter(|tier| *tier != Tier::Device)
+                        .ok_or_else(|| {
+                            format!("cache_tiers: {:?} is not host, storage or external", t.tier)
+                        })?;
+                    Ok(TierSpec {
+                        tier,
+                        capacity_blocks: t.capacity_blocks,
+                        prefill_saving: t.prefill_saving,
+                    })
+                })
+                .collect::<Result<_, String>>()?,
         };
         Ok((registration, source))
     }

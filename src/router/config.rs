@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvroute_core::admission::bookings::BookingLimits;
 use kvroute_core::registry::RegistryLimits;
-use kvroute_core::select::TtftSettings;
+use kvroute_core::select::{TierSavings, TtftSettings};
 
 pub use super::trust::TrustSettings;
 
@@ -107,6 +107,8 @@ pub struct RouterConfig {
     pub booking_limits: BookingLimits,
     pub overlap_weight: f64,
     pub overlap_credit: f64,
+    /// What a block in each cache tier saves of its prefill.
+    pub tier_savings: TierSavings,
     pub temperature: f64,
     pub busy_threshold: f64,
     pub kv_busy_fraction: f64,
@@ -149,6 +151,7 @@ impl Default for RouterConfig {
             booking_limits: BookingLimits::default(),
             overlap_weight: DEFAULT_OVERLAP_WEIGHT,
             overlap_credit: DEFAULT_OVERLAP_CREDIT,
+            tier_savings: TierSavings::DEFAULT,
             temperature: 0.0,
             busy_threshold: 4.0,
             kv_busy_fraction: 0.98,

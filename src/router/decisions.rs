@@ -186,6 +186,8 @@ mod tests {
 
     fn candidate(worker_id: u64, overlap: u32, probability: Option<f64>) -> CandidateReport {
         CandidateReport {
+            tiers: kvroute_core::index::TierBlocks::device(overlap),
+            effective_overlap_blocks: f64::from(overlap),
             target: WorkerRank {
                 worker_id,
                 dp_rank: 0,
@@ -227,6 +229,7 @@ mod tests {
     fn the_log_keeps_the_newest_and_cuts_long_ids() {
         let log = DecisionLog::default();
         let selection = Selection {
+            tiers: kvroute_core::index::TierBlocks::device(2),
             target: WorkerRank {
                 worker_id: 1,
                 dp_rank: 0,

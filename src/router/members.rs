@@ -12,7 +12,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use kvroute_core::{
-    index::KvIndex,
+    index::{KvIndex, TierBlocks},
     registry::{RegisterOutcome, Registry, RegistryError, RegistryLimits},
     types::{LocalHash, RankMap, WorkerId, WorkerRank, WorkerSnapshot},
 };
@@ -58,9 +58,10 @@ impl ModelView {
     }
 
     /// What the model's index holds of the prompt `hashes`: each rank's
-    /// prefix overlap (`find_matches`, one read lock) and each rank's total
-    /// cached blocks (one more); both empty when the model has no index.
-    pub(super) fn index_overlaps(&self, hashes: &[LocalHash]) -> (RankMap<u32>, RankMap<u64>) {
+    /// prefix overlap (`find_matches`, one read lock), its split by tier
+    /// where some of it is below the device, and each rank's total cached
+    /// blocks (one more); all empty when the model has no index.
+    pub(super) fn index_overlaps(&self, hashes: &[LocalHash]) -> IndexOverlaps {
         let targets: Vec<WorkerRank> = self
             .workers
             .iter()
@@ -69,15 +70,31 @@ impl ModelView {
         let mut overlaps = RankMap::with_capacity_and_hasher(targets.len(), Default::default());
         let mut cached_blocks =
             RankMap::with_capacity_and_hasher(targets.len(), Default::default());
+        let mut tiers = RankMap::default();
         if let Some(index) = &self.index {
             for overlap in index.find_matches(hashes).scores {
                 overlaps.insert(overlap.worker, overlap.blocks);
+                if overlap.tiers.lower() > 0 {
+                    tiers.insert(overlap.worker, overlap.tiers);
+                }
             }
             let counts = index.worker_blocks_many(&targets);
             cached_blocks.extend(targets.into_iter().zip(counts));
         }
-        (overlaps, cached_blocks)
+        IndexOverlaps {
+            overlaps,
+            tiers,
+            cached_blocks,
+        }
     }
+}
+
+/// What [`ModelView::index_overlaps`] finds.
+pub(super) struct IndexOverlaps {
+    pub(super) overlaps: RankMap<u32>,
+    /// Targets holding part of their overlap below the device: its split.
+    pub(super) tiers: RankMap<TierBlocks>,
+    pub(super) cached_blocks: RankMap<u64>,
 }
 
 impl Members {
@@ -162,6 +179,7 @@ mod tests {
 
     fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registration {
         Registration {
+            tiers: Vec::new(),
             worker_id,
             model: model.into(),
             role: WorkerRole::Aggregated,
@@ -207,7 +225,8 @@ mod tests {
         assert_eq!(index.block_size(), 32);
 
         // An empty index: every rank counted, none overlapping.
-        let (overlaps, cached) = view.index_overlaps(&[7, 8]);
+        let found = view.index_overlaps(&[7, 8]);
+        let (overlaps, cached) = (found.overlaps, found.cached_blocks);
         assert!(overlaps.is_empty());
         assert_eq!(cached.len(), 4, "two workers of two ranks");
         assert!(cached.values().all(|&blocks| blocks == 0));

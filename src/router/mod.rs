@@ -60,7 +60,7 @@ use kvroute_core::{
         EventTarget, RegisterOutcome, Registration, Registry, RegistryError, SavedWorker,
         WorkerRecord,
     },
-    types::{CacheView, DpRank, RankLoad, WorkerId, WorkerRank, WorkerSnapshot},
+    types::{CacheView, DpRank, RankLoad, Tier, WorkerId, WorkerRank, WorkerSnapshot},
 };
 use members::Members;
 
@@ -364,6 +364,11 @@ impl RouterCore {
             total.events_applied += stats.events_applied;
             total.events_rejected += stats.events_rejected;
             total.blocks_skipped += stats.blocks_skipped;
+            total.blocks_unresolved += stats.blocks_unresolved;
+            total.blocks_evicted += stats.blocks_evicted;
+            for (sum, tier) in total.per_tier.iter_mut().zip(stats.per_tier) {
+                *sum += tier;
+            }
         }
         total
     }
@@ -386,6 +391,12 @@ impl RouterCore {
         self.metrics
             .index_bytes
             .set(i64::try_from(totals.bytes_used).unwrap_or(i64::MAX));
+        for tier in Tier::ALL {
+            self.metrics
+                .index_tier_blocks
+                .with_label_values(&[tier.name()])
+                .set(i64::try_from(totals.per_tier[tier.index()]).unwrap_or(i64::MAX));
+        }
         self.metrics
             .predicted_blocks
             .set(i64::try_from(self.views.predicted_blocks_total()).unwrap_or(i64::MAX));

@@ -25,6 +25,7 @@ fn core(replicas: ReplicaSettings) -> RouterCore {
     let core = RouterCore::with_manual_clock(config, Metrics::new().expect("metrics"));
     for worker_id in 1..=WORKERS {
         core.register_worker(Registration {
+            tiers: Vec::new(),
             worker_id,
             model: MODEL.into(),
             role: WorkerRole::Aggregated,

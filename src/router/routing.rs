@@ -28,7 +28,7 @@ use super::{
 use kvroute_core::{
     admission::{self, Admission, AdmissionError, AdmissionMode, bookings::SavedBooking},
     select::{SelectMode, Selection, affinity::SavedSession},
-    types::{BookedLoad, WorkerId, WorkerRank},
+    types::{BookedLoad, Tier, WorkerId, WorkerRank},
 };
 
 /// How admission went.
@@ -202,6 +202,15 @@ impl RouterCore {
                 .overlap_ratio
                 .with_label_values(&[mode])
                 .observe(f64::from(selection.overlap_blocks) / f64::from(selection.total_blocks));
+            for tier in Tier::ALL {
+                let blocks = selection.tiers.get(tier);
+                if blocks > 0 {
+                    self.metrics
+                        .overlap_tier_blocks
+                        .with_label_values(&[tier.name()])
+                        .inc_by(u64::from(blocks));
+                }
+            }
         }
         RouteOutcome {
             selection,

@@ -208,6 +208,7 @@ impl Routing {
                     kv_usage_fraction: config.kv_busy_fraction,
                 },
                 overlap_credit: config.overlap_credit,
+                tier_savings: config.tier_savings,
                 ..SelectConfig::default()
             },
             scorer: config.scorer,
@@ -258,6 +259,7 @@ impl Routing {
             let context = SelectContext {
                 workers: &inputs.workers,
                 overlaps,
+                tier_overlaps: &inputs.tier_overlaps,
                 cached_blocks: &inputs.cached_blocks,
                 booked,
                 sessions: &state.sessions,

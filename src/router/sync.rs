@@ -72,6 +72,7 @@ mod tests {
     fn core() -> RouterCore {
         let core = RouterCore::new(RouterConfig::default(), Metrics::new().expect("metrics"));
         core.register_worker(Registration {
+            tiers: Vec::new(),
             worker_id: 1,
             model: "m".into(),
             role: WorkerRole::Aggregated,

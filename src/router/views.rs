@@ -35,6 +35,7 @@ use super::{
 use crate::metrics::Metrics;
 use kvroute_core::{
     admission,
+    index::TierBlocks,
     predict::PredictedCaches,
     registry::{Registration, RegistryLimits},
     select::{SelectRequest, Selection},
@@ -69,6 +70,8 @@ pub(super) struct CacheViews {
 pub(super) struct Inputs {
     pub(super) workers: Arc<[WorkerSnapshot]>,
     pub(super) overlaps: RankMap<u32>,
+    /// The tier split of overlaps partly below the device (exact view only).
+    pub(super) tier_overlaps: RankMap<TierBlocks>,
     pub(super) cached_blocks: RankMap<u64>,
     /// Targets scored on their predicted cache, and why (the rest: exact).
     predicted: RankMap<CacheView>,
@@ -154,7 +157,9 @@ impl CacheViews {
     /// larger of the two).
     pub(super) fn inputs(&self, model: &ModelView, hashes: &[LocalHash]) -> Inputs {
         let workers = model.workers().clone();
-        let (mut overlaps, mut cached_blocks) = model.index_overlaps(hashes);
+        let found = model.index_overlaps(hashes);
+        let (mut overlaps, mut tier_overlaps, mut cached_blocks) =
+            (found.overlaps, found.tiers, found.cached_blocks);
         let mut predicted = RankMap::default();
         let trust = self.trust.read();
         for worker in workers.iter() {
@@ -184,6 +189,10 @@ impl CacheViews {
                     blocks = blocks.max(index);
                     held = held.max(cached_blocks.get(&target).copied().unwrap_or(0));
                 }
+                if blocks > overlaps.get(&target).copied().unwrap_or(0) {
+                    // Predictions know no tiers: the prefix is the device's.
+                    tier_overlaps.remove(&target);
+                }
                 match blocks {
                     0 => overlaps.remove(&target),
                     blocks => overlaps.insert(target, blocks),
@@ -194,6 +203,7 @@ impl CacheViews {
         Inputs {
             workers,
             overlaps,
+            tier_overlaps,
             cached_blocks,
             predicted,
             chain,

@@ -10,11 +10,14 @@ use crate::{
     engine_events::{EngineSource, dialect_name},
     fleet::state::{FleetState, FleetTarget, FleetWorker},
     ingest::CapturedTarget,
-    pb,
+    pb::{self, cache_tier},
 };
 use kvroute_core::{
     admission::bookings::SavedBooking,
-    index::content::{ContentNode, TargetContent},
+    index::{
+        Tier,
+        content::{ContentNode, TargetContent},
+    },
     registry::{Adapter, Registration, SavedWorker},
     select::{PinTarget, affinity::SavedSession},
     types::{RankLoad, WorkerRank, WorkerRole},
@@ -116,6 +119,7 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
         adapters: r.adapters.iter().map(pb::LoraAdapter::from).collect(),
+        cache_tiers: r.tiers.iter().map(pb::CacheTierSpec::from).collect(),
         lease_ttl_ms: millis(w.worker.lease_ttl),
         lease_remaining_ms: millis(w.worker.lease_remaining),
         cordoned: w.worker.cordoned,
@@ -143,7 +147,8 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
 
 fn target_to_pb(t: &FleetTarget) -> pb::SnapshotTarget {
     let content = &t.captured.content;
-    let mut out = pb::SnapshotTarget {
+    let form = content_to_pb(content);
+    pb::SnapshotTarget {
         worker_id: t.target.worker_id,
         dp_rank: t.target.dp_rank,
         last_event_id: t.captured.last_event_id,
@@ -151,8 +156,26 @@ fn target_to_pb(t: &FleetTarget) -> pb::SnapshotTarget {
         engine_unsynced: t.engine_unsynced,
         salted_blocks: t.engine_salts.iter().map(|(h, _)| *h).collect(),
         salts: t.engine_salts.iter().map(|(_, s)| s.to_string()).collect(),
-        ..Default::default()
-    };
+        locals: form.locals,
+        parent_back: form.parent_back,
+        unheld: form.unheld,
+        engines: form.engines,
+        more_nodes: form.more_nodes,
+        more_engines: form.more_engines,
+        lower_tiers: content
+            .lower_tiers
+            .iter()
+            .map(|(tier, lower)| pb::SnapshotTierBlocks {
+                tier: pb::CacheTier::from(*tier) as i32,
+                ..content_to_pb(lower)
+            })
+            .collect(),
+    }
+}
+
+/// One tier's content in the snapshot's node form (the tier left unset).
+fn content_to_pb(content: &TargetContent) -> pb::SnapshotTierBlocks {
+    let mut out = pb::SnapshotTierBlocks::default();
     out.locals.reserve(content.nodes.len());
     out.parent_back.reserve(content.nodes.len());
     out.engines.reserve(content.nodes.len());
@@ -233,6 +256,12 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
                 kv_events: pb::KvEventsMode::to_domain(w.kv_events).ok_or_else(|| {
                     invalid(what(), format!("unknown KV events mode {}", w.kv_events))
                 })?,
+                tiers: w
+                    .cache_tiers
+                    .iter()
+                    .map(cache_tier::tier_spec)
+                    .collect::<Result<_, _>>()
+                    .map_err(|why| invalid(what(), why))?,
             },
             lease_ttl: Duration::from_millis(w.lease_ttl_ms),
             lease_remaining: Duration::from_millis(w.lease_remaining_ms),
@@ -248,12 +277,64 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
 fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
     let target = WorkerRank::new(t.worker_id, t.dp_rank);
     let what = || format!("target {target}");
+    if t.salted_blocks.len() != t.salts.len() {
+        return Err(invalid(what(), "salted blocks and salts differ in length"));
+    }
+    let mut content = content_from_pb(
+        pb::SnapshotTierBlocks {
+            tier: 0,
+            locals: t.locals,
+            parent_back: t.parent_back,
+            unheld: t.unheld,
+            engines: t.engines,
+            more_nodes: t.more_nodes,
+            more_engines: t.more_engines,
+        },
+        &what,
+    )?;
+    let mut seen = [false; kvroute_core::index::TIERS];
+    for lower in t.lower_tiers {
+        let tier = cache_tier::tier_of(lower.tier)
+            .filter(|tier| *tier != Tier::Device)
+            .ok_or_else(|| {
+                invalid(
+                    what(),
+                    format!("lower tier {} is no tier below the device", lower.tier),
+                )
+            })?;
+        if std::mem::replace(&mut seen[tier.index()], true) {
+            return Err(invalid(what(), format!("the {tier} tier is saved twice")));
+        }
+        let tier_what = || format!("target {target}, {tier} tier");
+        content
+            .lower_tiers
+            .push((tier, content_from_pb(lower, &tier_what)?));
+    }
+    Ok(FleetTarget {
+        target,
+        captured: CapturedTarget {
+            content,
+            last_event_id: t.last_event_id,
+        },
+        engine_sequence: t.engine_sequence,
+        engine_unsynced: t.engine_unsynced,
+        engine_salts: t
+            .salted_blocks
+            .into_iter()
+            .zip(t.salts)
+            .map(|(h, s)| (h, std::sync::Arc::from(s)))
+            .collect(),
+    })
+}
+
+/// One tier's content from the snapshot's node form, checked for shape.
+fn content_from_pb(
+    t: pb::SnapshotTierBlocks,
+    what: &dyn Fn() -> String,
+) -> Result<TargetContent, InvalidState> {
     let n = t.locals.len();
     if t.parent_back.len() != n {
         return Err(invalid(what(), "parent_back and locals differ in length"));
-    }
-    if t.salted_blocks.len() != t.salts.len() {
-        return Err(invalid(what(), "salted blocks and salts differ in length"));
     }
     if t.engines.len() + t.unheld.len() != n || t.more_nodes.len() != t.more_engines.len() {
         return Err(invalid(
@@ -295,8 +376,6 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
     let content = TargetContent {
         nodes,
         more_engines: t.more_nodes.into_iter().zip(t.more_engines).collect(),
-        // Only engine events fill lower tiers, and no ingest path applies
-        // them yet (#34): the snapshot format gains them with that path.
         lower_tiers: Vec::new(),
     };
     if !content.is_well_formed() {
@@ -305,21 +384,7 @@ fn target_from_pb(t: pb::SnapshotTarget) -> Result<FleetTarget, InvalidState> {
             "extra engine hashes name unheld or missing nodes",
         ));
     }
-    Ok(FleetTarget {
-        target,
-        captured: CapturedTarget {
-            content,
-            last_event_id: t.last_event_id,
-        },
-        engine_sequence: t.engine_sequence,
-        engine_unsynced: t.engine_unsynced,
-        engine_salts: t
-            .salted_blocks
-            .into_iter()
-            .zip(t.salts)
-            .map(|(h, s)| (h, std::sync::Arc::from(s)))
-            .collect(),
-    })
+    Ok(content)
 }
 
 #[cfg(test)]
@@ -331,6 +396,7 @@ mod tests {
         FleetWorker {
             worker: SavedWorker {
                 registration: Registration {
+                    tiers: Vec::new(),
                     worker_id: 4,
                     model: "m".into(),
                     role: WorkerRole::Aggregated,

@@ -61,6 +61,7 @@ async fn store(server: &TestServer, worker_id: u64, lora: &str, namespace: &str)
     let event = pb::KvEvent {
         event_id: 0,
         kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: 0,
             parent_engine_hash: None,
             blocks,
             lora_name: lora.into(),
@@ -228,6 +229,7 @@ async fn hostile_adapter_declarations_are_refused() {
     let event = pb::KvEvent {
         event_id: 0,
         kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: 0,
             parent_engine_hash: None,
             blocks: vec![pb::StoredBlock {
                 engine_hash: 1,

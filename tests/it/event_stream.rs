@@ -22,7 +22,7 @@ use kvroute::{
     router::{RouterConfig, RouterCore},
 };
 use kvroute_core::{
-    index::{KvEvent, KvIndex, naive::NaiveIndex},
+    index::{KvEvent, KvIndex, TieredEvent, naive::NaiveIndex},
     registry::Registration,
     types::{WorkerRank, WorkerRole},
 };
@@ -46,6 +46,7 @@ impl Stream {
         ));
         let outcome = core
             .register_worker(Registration {
+                tiers: Vec::new(),
                 worker_id: WORKER,
                 model: MODEL.into(),
                 role: WorkerRole::Aggregated,
@@ -79,7 +80,7 @@ impl Stream {
                     .iter()
                     .map(|(event_id, event)| IngestEvent {
                         event_id: *event_id,
-                        event: event.clone(),
+                        event: TieredEvent::device(event.clone()),
                     })
                     .collect(),
             })
@@ -510,10 +511,10 @@ fn engine_events_the_index_refuses_count_as_rejected_for_the_rank() {
             generation: stream.generation,
             model: MODEL.into(),
             dp_rank: 0,
-            events: vec![KvEvent::Stored {
+            events: vec![TieredEvent::device(KvEvent::Stored {
                 parent: Some(404),
                 blocks: vec![(1, 1)],
-            }],
+            })],
         })
         .unwrap();
     assert_eq!(outcome.rejected, 1);

@@ -23,4 +23,5 @@ mod packed_tokens;
 mod pools;
 mod routing;
 mod security;
+mod tiers;
 mod workers;

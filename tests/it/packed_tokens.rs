@@ -57,6 +57,7 @@ async fn store(
     let event = pb::KvEvent {
         event_id,
         kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: 0,
             parent_engine_hash: None,
             blocks: stored,
             lora_name: lora.into(),

@@ -160,6 +160,7 @@ async fn token_prompts_are_hashed_like_the_events() {
     let event = pb::KvEvent {
         event_id: 0,
         kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: 0,
             parent_engine_hash: None,
             blocks,
             lora_name: String::new(),

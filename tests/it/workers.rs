@@ -305,6 +305,7 @@ async fn events_for_unknown_workers_ranks_and_oversized_batches_are_refused() {
     let short_block = pb::KvEvent {
         event_id: 0,
         kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: 0,
             parent_engine_hash: None,
             blocks: vec![pb::StoredBlock {
                 engine_hash: 1,

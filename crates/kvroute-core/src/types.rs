@@ -190,6 +190,16 @@ pub struct RankLoad {
 }
 
 /// A read-only view of one registered worker: what selection needs to know.
+/// A cache tier below the device that a worker declares: how many blocks
+/// each of its dp ranks keeps there, and optionally what a block there
+/// saves of its prefill (else the router's setting for the tier).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierSpec {
+    pub tier: Tier,
+    pub capacity_blocks: u64,
+    pub prefill_saving: Option<f64>,
+}
+
 /// The registry produces these; selection consumes them.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct WorkerSnapshot {
@@ -212,6 +222,9 @@ pub struct WorkerSnapshot {
     pub cordoned: bool,
     /// Whether its overlap comes from events or from predictions.
     pub kv_events: KvEventsMode,
+    /// Its cache tiers below the device, as declared (none: only the
+    /// device's blocks are indexed).
+    pub tiers: Vec<TierSpec>,
     /// Reported load per dp rank (ranks that never reported are absent).
     pub load: Vec<(DpRank, RankLoad)>,
 }
@@ -248,4 +261,80 @@ pub struct BookedLoad {
     pub prefill_blocks: u64,
     pub decode_blocks: u64,
     pub active_requests: u64,
+}
+
+// ---- cache tiers (the index keeps blocks per tier; selection weighs them)
+
+/// Number of tiers.
+pub const TIERS: usize = 4;
+
+/// Where a target holds a block, fastest first.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// The engine's own KV cache (GPU memory); what an event without a
+    /// medium names.
+    #[default]
+    Device = 0,
+    /// Host (CPU) memory of the engine's machine.
+    Host = 1,
+    /// Local storage (disk, a local file system).
+    Storage = 2,
+    /// A pool shared beyond the machine (remote storage, an object store).
+    External = 3,
+}
+
+impl Tier {
+    pub const ALL: [Tier; TIERS] = [Tier::Device, Tier::Host, Tier::Storage, Tier::External];
+
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Storage => "storage",
+            Tier::External => "external",
+        }
+    }
+
+    /// The tier a name from [`Self::name`] stands for.
+    pub fn from_name(name: &str) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|t| t.name() == name)
+    }
+}
+
+impl std::fmt::Display for Tier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Blocks per tier, indexed by [`Tier::index`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TierBlocks(pub [u32; TIERS]);
+
+impl TierBlocks {
+    /// Only device blocks.
+    pub const fn device(blocks: u32) -> Self {
+        Self([blocks, 0, 0, 0])
+    }
+
+    pub fn get(&self, tier: Tier) -> u32 {
+        self.0[tier.index()]
+    }
+
+    pub fn add(&mut self, tier: Tier, blocks: u32) {
+        self.0[tier.index()] += blocks;
+    }
+
+    pub fn total(&self) -> u32 {
+        self.0.iter().sum()
+    }
+
+    /// Blocks outside the device.
+    pub fn lower(&self) -> u32 {
+        self.total() - self.0[0]
+    }
 }

@@ -5,7 +5,7 @@ use super::*;
 fn ev(id: u64) -> IngestEvent {
     IngestEvent {
         event_id: id,
-        event: KvEvent::Removed { blocks: vec![id] },
+        event: TieredEvent::device(KvEvent::Removed { blocks: vec![id] }),
     }
 }
 
@@ -13,16 +13,16 @@ fn ev(id: u64) -> IngestEvent {
 fn heavy(id: u64, n: usize) -> IngestEvent {
     IngestEvent {
         event_id: id,
-        event: KvEvent::Removed {
+        event: TieredEvent::device(KvEvent::Removed {
             blocks: vec![id; n],
-        },
+        }),
     }
 }
 
 fn clear(id: u64) -> IngestEvent {
     IngestEvent {
         event_id: id,
-        event: KvEvent::Cleared,
+        event: TieredEvent::device(KvEvent::Cleared),
     }
 }
 
@@ -40,7 +40,7 @@ struct Harness {
 impl Harness {
     fn send(&mut self, events: Vec<IngestEvent>) -> Receipt {
         let (seen, reject) = (&mut self.seen, &self.reject);
-        self.cursor.receive(events, |event| match event {
+        self.cursor.receive(events, |event| match event.event {
             KvEvent::Removed { blocks } => {
                 seen.push(blocks[0].to_string());
                 !reject.contains(&blocks[0])

@@ -59,6 +59,7 @@ impl World {
         let ctx = SelectContext {
             workers: &self.workers,
             overlaps: &self.overlaps,
+            tier_overlaps: &RankMap::default(),
             cached_blocks: &self.cached,
             booked: &self.ledger,
             sessions: &self.sessions,

@@ -57,7 +57,7 @@ use serde::Serialize;
 
 pub use content::{IndexDigest, TargetContent, digest_term, digest_term_in};
 pub use radix::IndexCore;
-pub use tier::{Holder, TIERS, Tier, TierBlocks};
+pub use tier::{Holder, TIERS, Tier, TierBlocks, TieredEvent};
 
 /// One KV event of one (worker, dp_rank).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,6 +112,10 @@ pub enum IndexError {
         held: u64,
         capacity: u64,
     },
+    #[error(
+        "{worker}: an event for its {tier} tier, which its worker did not declare (cache_tiers)"
+    )]
+    TierNotDeclared { worker: WorkerRank, tier: Tier },
     #[error("{worker}: stored {blocks} blocks in one event, more than the {max} the index takes")]
     TooManyBlocks {
         worker: WorkerRank,
@@ -247,6 +251,27 @@ impl KvIndex {
         self.core.write().apply_owned(holder, event)
     }
 
+    /// Applies an ingest event (see [`TieredEvent`]): a store or removal to
+    /// its tier; a `Cleared` to every tier of `worker`, under one lock.
+    pub fn apply_tiered(
+        &self,
+        worker: WorkerRank,
+        event: TieredEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        let mut core = self.core.write();
+        match event.event {
+            KvEvent::Cleared => {
+                let mut total = ApplyOutcome::default();
+                for tier in Tier::ALL {
+                    let out = core.apply(Holder::new(worker, tier), &KvEvent::Cleared)?;
+                    total.applied += out.applied;
+                }
+                Ok(total)
+            }
+            other => core.apply_owned(Holder::new(worker, event.tier), other),
+        }
+    }
+
     /// Expect `worker` to cache up to `blocks` blocks (its KV capacity, from
     /// registration): its engine-hash table is sized for them once, at its
     /// first store, instead of growing, which would stall readers while it
@@ -276,6 +301,12 @@ impl KvIndex {
         if blocks > 0 {
             core.reserve(holder, blocks);
         }
+    }
+
+    /// Drops one tier of a target and every block it holds there (a tier
+    /// its worker no longer declares); returns the blocks dropped.
+    pub fn remove_tier(&self, holder: Holder) -> u64 {
+        self.core.write().remove_holder(holder)
     }
 
     /// Drop every dp rank of `worker` and all their blocks; returns blocks dropped.

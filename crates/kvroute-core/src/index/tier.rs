@@ -7,53 +7,9 @@
 //! it. Each tier of a target is its own holder in the index ([`Holder`]):
 //! device-only traffic keeps the layout and cost it always had.
 
+use crate::index::KvEvent;
 use crate::types::WorkerRank;
-
-/// Number of tiers.
-pub const TIERS: usize = 4;
-
-/// Where a target holds a block, fastest first.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    /// The engine's own KV cache (GPU memory); what an event without a
-    /// medium names.
-    #[default]
-    Device = 0,
-    /// Host (CPU) memory of the engine's machine.
-    Host = 1,
-    /// Local storage (disk, a local file system).
-    Storage = 2,
-    /// A pool shared beyond the machine (remote storage, an object store).
-    External = 3,
-}
-
-impl Tier {
-    pub const ALL: [Tier; TIERS] = [Tier::Device, Tier::Host, Tier::Storage, Tier::External];
-
-    pub const fn index(self) -> usize {
-        self as usize
-    }
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::Storage => "storage",
-            Tier::External => "external",
-        }
-    }
-
-    /// The tier a name from [`Self::name`] stands for.
-    pub fn from_name(name: &str) -> Option<Tier> {
-        Tier::ALL.into_iter().find(|t| t.name() == name)
-    }
-}
-
-impl std::fmt::Display for Tier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::types::{TIERS, Tier, TierBlocks};
 
 /// One holder in the index: one tier of one target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -82,31 +38,26 @@ impl std::fmt::Display for Holder {
     }
 }
 
-/// Blocks per tier, indexed by [`Tier::index`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct TierBlocks(pub [u32; TIERS]);
+/// An index event for one tier of a target: what every ingest path (gRPC
+/// events, engine events, the cluster log) carries to the index's writer.
+/// Applied with [`crate::index::KvIndex::apply_tiered`], a `Cleared` drops
+/// every tier of the target, whatever `tier` says: engines clear their whole
+/// cache (vLLM's and SGLang's `AllBlocksCleared` name no medium), never one
+/// tier alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TieredEvent {
+    pub tier: Tier,
+    pub event: KvEvent,
+}
 
-impl TierBlocks {
-    /// Only device blocks.
-    pub const fn device(blocks: u32) -> Self {
-        Self([blocks, 0, 0, 0])
+impl TieredEvent {
+    pub const fn new(tier: Tier, event: KvEvent) -> Self {
+        Self { tier, event }
     }
 
-    pub fn get(&self, tier: Tier) -> u32 {
-        self.0[tier.index()]
-    }
-
-    pub fn add(&mut self, tier: Tier, blocks: u32) {
-        self.0[tier.index()] += blocks;
-    }
-
-    pub fn total(&self) -> u32 {
-        self.0.iter().sum()
-    }
-
-    /// Blocks outside the device.
-    pub fn lower(&self) -> u32 {
-        self.total() - self.0[0]
+    /// An event of the device tier.
+    pub const fn device(event: KvEvent) -> Self {
+        Self::new(Tier::Device, event)
     }
 }
 

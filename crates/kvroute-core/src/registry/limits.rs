@@ -8,7 +8,8 @@
 //!
 //! The memory budget is kept by declared capacity: each dp rank may hold
 //! at most its `total_kv_blocks` in the index (stores beyond it are
-//! rejected, see `IndexError::OverCapacity`), so the sum of every rank's
+//! rejected, see `IndexError::OverCapacity`) and at most each declared
+//! lower tier's capacity there (past it, the least recently stored go), so the sum of every rank's
 //! capacity times [`INDEX_BYTES_PER_BLOCK`] bounds what the index can
 //! take. A worker that declares no capacity is counted, and held to,
 //! `default_kv_blocks_per_rank`. Capacity given back by a deregistration,
@@ -32,6 +33,9 @@ pub struct RegistryLimits {
     pub max_kv_blocks_per_rank: u64,
     /// The capacity of a rank whose worker declares none (0).
     pub default_kv_blocks_per_rank: u64,
+    /// Largest capacity one dp rank may declare for a tier below the device
+    /// (host memory is often many times the device's).
+    pub max_tier_blocks_per_rank: u64,
     /// Index memory all ranks' capacities may come to, in bytes.
     pub index_memory_budget: u64,
 }
@@ -44,6 +48,7 @@ impl Default for RegistryLimits {
             max_ranks_per_worker: 256,
             max_kv_blocks_per_rank: 1 << 22,
             default_kv_blocks_per_rank: 1 << 18,
+            max_tier_blocks_per_rank: 1 << 24,
             index_memory_budget: 16 << 30,
         }
     }

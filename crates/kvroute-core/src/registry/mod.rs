@@ -14,7 +14,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::types::{DpRank, KvEventsMode, RankLoad, WorkerId, WorkerRole, WorkerSnapshot};
+use crate::types::Tier;
+use crate::types::{
+    DpRank, KvEventsMode, RankLoad, TierSpec, WorkerId, WorkerRole, WorkerSnapshot,
+};
 
 mod limits;
 
@@ -66,6 +69,8 @@ pub struct Registration {
     pub lease_ttl: Option<Duration>,
     /// Whether it publishes KV events (see `KvEventsMode`).
     pub kv_events: KvEventsMode,
+    /// Its cache tiers below the device (at most one entry per tier).
+    pub tiers: Vec<TierSpec>,
 }
 
 /// A registered worker as a snapshot keeps it.
@@ -109,6 +114,7 @@ impl WorkerRecord {
             adapters: r.adapters.iter().map(|a| a.name.clone()).collect(),
             cordoned: self.cordoned,
             kv_events: r.kv_events,
+            tiers: r.tiers.clone(),
             load: self
                 .load
                 .iter()
@@ -343,28 +349,43 @@ impl Registry {
                 ),
             );
         }
-        let claim = |total_kv_blocks: u64, dp_size: u32| {
-            limits
-                .rank_capacity(total_kv_blocks)
-                .saturating_mul(u64::from(dp_size.max(1)))
+        for spec in &r.tiers {
+            if spec.capacity_blocks > limits.max_tier_blocks_per_rank {
+                return reached(
+                    "max_tier_blocks_per_rank",
+                    limits.max_tier_blocks_per_rank,
+                    format!(
+                        "the {} tier's {} blocks are more than one rank may declare",
+                        spec.tier, spec.capacity_blocks
+                    ),
+                );
+            }
+        }
+        // Every tier a rank declares is a capacity the index holds it to.
+        let claim = |r: &Registration| {
+            r.tiers
+                .iter()
+                .map(|t| t.capacity_blocks)
+                .fold(limits.rank_capacity(r.total_kv_blocks), u64::saturating_add)
+                .saturating_mul(u64::from(r.dp_size.max(1)))
         };
         let others: u64 = self
             .workers
             .values()
             .filter(|w| w.registration.worker_id != worker_id)
-            .map(|w| claim(w.registration.total_kv_blocks, w.registration.dp_size))
+            .map(|w| claim(&w.registration))
             .fold(0, u64::saturating_add);
-        let wanted = claim(r.total_kv_blocks, dp_size);
+        let wanted = claim(r);
         let budget = limits.budget_blocks();
         if others.saturating_add(wanted) > budget {
             return reached(
                 "index_memory_budget",
                 limits.index_memory_budget,
                 format!(
-                    "its {dp_size} rank(s) of {} blocks would take the capacity registered to \
-                     {} blocks of the {budget} ({INDEX_BYTES_PER_BLOCK} bytes each) the index \
-                     memory budget allows",
-                    limits.rank_capacity(r.total_kv_blocks),
+                    "its {dp_size} rank(s) of {} blocks (all tiers) would take the capacity \
+                     registered to {} blocks of the {budget} ({INDEX_BYTES_PER_BLOCK} bytes \
+                     each) the index memory budget allows",
+                    wanted / u64::from(dp_size),
                     others.saturating_add(wanted),
                 ),
             );
@@ -678,6 +699,29 @@ impl Registry {
 #[cfg(test)]
 mod tests;
 
+/// A worker's declared tiers: each below the device, at most once, with a
+/// saving in `[0, 1]` if it gives one.
+fn check_tiers(tiers: &[TierSpec]) -> Result<(), String> {
+    let mut seen = [false; crate::types::TIERS];
+    for spec in tiers {
+        if spec.tier == Tier::Device {
+            return Err("the device tier's capacity is total_kv_blocks, not a cache tier".into());
+        }
+        if std::mem::replace(&mut seen[spec.tier.index()], true) {
+            return Err(format!("the {} tier is declared twice", spec.tier));
+        }
+        if let Some(saving) = spec.prefill_saving
+            && !(saving.is_finite() && (0.0..=1.0).contains(&saving))
+        {
+            return Err(format!(
+                "the {} tier's prefill_saving must be in [0, 1], got {saving}",
+                spec.tier
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The hard limits of what a worker may declare, whatever the server's
 /// limits: checked first, so a declaration no server accepts is
 /// INVALID_ARGUMENT, never a RESOURCE_EXHAUSTED of some server limit.
@@ -736,6 +780,7 @@ fn check_declared(registration: &mut Registration) -> Result<(), RegistryError> 
             )));
         }
     }
+    check_tiers(&registration.tiers).map_err(invalid)?;
     let names = [
         ("model", &registration.model),
         ("endpoint", &registration.endpoint),

@@ -29,6 +29,7 @@ fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registrati
         adapters: vec![],
         lease_ttl: None,
         kv_events: crate::types::KvEventsMode::Exact,
+        tiers: Vec::new(),
     }
 }
 
@@ -292,4 +293,69 @@ fn a_restored_worker_keeps_its_generation_and_later_ones_stay_above() {
         .register(registration(2, "m", 16), Duration::from_secs(10), start)
         .unwrap();
     assert!(restored.get(2).unwrap().generation > 41);
+}
+
+fn tier(tier: crate::types::Tier, capacity_blocks: u64) -> TierSpec {
+    TierSpec {
+        tier,
+        capacity_blocks,
+        prefill_saving: None,
+    }
+}
+
+#[test]
+fn declared_tiers_are_checked_and_count_against_the_budget() {
+    use crate::types::Tier;
+    let limits = RegistryLimits {
+        index_memory_budget: 10_000 * crate::registry::limits::INDEX_BYTES_PER_BLOCK,
+        max_tier_blocks_per_rank: 8_000,
+        ..RegistryLimits::default()
+    };
+    let now = Instant::now();
+    let ttl = Duration::from_secs(10);
+    let refused = |tiers: Vec<TierSpec>| {
+        let mut registry = Registry::with_limits(limits);
+        let mut r = registration(1, "m", 16);
+        r.tiers = tiers;
+        registry.register(r, ttl, now).err()
+    };
+    // Malformed declarations: INVALID_ARGUMENT, whatever the limits.
+    for bad in [
+        vec![tier(Tier::Device, 10)],
+        vec![tier(Tier::Host, 10), tier(Tier::Host, 20)],
+        vec![TierSpec {
+            prefill_saving: Some(f64::NAN),
+            ..tier(Tier::Host, 10)
+        }],
+        vec![TierSpec {
+            prefill_saving: Some(1.5),
+            ..tier(Tier::Storage, 10)
+        }],
+    ] {
+        assert!(
+            matches!(refused(bad.clone()), Some(RegistryError::Invalid { .. })),
+            "{bad:?}"
+        );
+    }
+    // Past a server limit: the per-tier maximum, then the budget, which
+    // counts the device (1000) and every tier.
+    assert!(matches!(
+        refused(vec![tier(Tier::Host, 1 << 63)]),
+        Some(RegistryError::LimitReached {
+            limit: "max_tier_blocks_per_rank",
+            ..
+        })
+    ));
+    assert!(matches!(
+        refused(vec![tier(Tier::Host, 8_000), tier(Tier::Storage, 1_500)]),
+        Some(RegistryError::LimitReached {
+            limit: "index_memory_budget",
+            ..
+        })
+    ));
+    assert_eq!(
+        refused(vec![tier(Tier::Host, 0), tier(Tier::Storage, 8_000)]),
+        None,
+        "a zero capacity is a tier kept empty; 9,000 blocks fit"
+    );
 }

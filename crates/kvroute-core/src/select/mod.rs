@@ -26,10 +26,12 @@ pub mod eligibility;
 pub mod error;
 pub mod pins;
 pub mod scoring;
+pub mod tier_savings;
 
 use std::collections::HashSet;
 
 use crate::types::RankMap;
+use crate::types::{Tier, TierBlocks};
 
 use rand::RngCore;
 
@@ -46,6 +48,7 @@ pub use scoring::{
     CandidateScore, CostScorer, ScoreInput, ScoreParams, Scorer, TtftParts, TtftScorer,
     TtftSettings,
 };
+pub use tier_savings::TierSavings;
 
 /// Read access to the load booked per (worker, rank): selection is fed by
 /// the router's booking ledger (`admission::bookings`) or, in tests and
@@ -166,6 +169,9 @@ pub struct SelectConfig {
     /// Cost taken off per cached prompt block beyond the prefill it saves.
     /// Default 0.0.
     pub overlap_credit: f64,
+    /// What a block in each tier saves of its prefill, for workers that
+    /// declare no saving of their own.
+    pub tier_savings: TierSavings,
 }
 
 impl Default for SelectConfig {
@@ -176,6 +182,7 @@ impl Default for SelectConfig {
             busy: BusyThresholds::default(),
             soft_affinity_discount: 0.1,
             overlap_credit: 0.0,
+            tier_savings: TierSavings::DEFAULT,
         }
     }
 }
@@ -195,6 +202,7 @@ impl SelectConfig {
         non_negative("overlap_weight", self.overlap_weight)?;
         non_negative("temperature", self.temperature)?;
         non_negative("overlap_credit", self.overlap_credit)?;
+        self.tier_savings.validate()?;
         non_negative("busy prefill factor", self.busy.prefill_factor)?;
         non_negative("busy kv usage fraction", self.busy.kv_usage_fraction)?;
         if !(0.0..1.0).contains(&self.soft_affinity_discount) {
@@ -212,8 +220,12 @@ impl SelectConfig {
 pub struct SelectContext<'a> {
     /// Registry snapshots of the request's model.
     pub workers: &'a [WorkerSnapshot],
-    /// Leading prompt blocks cached per target (index lookup); absent = 0.
+    /// Leading prompt blocks cached per target (index lookup), in any
+    /// tier; absent = 0.
     pub overlaps: &'a RankMap<u32>,
+    /// How the overlaps of targets holding some of them below the device
+    /// split by tier; absent = all on the device.
+    pub tier_overlaps: &'a RankMap<TierBlocks>,
     /// Total blocks cached per target (index); absent = 0. Tie-break input.
     pub cached_blocks: &'a RankMap<u64>,
     pub booked: &'a dyn BookedLoads,
@@ -250,7 +262,13 @@ pub struct CandidateReport {
     /// `Err` says why the candidate could not be chosen.
     pub eligible: Result<(), Ineligible>,
     pub busy: Option<Busy>,
+    /// Leading prompt blocks the target holds, in any tier.
     pub overlap_blocks: u32,
+    /// `overlap_blocks` by the fastest tier holding each block.
+    pub tiers: TierBlocks,
+    /// `overlap_blocks` weighed by what each tier saves (see
+    /// [`TierSavings`]); what the prefill estimate takes off.
+    pub effective_overlap_blocks: f64,
     pub potential_prefill_tokens: u64,
     pub potential_prefill_blocks: u64,
     pub potential_decode_blocks: u64,
@@ -270,7 +288,10 @@ pub struct Selection {
     pub target: WorkerRank,
     pub route: Route,
     pub overlap_blocks: u32,
-    /// Equal to `overlap_blocks` while the index knows one cache tier only.
+    /// `overlap_blocks` by tier.
+    pub tiers: TierBlocks,
+    /// `overlap_blocks` weighed by what each tier saves; equal to it when
+    /// every block is on the device.
     pub effective_overlap_blocks: f64,
     pub cached_tokens: u64,
     pub total_blocks: u32,
@@ -564,6 +585,7 @@ fn selection(
     let target = report.target;
     let overlap = report.overlap_blocks;
     let cached_tokens = cached_tokens(req, overlap);
+    let saved = saved_prefill(req, report.effective_overlap_blocks);
     let reported = prepared[chosen].worker.rank_load(target.dp_rank);
     let (busy, booked) = (report.busy, report.booked);
     let potential_prefill_tokens = report.potential_prefill_tokens;
@@ -573,11 +595,12 @@ fn selection(
         target,
         route: pinned.map_or(Route::Scored, |(_, s)| Route::Pinned(s)),
         overlap_blocks: overlap,
-        effective_overlap_blocks: f64::from(overlap),
+        tiers: report.tiers,
+        effective_overlap_blocks: report.effective_overlap_blocks,
         cached_tokens,
         total_blocks,
-        request_prefill_tokens: req.prompt_tokens - cached_tokens,
-        request_prefill_blocks: u64::from(total_blocks - overlap),
+        request_prefill_tokens: req.prompt_tokens - saved.tokens,
+        request_prefill_blocks: u64::from(total_blocks) - saved.blocks,
         potential_prefill_tokens,
         potential_prefill_blocks,
         potential_decode_blocks,
@@ -592,6 +615,51 @@ fn selection(
 
 fn cached_tokens(req: &SelectRequest, overlap: u32) -> u64 {
     (u64::from(overlap) * u64::from(req.block_size)).min(req.prompt_tokens)
+}
+
+/// Prefill a candidate's cached prefix saves the request.
+struct SavedPrefill {
+    tokens: u64,
+    blocks: u64,
+}
+
+/// The prefill `effective` blocks save, rounded down: a prefix partly held
+/// below the device never saves as much as the same prefix on the device.
+fn saved_prefill(req: &SelectRequest, effective: f64) -> SavedPrefill {
+    let tokens = (effective * f64::from(req.block_size)).floor() as u64;
+    SavedPrefill {
+        tokens: tokens.min(req.prompt_tokens),
+        blocks: (effective.floor() as u64).min(req.total_blocks()),
+    }
+}
+
+/// `target`'s overlap by tier and its effective blocks: the worker's own
+/// savings where it declared them, else the router's.
+fn tier_overlap(
+    ctx: &SelectContext<'_>,
+    config: &SelectConfig,
+    worker: &WorkerSnapshot,
+    target: WorkerRank,
+    overlap: u32,
+) -> (TierBlocks, f64) {
+    let Some(split) = ctx.tier_overlaps.get(&target) else {
+        return (TierBlocks::device(overlap), f64::from(overlap));
+    };
+    // Clamp the split to the prompt: lower tiers are the prefix's tail.
+    let mut tiers = *split;
+    let mut excess = tiers.total().saturating_sub(overlap);
+    for tier in Tier::ALL.iter().rev() {
+        let cut = excess.min(tiers.get(*tier));
+        tiers.0[tier.index()] -= cut;
+        excess -= cut;
+    }
+    let mut savings = config.tier_savings;
+    for spec in &worker.tiers {
+        if let Some(saving) = spec.prefill_saving {
+            savings = savings.with(spec.tier, saving);
+        }
+    }
+    (tiers, savings.effective_blocks(&tiers))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -611,9 +679,11 @@ fn prepare<'a>(
         .copied()
         .unwrap_or(0)
         .min(total_blocks);
+    let (tiers, effective) = tier_overlap(ctx, config, worker, target, overlap);
+    let saved = saved_prefill(req, effective);
     let booked = ctx.booked.booked(target);
-    let uncached_tokens = req.prompt_tokens - cached_tokens(req, overlap);
-    let uncached_blocks = u64::from(total_blocks - overlap);
+    let uncached_tokens = req.prompt_tokens - saved.tokens;
+    let uncached_blocks = u64::from(total_blocks) - saved.blocks;
     let potential_prefill_tokens = booked.prefill_tokens.saturating_add(uncached_tokens);
     let potential_prefill_blocks = booked.prefill_blocks.saturating_add(uncached_blocks);
     let potential_decode_blocks = booked.decode_blocks.saturating_add(u64::from(total_blocks));
@@ -643,6 +713,8 @@ fn prepare<'a>(
             eligible,
             busy,
             overlap_blocks: overlap,
+            tiers,
+            effective_overlap_blocks: effective,
             potential_prefill_tokens,
             potential_prefill_blocks,
             potential_decode_blocks,

@@ -46,6 +46,7 @@ fn wr(w: WorkerId, r: DpRank) -> WorkerRank {
 struct Fixture {
     workers: Vec<WorkerSnapshot>,
     overlaps: RankMap<u32>,
+    tier_overlaps: RankMap<TierBlocks>,
     cached: RankMap<u64>,
     booked: HashMap<WorkerRank, BookedLoad>,
     sessions: SessionTable,
@@ -65,6 +66,7 @@ impl Fixture {
         let ctx = SelectContext {
             workers: &self.workers,
             overlaps: &self.overlaps,
+            tier_overlaps: &self.tier_overlaps,
             cached_blocks: &self.cached,
             booked: &self.booked,
             sessions: &self.sessions,
@@ -720,6 +722,7 @@ fn another_policy_plugs_in_through_the_trait() {
     let ctx = SelectContext {
         workers: &f.workers,
         overlaps: &f.overlaps,
+        tier_overlaps: &f.tier_overlaps,
         cached_blocks: &f.cached,
         booked: &f.booked,
         sessions: &f.sessions,
@@ -753,4 +756,87 @@ fn no_eligible_worker_names_each_worker_and_why() {
         ),
         "{msg}"
     );
+}
+
+// ---- cache tiers ----------------------------------------------------------
+
+/// Three idle workers for an 8-block prompt: 1 holds it on the device, 2
+/// in host memory, 3 holds nothing.
+fn tiered_three() -> Fixture {
+    let mut f = Fixture::with(vec![worker(1, 1), worker(2, 1), worker(3, 1)]);
+    f.overlaps.insert(wr(1, 0), 8);
+    f.overlaps.insert(wr(2, 0), 8);
+    f.tier_overlaps.insert(wr(2, 0), TierBlocks([0, 8, 0, 0]));
+    f
+}
+
+#[test]
+fn device_beats_host_beats_nothing() {
+    let f = tiered_three();
+    let s = f.run(&request(8)).unwrap();
+    assert_eq!(s.target, wr(1, 0));
+    let host = &s.candidates[1];
+    assert_eq!(host.tiers, TierBlocks([0, 8, 0, 0]));
+    assert!((host.effective_overlap_blocks - 8.0 * 0.9).abs() < 1e-9);
+    // 7.2 effective blocks save 28 of 32 tokens, 7 of 8 blocks.
+    assert_eq!(host.potential_prefill_tokens, 4);
+    assert_eq!(host.potential_prefill_blocks, 1);
+    let mut f = f;
+    f.workers.remove(0);
+    let s = f.run(&request(8)).unwrap();
+    assert_eq!(s.target, wr(2, 0), "host memory beats nothing");
+    assert_eq!(s.tiers, TierBlocks([0, 8, 0, 0]));
+    assert_eq!(s.request_prefill_tokens, 4);
+    assert_eq!(s.overlap_blocks, 8);
+    assert_eq!(s.cached_tokens, 32);
+}
+
+#[test]
+fn a_near_one_saving_still_ranks_below_the_device() {
+    let mut f = tiered_three();
+    f.config.tier_savings = TierSavings::DEFAULT.with(Tier::Host, 0.999);
+    assert_eq!(f.run(&request(8)).unwrap().target, wr(1, 0));
+}
+
+#[test]
+fn lower_tiers_extend_the_device_prefix_by_their_saving() {
+    // Worker 1: 3 device blocks. Worker 2: 2 device + 4 host blocks.
+    let mut f = Fixture::with(vec![worker(1, 1), worker(2, 1)]);
+    f.overlaps.insert(wr(1, 0), 3);
+    f.overlaps.insert(wr(2, 0), 6);
+    f.tier_overlaps.insert(wr(2, 0), TierBlocks([2, 4, 0, 0]));
+    let s = f.run(&request(8)).unwrap();
+    assert_eq!(s.target, wr(2, 0));
+    assert!((s.effective_overlap_blocks - 5.6).abs() < 1e-9);
+    // With device-only scoring the host blocks count for nothing.
+    f.config.tier_savings = TierSavings::DEVICE_ONLY;
+    assert_eq!(f.run(&request(8)).unwrap().target, wr(1, 0));
+}
+
+#[test]
+fn a_workers_declared_saving_overrides_the_routers() {
+    let mut f = tiered_three();
+    f.workers.remove(0);
+    f.workers[0].tiers = vec![crate::types::TierSpec {
+        tier: Tier::Host,
+        capacity_blocks: 100,
+        prefill_saving: Some(0.0),
+    }];
+    // Worker 2's host blocks save nothing: a tie with worker 3, broken by
+    // the fewest cached blocks (both 0 here), so either may win; the cost
+    // is what shows the override.
+    let s = f.run(&request(8)).unwrap();
+    let host = &s.candidates[0];
+    assert_eq!(host.effective_overlap_blocks, 0.0);
+    assert_eq!(host.potential_prefill_blocks, 8);
+}
+
+#[test]
+fn a_split_longer_than_the_prompt_is_cut_from_the_slowest_tier() {
+    let mut f = Fixture::with(vec![worker(1, 1)]);
+    f.overlaps.insert(wr(1, 0), 9);
+    f.tier_overlaps.insert(wr(1, 0), TierBlocks([3, 4, 2, 0]));
+    let s = f.run(&request(5)).unwrap();
+    assert_eq!(s.overlap_blocks, 5);
+    assert_eq!(s.tiers, TierBlocks([3, 2, 0, 0]));
 }

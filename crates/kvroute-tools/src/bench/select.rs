@@ -326,6 +326,7 @@ async fn warm(
         events.push(pb::KvEvent {
             event_id: events.len() as u64,
             kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+                tier: 0,
                 parent_engine_hash: None,
                 blocks,
                 lora_name: String::new(),

@@ -94,6 +94,8 @@ fn columns(predicted: bool) -> Vec<(&'static str, bool)> {
         ("ELIGIBLE", false),
         ("REASON", false),
         ("OVERLAP", true),
+        ("TIERS", false),
+        ("EFFECTIVE", true),
         ("VIEW", false),
     ];
     if predicted {
@@ -123,6 +125,8 @@ fn candidate_row(c: &pb::CandidateExplanation, predicted: bool) -> Vec<String> {
         yes_no(c.eligible).into(),
         reason_name(c.reason()).into(),
         c.overlap_blocks.to_string(),
+        tiers_cell(c.overlap_by_tier.as_ref()),
+        format!("{:.2}", c.effective_overlap_blocks),
         view_name(c.cache_view()).into(),
     ];
     match (&c.ttft, predicted) {
@@ -148,6 +152,42 @@ fn candidate_row(c: &pb::CandidateExplanation, predicted: bool) -> Vec<String> {
     }
     row.extend([format!("{:.3}", c.probability), yes_no(c.busy).into()]);
     row
+}
+
+/// Where an overlap's blocks are: `-` for none, `device` when all are on
+/// the device, else each tier's share, e.g. `2d+4h` (d device, h host,
+/// s storage, x external).
+fn tiers_cell(tiers: Option<&pb::BlocksByTier>) -> String {
+    let Some(t) = tiers else {
+        return "-".into();
+    };
+    let parts: Vec<String> = [
+        (t.device, 'd'),
+        (t.host, 'h'),
+        (t.storage, 's'),
+        (t.external, 'x'),
+    ]
+    .iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(n, tag)| format!("{n}{tag}"))
+    .collect();
+    match parts.as_slice() {
+        [] => "-".into(),
+        [only] if only.ends_with('d') => "device".into(),
+        _ => parts.join("+"),
+    }
+}
+
+/// A tier split as JSON (`null` when the server sent none).
+fn tiers_json(tiers: Option<&pb::BlocksByTier>) -> Value {
+    tiers.map_or(Value::Null, |t| {
+        json!({
+            "device": t.device,
+            "host": t.host,
+            "storage": t.storage,
+            "external": t.external,
+        })
+    })
 }
 
 /// The winner in a sentence.
@@ -178,6 +218,8 @@ pub(super) fn explain_json(reply: &pb::ExplainSelectionResponse) -> Value {
                 "eligible": c.eligible,
                 "reason": if c.eligible { Value::Null } else { json!(reason_name(c.reason())) },
                 "overlap_blocks": c.overlap_blocks,
+                "overlap_by_tier": tiers_json(c.overlap_by_tier.as_ref()),
+                "effective_overlap_blocks": c.effective_overlap_blocks,
                 "cache_view": view_name(c.cache_view()),
                 "cache_view_reason": c.cache_view_reason,
                 "prefill_cost": c.prefill_cost,
@@ -204,6 +246,7 @@ pub(super) fn explain_json(reply: &pb::ExplainSelectionResponse) -> Value {
             "dp_rank": w.dp_rank,
             "overlap_blocks": w.overlap_blocks,
             "effective_overlap_blocks": w.effective_overlap_blocks,
+            "overlap_by_tier": tiers_json(w.overlap_by_tier.as_ref()),
             "cached_tokens": w.cached_tokens,
             "total_blocks": w.total_blocks,
             "potential_prefill_tokens": w.potential_prefill_tokens,

@@ -140,6 +140,7 @@ impl KvRoutePolicy {
     fn register(&mut self, fleet: &FleetView) {
         for (engine, load) in fleet.engines.iter().enumerate() {
             let registration = Registration {
+                tiers: Vec::new(),
                 worker_id: worker_rank(engine).worker_id,
                 model: MODEL.into(),
                 role: WorkerRole::Aggregated,
@@ -282,6 +283,7 @@ impl KvRoutePolicy {
 fn engine_event_to_pb(event_id: u64, event: &EngineKvEvent) -> pb::KvEvent {
     let kind = match event {
         EngineKvEvent::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: 0,
             parent_engine_hash: *parent,
             blocks: blocks
                 .iter()
@@ -298,6 +300,7 @@ fn engine_event_to_pb(event_id: u64, event: &EngineKvEvent) -> pb::KvEvent {
         }),
         EngineKvEvent::Removed { engine_hashes } => {
             pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+                tier: 0,
                 engine_hashes: engine_hashes.clone(),
             })
         }

@@ -111,6 +111,7 @@ impl FleetView<'_> {
             .iter()
             .enumerate()
             .map(|(i, load)| WorkerSnapshot {
+                tiers: Vec::new(),
                 worker_id: worker_rank(i).worker_id,
                 model: model.to_string(),
                 endpoint: String::new(),

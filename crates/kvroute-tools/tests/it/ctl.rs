@@ -58,6 +58,7 @@ fn stored_tokens(event_id: u64, first_engine_hash: u64, tokens: &[u32]) -> pb::K
     pb::KvEvent {
         event_id,
         kind: Some(pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: 0,
             parent_engine_hash: None,
             blocks,
             lora_name: String::new(),
@@ -219,6 +220,8 @@ async fn explain_names_the_winner_and_scores_every_candidate() {
         "ELIGIBLE",
         "REASON",
         "OVERLAP",
+        "TIERS",
+        "EFFECTIVE",
         "VIEW",
         "PREFILL COST",
         "DECODE COST",
