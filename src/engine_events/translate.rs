@@ -163,6 +163,11 @@ pub struct Translator {
     /// under a salted parent inherits it. Shared, so a snapshot can save it
     /// (a chain continued after a restart must hash with its salt).
     salts: Salts,
+    /// The multimodal hashes of each device block that has any: vLLM's
+    /// host-tier events carry no extra keys, so a block offloaded from the
+    /// device is hashed with what its device store carried. Kept for the
+    /// device's blocks only (dropped with them), so bounded by its capacity.
+    mm_blocks: HashMap<EngineHash, Vec<u64>>,
 }
 
 /// Engine hash -> cache salt, of one rank's salted blocks.
@@ -173,6 +178,7 @@ impl Translator {
         Self {
             opts,
             salts: Salts::default(),
+            mm_blocks: HashMap::new(),
         }
     }
 
@@ -192,6 +198,7 @@ impl Translator {
     /// Forget all per-rank state (engine restart or cache cleared).
     pub(crate) fn reset(&mut self) {
         self.salts.lock().clear();
+        self.mm_blocks.clear();
     }
 
     fn counts_group(&self, group: Option<i64>) -> bool {
@@ -204,7 +211,7 @@ impl Translator {
     pub(crate) fn translate(&mut self, event: EngineEvent) -> Result<Translated, DecodeError> {
         match event {
             EngineEvent::Cleared => {
-                self.salts.lock().clear();
+                self.reset();
                 // Every tier (see `TieredEvent`).
                 Ok(Translated::Apply(TieredEvent::device(KvEvent::Cleared)))
             }
@@ -218,11 +225,15 @@ impl Translator {
                 if r.block_hashes.is_empty() {
                     return Ok(Translated::Nothing);
                 }
-                let mut salts = self.salts.lock();
-                for h in &r.block_hashes {
-                    salts.remove(h);
+                if tier == Tier::Device {
+                    // A lower tier's copy may still be offloaded from the
+                    // device's; only the device's own eviction forgets.
+                    let mut salts = self.salts.lock();
+                    for h in &r.block_hashes {
+                        salts.remove(h);
+                        self.mm_blocks.remove(h);
+                    }
                 }
-                drop(salts);
                 Ok(Translated::Apply(TieredEvent::new(
                     tier,
                     KvEvent::Removed {
@@ -277,26 +288,56 @@ impl Translator {
                     ),
                     _ => None,
                 };
-                let (mm, salt_from_keys) =
+                let (mut mm, salt_from_keys) =
                     interpret_extra_keys(s.extra_keys.as_deref(), lora_name.as_deref(), n)?;
+                let offloaded = tier != Tier::Device && s.extra_keys.is_none();
+                // An offloaded block without extra keys takes its salt and
+                // multimodal items from its own device store, else from
+                // its parent's salt.
+                let own_salt = || {
+                    let salts = self.salts.lock();
+                    s.block_hashes.iter().find_map(|h| salts.get(h).cloned())
+                };
                 let namespace: Option<Arc<str>> = s
                     .cache_salt
                     .filter(|x| !x.is_empty())
                     .map(Arc::from)
                     .or(salt_from_keys.map(Arc::from))
+                    .or_else(|| if offloaded { own_salt() } else { None })
                     .or_else(|| {
                         s.parent_block_hash
                             .and_then(|p| self.salts.lock().get(&p).cloned())
                     });
+                if offloaded
+                    && s.block_hashes
+                        .iter()
+                        .any(|h| self.mm_blocks.contains_key(h))
+                {
+                    mm = Some(
+                        s.block_hashes
+                            .iter()
+                            .map(|h| self.mm_blocks.get(h).cloned().unwrap_or_default())
+                            .collect(),
+                    );
+                }
                 let opts = HashOptions {
                     lora_name: lora_name.as_deref(),
                     cache_namespace: namespace.as_deref(),
                 };
                 let locals = compute_block_hashes(&s.token_ids, bs, &opts, mm.as_deref());
-                if let Some(ns) = &namespace {
-                    let mut salts = self.salts.lock();
-                    for h in &s.block_hashes {
-                        salts.insert(*h, Arc::clone(ns));
+                if tier == Tier::Device {
+                    if let Some(ns) = &namespace {
+                        let mut salts = self.salts.lock();
+                        for h in &s.block_hashes {
+                            salts.insert(*h, Arc::clone(ns));
+                        }
+                    }
+                    if let Some(mm) = &mm {
+                        for (h, items) in s.block_hashes.iter().zip(mm) {
+                            if !items.is_empty() {
+                                self.mm_blocks.insert(*h, items.clone());
+                            }
+                        }
                     }
                 }
                 Ok(Translated::Apply(TieredEvent::new(
@@ -521,6 +562,40 @@ mod tests {
             t.translate(EngineEvent::Cleared)?,
             Translated::Apply(TieredEvent::device(KvEvent::Cleared))
         );
+        Ok(())
+    }
+
+    #[test]
+    fn an_offloaded_block_hashes_as_its_device_store_did() -> Result<(), DecodeError> {
+        let mut t = Translator::new(opts());
+        // Block 0 of a salted request with an image, on the device.
+        let mut device = stored(&[1], None, &[1, 2]);
+        device.extra_keys = Some(vec![Some(vec![
+            ExtraKey::Multimodal {
+                identifier: "img".into(),
+                offset: 0,
+            },
+            ExtraKey::Text("salt".into()),
+        ])]);
+        let on_device = locals(&t.translate(EngineEvent::Stored(device))?);
+        // vLLM's self-describing host event: the tokens, no extra keys.
+        let mut host = stored(&[1], None, &[1, 2]);
+        host.medium = Some("CPU".into());
+        let offloaded = locals(&t.translate(EngineEvent::Stored(host.clone()))?);
+        assert_eq!(offloaded, on_device);
+        // A host removal forgets nothing; the device's own eviction does.
+        let removal = |medium: &str| BlockRemoved {
+            block_hashes: vec![1],
+            medium: Some(medium.into()),
+            ..BlockRemoved::default()
+        };
+        t.translate(EngineEvent::Removed(removal("CPU")))?;
+        assert_eq!(
+            locals(&t.translate(EngineEvent::Stored(host.clone()))?),
+            on_device
+        );
+        t.translate(EngineEvent::Removed(removal("GPU")))?;
+        assert_ne!(locals(&t.translate(EngineEvent::Stored(host))?), on_device);
         Ok(())
     }
 

@@ -526,10 +526,11 @@ fn token_ids(v: &Value) -> Result<Vec<u32>, DecodeError> {
         .collect()
 }
 
+/// A block size; 0 is what vLLM's placeholder host events carry (the
+/// translation refuses it anywhere else).
 fn block_size(v: &Value) -> Result<u32, DecodeError> {
     v.as_u64()
         .and_then(|x| u32::try_from(x).ok())
-        .filter(|x| *x > 0)
         .ok_or_else(|| DecodeError::new(DecodeReason::TokenId, format!("block_size {v}")))
 }
 
