@@ -11,6 +11,18 @@ The engine's own kv_events.py (fetched from its wheel by fetch.py) is loaded
 unmodified under its real module name; its non-essential imports resolve to
 the stubs next to this file, while msgspec and pyzmq are the real packages.
 
+Two scenarios (--scenario):
+  main   conversations on the device, a gap healed through the replay
+         socket, evictions and a clear; two events on a medium kvroute does
+         not know ("DISK", which SGLang defines and never sends).
+  tiers  conversations offloaded to the engine's host tier as the engine
+         itself announces it (--host-events): vLLM's offloading connector,
+         placeholder events (no tokens; 0.23 names them by raw 32-byte
+         hashes while its device events use ints) or self-describing ones
+         (tokens and parent, no extra keys), or SGLang HiCache's CPU_PINNED
+         events; then device evictions that leave the host copies, and a
+         host eviction.
+
 Protocol with the Rust test (one line each, on stdout / stdin):
   -> "PHASE1 <batches>"  after the first batches were published (before any
                          subscriber exists: only the replay buffer has them)
@@ -57,16 +69,21 @@ class Trace:
         self.engine, self.hash_kind, self.bs = engine, hash_kind, block_size
         self.rng = random.Random(20251202)
         self.held = {}  # engine hash -> (session index, block index)
+        self.host = {}  # the same, of the host tier
+        self.digests = {}  # key -> the 32-byte digest the hash came from
         self.sessions = []
         self.streams = list(streams)
 
     def engine_hash(self, parent, tokens, extra):
         d = hashlib.sha256(repr((parent, tokens, extra)).encode()).digest()
         if self.hash_kind == "bytes":
-            return d
-        if self.hash_kind == "signed":
-            return int.from_bytes(d[:8], "big", signed=True)
-        return int.from_bytes(d, "big") & ((1 << 64) - 1)
+            h = d
+        elif self.hash_kind == "signed":
+            h = int.from_bytes(d[:8], "big", signed=True)
+        else:
+            h = int.from_bytes(d, "big") & ((1 << 64) - 1)
+        self.digests[self.key(h)] = d
+        return h
 
     def key(self, h):
         return h.hex() if isinstance(h, bytes) else str(h)
@@ -144,6 +161,45 @@ class Trace:
                 self.held.pop(self.key(h), None)
         return mod.BlockRemoved(block_hashes=gone, medium=medium)
 
+    def offload(self, mod, si, host_events):
+        """The host tier's copy of every stored block of a session, as the
+        engine announces it."""
+        s = self.sessions[si]
+        n = len(s["hashes"])
+        for i, h in enumerate(s["hashes"]):
+            self.host[self.key(h)] = (si, i)
+        if host_events == "sglang":
+            # HiCache's write-through: the same recorder as the device's
+            # events, medium CPU_PINNED, coalesced along the chain.
+            return [self.stored(mod, s, s["hashes"], None, 0, n, [None] * n, "CPU_PINNED")]
+        events = []
+        for i, h in enumerate(s["hashes"]):
+            if host_events == "self-describing":
+                events.append(mod.BlockStored(
+                    block_hashes=[h], parent_block_hash=s["hashes"][i - 1] if i else None,
+                    token_ids=s["tokens"][i * self.bs:(i + 1) * self.bs], block_size=self.bs,
+                    lora_id=LORA_ID if s["lora"] else None, medium="CPU",
+                    lora_name=s["lora"], extra_keys=None, group_idx=0,
+                    kv_cache_spec_kind="full_attention"))
+            else:
+                events.append(mod.BlockStored(
+                    block_hashes=[self.host_hash(h, host_events)], parent_block_hash=None,
+                    token_ids=[], block_size=0, lora_id=None, medium="CPU", lora_name=None))
+        return events
+
+    def host_hash(self, h, host_events):
+        """vLLM 0.23's placeholders name blocks by the raw digest."""
+        return self.digests[self.key(h)] if host_events == "placeholder-bytes" else h
+
+    def evict_host(self, mod, si, count, host_events):
+        s = self.sessions[si]
+        gone = s["hashes"][-count:]
+        for h in gone:
+            self.host.pop(self.key(h), None)
+        medium = "CPU_PINNED" if host_events == "sglang" else "CPU"
+        return mod.BlockRemoved(
+            block_hashes=[self.host_hash(h, host_events) for h in gone], medium=medium)
+
     def clear(self, mod):
         self.held.clear()
         for s in self.sessions:
@@ -157,11 +213,13 @@ class Trace:
                 continue
             n = s["stored_tokens"] // self.bs
             held = [self.key(h) in self.held for h in s["hashes"]]
+            host = [self.key(h) in self.host for h in s["hashes"]]
             mm = [[s["mm"]] if (s["mm"] and b < 2) else [] for b in range(n)]
             seqs.append({"tokens": s["tokens"][: n * self.bs], "lora": s["lora"],
-                         "salt": s["salt"], "mm": mm, "held": held,
+                         "salt": s["salt"], "mm": mm, "held": held, "host": host,
                          "stream": s["stream"]})
-        return {"sequences": seqs, "held_count": len(self.held)}
+        return {"sequences": seqs, "held_count": len(self.held),
+                "host_count": len(self.host)}
 
 
 def main() -> None:
@@ -174,6 +232,9 @@ def main() -> None:
     ap.add_argument("--hash-kind", choices=["int", "bytes", "signed"], default="int")
     ap.add_argument("--topic", default="kv")
     ap.add_argument("--trace", required=True, help="JSON file of token streams")
+    ap.add_argument("--scenario", choices=["main", "tiers"], default="main")
+    ap.add_argument("--host-events", default="self-describing",
+                    choices=["self-describing", "placeholder", "placeholder-bytes", "sglang"])
     a = ap.parse_args()
     with open(a.trace) as f:
         streams = json.load(f)["streams"]
@@ -191,6 +252,11 @@ def main() -> None:
         sent += 1
         if live:  # pace live traffic so most of it arrives after the replay
             time.sleep(0.05)
+
+    if a.scenario == "tiers":
+        tiers(mod, tr, publish, a.host_events)
+        pub.shutdown()
+        return
 
     # Phase 1: before any subscriber. Warm-up then a full clear, then the
     # first turns of three conversations.
@@ -217,12 +283,13 @@ def main() -> None:
             publish([tr.turn(mod, si)])
     other = tr.new_session(salt="tenant-y")
     publish([tr.turn(mod, other), tr.turn(mod, other)])
-    # an offload copy on the CPU tier: counted by kvroute, not routed on
-    publish([tr.stored(mod, tr.sessions[plain], [tr.engine_hash(None, [1], "cpu")],
-                       None, 0, 1, [None], "CPU_PINNED")])
-    # evictions: the leaf blocks of two conversations, and one CPU removal
+    # a store and a removal on a medium kvroute does not know (SGLang's
+    # "DISK", defined and never sent): counted, not routed on
+    publish([tr.stored(mod, tr.sessions[plain], [tr.engine_hash(None, [1], "disk")],
+                       None, 0, 1, [None], "DISK")])
+    # evictions: the leaf blocks of two conversations, and one DISK removal
     publish([tr.remove(mod, plain, 2), tr.remove(mod, lora, 1)])
-    publish([tr.remove(mod, salted, 1, medium="CPU_PINNED")])
+    publish([tr.remove(mod, salted, 1, medium="DISK")])
     publish([tr.turn(mod, salted)])
     while not pub._event_queue.empty():
         time.sleep(0.01)
@@ -230,6 +297,33 @@ def main() -> None:
     print("DONE " + json.dumps({**tr.expected(), "batches": sent}), flush=True)
     sys.stdin.readline()
     pub.shutdown()
+
+
+def tiers(mod, tr, publish, host_events):
+    """The tiers scenario (see the module docs); all of it live."""
+    print("PHASE1 0", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    # Its own salt keeps the first conversation's blocks apart from the
+    # plain one's (they share the trace's system prompt).
+    on_device = tr.new_session(salt="tenant-z")
+    offloaded = tr.new_session()
+    lora = tr.new_session(lora=True)
+    salted = tr.new_session(salt="tenant-x", mm=True)
+    for si in (on_device, offloaded, lora, salted):
+        publish([tr.turn(mod, si)])
+        publish([tr.turn(mod, si)])
+    # Every block of three conversations goes to host memory, then leaves
+    # the device; the first conversation's blocks are copied too but stay.
+    for si in (offloaded, lora, salted, on_device):
+        publish(tr.offload(mod, si, host_events))
+    for si in (offloaded, lora, salted):
+        publish([tr.remove(mod, si, len(tr.sessions[si]["hashes"]))])
+    # Host memory evicts the salted conversation's last block.
+    publish([tr.evict_host(mod, salted, 1, host_events)])
+    time.sleep(0.2)
+    print("DONE " + json.dumps({**tr.expected(), "batches": 0}), flush=True)
+    sys.stdin.readline()
 
 
 if __name__ == "__main__":

@@ -19,8 +19,15 @@
 //! * SelectWorker: a follow-up turn of a conversation goes to the worker
 //!   that stored its prefix, not to the idle plain worker beside it;
 //! * Prometheus: batches all applied once (some replayed, some live), no
-//!   loss, no decode errors, no index rejections, one clear, two
-//!   other-medium events.
+//!   loss, no decode errors, no index rejections, one clear, two events on
+//!   a medium kvroute does not know, counted by its name.
+//!
+//! The tier cases (`run_tier_case`) publish the host tier as each engine
+//! announces it: vLLM's offloading connector (0.24's self-describing events
+//! and its placeholder events, 0.23's placeholders named by raw digests) and
+//! SGLang 0.5.23's HiCache `CPU_PINNED` events. kvroute must hold per tier
+//! what the engine holds, keep the host copies when the device evicts, and
+//! route a prompt to the device's copy over the host's over none.
 //!
 //! Two cases run three kvroute replicas of one cluster (a real nats-server)
 //! that each subscribe to the engine: all three end exact, with equal
@@ -132,6 +139,13 @@ struct Case {
     version: &'static str,
     hash_kind: &'static str,
     tcp: bool,
+}
+
+impl Case {
+    /// The driver's scenario options: the main one.
+    fn scenario(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 fn free_port() -> u16 {
@@ -261,6 +275,11 @@ struct Publisher {
 /// Fetches the engine's kv_events.py and starts the driver, which
 /// publishes its first phase at once and waits for "go".
 fn start_publisher(py: &str, case: &Case) -> Publisher {
+    start_publisher_with(py, case, &case.scenario())
+}
+
+/// [`start_publisher`] with the driver's scenario options.
+fn start_publisher_with(py: &str, case: &Case, scenario: &[String]) -> Publisher {
     let started = Instant::now();
     let work = std::env::temp_dir().join(format!(
         "kvroute-publisher-{}-{}-{}",
@@ -306,6 +325,7 @@ fn start_publisher(py: &str, case: &Case) -> Publisher {
         .args(["--endpoint", &pub_bind, "--replay", &replay_bind])
         .args(["--hash-kind", case.hash_kind])
         .args(["--block-size", &BLOCK_SIZE.to_string()])
+        .args(scenario)
         .arg("--trace")
         .arg(&trace_file)
         .stdin(Stdio::piped())
@@ -470,7 +490,12 @@ async fn run_case(case: Case) {
         ))
     };
     assert_eq!(ignored("index_rejected"), 0, "{body}");
-    assert_eq!(ignored("other_medium"), 2, "{body}");
+    assert_eq!(ignored("unknown_medium"), 2, "{body}");
+    assert_eq!(
+        m(r#"engine_event_unknown_media_total{value="DISK"}"#),
+        2,
+        "{body}"
+    );
     assert_eq!(
         m(&format!("engine_event_rank_mismatch_total{w}")),
         0,
@@ -711,6 +736,277 @@ async fn sglang_0_5_20_map_events_signed_hashes_tcp() {
         version: "0.5.20",
         hash_kind: "signed",
         tcp: true,
+    })
+    .await;
+}
+
+// ---- cache tiers ----------------------------------------------------------
+
+/// One tier case: an engine version and how it announces its host tier
+/// (the driver's `--host-events`).
+struct TierCase {
+    case: Case,
+    host_events: &'static str,
+}
+
+/// The expected split of a sequence's overlap: its leading blocks held in
+/// some tier, each counted on the device when the device holds it.
+fn expected_split(seq: &Value) -> (u32, u32) {
+    let flags = |k: &str| -> Vec<bool> {
+        seq[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_bool().unwrap())
+            .collect()
+    };
+    let (device, host) = (flags("held"), flags("host"));
+    let mut split = (0, 0);
+    for (d, h) in device.iter().zip(&host) {
+        match (d, h) {
+            (true, _) => split.0 += 1,
+            (false, true) => split.1 += 1,
+            (false, false) => break,
+        }
+    }
+    split
+}
+
+/// Does kvroute hold per tier what the engine holds? Returns a mismatch.
+async fn check_tiers(server: &TestServer, expected: &Value) -> Option<String> {
+    let stats = server.index_stats().await;
+    let tiers = stats.blocks_by_tier.unwrap_or_default();
+    let want = (
+        expected["held_count"].as_u64().unwrap(),
+        expected["host_count"].as_u64().unwrap(),
+    );
+    if (tiers.device, tiers.host) != want {
+        return Some(format!("blocks by tier {tiers:?} != {want:?}"));
+    }
+    for (i, seq) in expected["sequences"].as_array().unwrap().iter().enumerate() {
+        let req = request(seq, seq_tokens(seq), pb::SelectionMode::QueryOnly);
+        let explained = server
+            .admin()
+            .explain_selection(req)
+            .await
+            .unwrap()
+            .into_inner();
+        let c = explained
+            .candidates
+            .iter()
+            .find(|c| c.worker_id == WORKER)
+            .cloned()
+            .unwrap_or_default();
+        let got = c.overlap_by_tier.map(|t| (t.device as u32, t.host as u32));
+        let (device, host) = expected_split(seq);
+        if got != Some((device, host)) || c.overlap_blocks != device + host {
+            return Some(format!(
+                "sequence {i}: overlap {} split {got:?} != ({device}, {host})",
+                c.overlap_blocks
+            ));
+        }
+    }
+    None
+}
+
+async fn run_tier_case(tier_case: TierCase) {
+    let Some(py) = python() else { return };
+    let case = &tier_case.case;
+    let scenario = [
+        "--scenario".to_string(),
+        "tiers".into(),
+        "--host-events".into(),
+        tier_case.host_events.into(),
+    ];
+    let mut publisher = start_publisher_with(&py, case, &scenario);
+    let server = TestServer::start().await;
+    server
+        .register(pb::RegisterWorkerRequest {
+            block_size: BLOCK_SIZE,
+            lease_ttl_secs: 600,
+            ..registration(PLAIN_WORKER, "m")
+        })
+        .await;
+    server
+        .register(pb::RegisterWorkerRequest {
+            events_endpoint: publisher.pub_ep.clone(),
+            events_dialect: case.engine.into(),
+            replay_endpoint: publisher.replay_ep.clone(),
+            lease_ttl_secs: 600,
+            adapters: vec![pb::LoraAdapter {
+                id: 5,
+                name: "adapter-a".into(),
+            }],
+            cache_tiers: vec![pb::CacheTierSpec {
+                tier: pb::CacheTier::Host as i32,
+                capacity_blocks: 100_000,
+                prefill_saving: None,
+            }],
+            ..registration(WORKER, "m")
+        })
+        .await;
+    wait_connected(&server).await;
+    let driver = &mut publisher.driver;
+    driver.send("go");
+    let expected: Value = serde_json::from_str(&driver.read_line("DONE")).unwrap();
+
+    let t0 = Instant::now();
+    let mut mismatch = check_tiers(&server, &expected).await;
+    while mismatch.is_some() && t0.elapsed() < Duration::from_secs(15) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        mismatch = check_tiers(&server, &expected).await;
+    }
+    let info = worker_info(&server).await;
+    let (_, body) = server.http_get("/metrics").await;
+    assert_eq!(mismatch, None, "{}\n{body}", info.subscription);
+    // Evictions from the device left the host copies: three conversations
+    // are held only in host memory, one on both.
+    let sequences = expected["sequences"].as_array().unwrap();
+    let host_only = sequences
+        .iter()
+        .filter(|s| expected_split(s) == (0, held_prefix_any(s)) && held_prefix_any(s) > 0)
+        .count();
+    assert_eq!(host_only, 3, "{expected}");
+    assert!(expected["host_count"].as_u64().unwrap() > 40);
+
+    // No event was malformed, refused or of an unknown medium.
+    let m = |name: &str| metric(&body, &format!("kvroute_{name}"));
+    assert!(
+        !body.lines().any(
+            |l| l.starts_with("kvroute_engine_event_decode_errors_total") && !l.ends_with(" 0")
+        ),
+        "{body}"
+    );
+    for reason in ["index_rejected", "unknown_medium"] {
+        let series = format!(r#"engine_events_ignored_total{{reason="{reason}",worker="7"}}"#);
+        assert_eq!(m(&series), 0, "{reason}: {body}");
+    }
+    let host_medium = if case.engine == "sglang" {
+        "CPU_PINNED"
+    } else {
+        "CPU"
+    };
+    assert!(
+        m(&format!(
+            r#"engine_event_media_total{{medium="{host_medium}"}}"#
+        )) > 0,
+        "{body}"
+    );
+
+    // The plain conversation now only in host memory: kvroute sends it
+    // there rather than to the worker that holds nothing ...
+    let plain = &sequences[1];
+    assert!(plain["lora"].is_null() && plain["salt"].is_null());
+    let tokens = seq_tokens(plain);
+    let ask = |tokens: Vec<u32>| {
+        let mut router = server.router();
+        let req = request(plain, tokens, pb::SelectionMode::QueryOnly);
+        async move { router.select_worker(req).await.unwrap().into_inner() }
+    };
+    let chosen = ask(tokens.clone()).await;
+    assert_eq!(chosen.worker_id, WORKER, "{chosen:?}");
+    let held = held_prefix_any(plain);
+    assert_eq!(
+        chosen.overlap_by_tier.map(|t| (t.device, t.host)),
+        Some((0, u64::from(held)))
+    );
+    // ... and to a worker holding it on the device over both.
+    let locals = kvroute_core::hashing::compute_block_hashes(
+        &tokens,
+        BLOCK_SIZE,
+        &kvroute_core::hashing::HashOptions::plain(),
+        None,
+    );
+    let blocks: Vec<(u64, u64)> = locals
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i as u64 + 1, *l))
+        .collect();
+    let reply = server
+        .publish(common::batch(
+            PLAIN_WORKER,
+            0,
+            vec![common::stored(0, None, &blocks)],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(reply.rejected, 0, "{reply:?}");
+    let chosen = ask(tokens).await;
+    assert_eq!(chosen.worker_id, PLAIN_WORKER, "{chosen:?}");
+    eprintln!(
+        "{} {} ({}): {} device, {} host blocks; {}",
+        case.engine,
+        case.version,
+        tier_case.host_events,
+        expected["held_count"],
+        expected["host_count"],
+        info.subscription
+    );
+
+    driver.send("quit");
+    let _ = driver.child.wait();
+    server.stop().await.unwrap();
+    let _ = std::fs::remove_dir_all(&publisher.work);
+}
+
+/// Leading blocks of a sequence held in any tier.
+fn held_prefix_any(seq: &Value) -> u32 {
+    let (device, host) = expected_split(seq);
+    device + host
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_0_24_self_describing_host_events() {
+    run_tier_case(TierCase {
+        case: Case {
+            engine: "vllm",
+            version: "0.24.0",
+            hash_kind: "int",
+            tcp: true,
+        },
+        host_events: "self-describing",
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_0_24_placeholder_host_events() {
+    run_tier_case(TierCase {
+        case: Case {
+            engine: "vllm",
+            version: "0.24.0",
+            hash_kind: "int",
+            tcp: true,
+        },
+        host_events: "placeholder",
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_0_23_placeholder_host_events_named_by_digest() {
+    run_tier_case(TierCase {
+        case: Case {
+            engine: "vllm",
+            version: "0.23.0",
+            hash_kind: "int",
+            tcp: false,
+        },
+        host_events: "placeholder-bytes",
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_0_5_23_hicache_cpu_pinned_events() {
+    run_tier_case(TierCase {
+        case: Case {
+            engine: "sglang",
+            version: "0.5.23",
+            hash_kind: "signed",
+            tcp: true,
+        },
+        host_events: "sglang",
     })
     .await;
 }
