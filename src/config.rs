@@ -148,6 +148,15 @@ pub struct ServeConfig {
           value_parser = parse_tier_savings)]
     pub tier_savings: TierSavings,
 
+    /// What loading a LoRA adapter costs a worker that loads adapters on
+    /// request (`loads_adapters`) and does not serve the one asked for, in
+    /// prefill tokens added to its estimate; at most 16777216.
+    #[arg(long, env = "KVROUTE_ADAPTER_LOAD_TOKENS",
+          default_value_t = kvroute_core::select::DEFAULT_ADAPTER_LOAD_TOKENS,
+          value_parser = clap::value_parser!(u64)
+              .range(..=kvroute_core::select::MAX_ADAPTER_LOAD_TOKENS))]
+    pub adapter_load_tokens: u64,
+
     /// Softmax temperature of scoring; 0 always takes the lowest cost.
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0,
           value_parser = parse_non_negative_f64)]
@@ -371,6 +380,7 @@ impl ServeConfig {
             overlap_weight: r.overlap_weight,
             overlap_credit: r.overlap_credit,
             tier_savings: r.tier_savings,
+            adapter_load_tokens: r.adapter_load_tokens,
             temperature: r.temperature,
             scorer: ScoringPolicy::Cost,
             busy_threshold: r.busy_threshold,
@@ -406,6 +416,7 @@ impl ServeConfig {
             overlap_weight: self.overlap_weight,
             overlap_credit: self.overlap_credit,
             tier_savings: self.tier_savings,
+            adapter_load_tokens: self.adapter_load_tokens,
             temperature: self.temperature,
             busy_threshold: self.busy_threshold,
             kv_busy_fraction: self.kv_busy_fraction,

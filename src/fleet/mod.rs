@@ -288,6 +288,7 @@ impl Fleet {
                 max_num_batched_tokens: 0,
                 taints: Vec::new(),
                 adapters: Vec::new(),
+                loads_adapters: false,
                 lease_ttl: None,
                 kv_events: kvroute_core::types::KvEventsMode::Exact,
                 tiers: Vec::new(),

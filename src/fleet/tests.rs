@@ -34,6 +34,7 @@ fn registration(worker_id: WorkerId, block_size: u32) -> Registration {
         max_num_batched_tokens: 8192,
         taints: Vec::new(),
         adapters: Vec::new(),
+        loads_adapters: false,
         lease_ttl: None,
         kv_events: kvroute_core::types::KvEventsMode::Exact,
     }

@@ -74,6 +74,7 @@ pub fn publish_events(data: &[u8]) {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             adapters: Vec::new(),
+            loads_adapters: false,
             lease_ttl: None,
             kv_events: kvroute_core::types::KvEventsMode::Exact,
         });

@@ -65,6 +65,7 @@ fn fleet() -> Option<RouterCore> {
             max_num_batched_tokens: 8192,
             taints,
             adapters: Vec::new(),
+            loads_adapters: false,
             lease_ttl: None,
             kv_events: kvroute_core::types::KvEventsMode::Exact,
         })

@@ -151,6 +151,7 @@ impl pb::admin_server::Admin for AdminService {
                     cache_view_reason: c.view.describe().to_owned(),
                     overlap_by_tier: Some(c.tiers.into()),
                     effective_overlap_blocks: c.effective_overlap_blocks,
+                    loads_adapter: c.loads_adapter,
                 }
             })
             .collect();

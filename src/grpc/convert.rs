@@ -155,6 +155,7 @@ pub(crate) fn registration_from_pb(
         max_num_batched_tokens: request.max_num_batched_tokens,
         taints: request.taints,
         adapters: request.adapters.into_iter().map(Adapter::from).collect(),
+        loads_adapters: request.loads_adapters,
         lease_ttl: (request.lease_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(u64::from(request.lease_ttl_secs))),
         kv_events: kv_events_from_pb(request.kv_events)?,
@@ -192,6 +193,7 @@ pub(crate) fn registration_to_pb(
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
         adapters: r.adapters.iter().map(pb::LoraAdapter::from).collect(),
+        loads_adapters: r.loads_adapters,
         lease_ttl_secs: r
             .lease_ttl
             .map_or(0, |ttl| u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX)),
@@ -960,6 +962,7 @@ pub(crate) fn worker_view_to_pb(view: &WorkerView) -> pb::WorkerInfo {
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
         adapters: r.adapters.iter().map(pb::LoraAdapter::from).collect(),
+        loads_adapters: r.loads_adapters,
         lease_remaining_ms: u64::try_from(record.lease_remaining(now()).as_millis())
             .unwrap_or(u64::MAX),
         cordoned: record.cordoned,
@@ -1018,6 +1021,7 @@ mod tests {
             max_num_batched_tokens: 8192,
             taints: vec!["gpu=h100".into(), "spot".into()],
             adapters: Vec::new(),
+            loads_adapters: true,
             lease_ttl: Some(std::time::Duration::from_secs(45)),
             kv_events: KvEventsMode::Auto,
         };
@@ -1039,6 +1043,7 @@ mod tests {
             max_num_batched_tokens: 0,
             taints: Vec::new(),
             adapters: Vec::new(),
+            loads_adapters: false,
             lease_ttl: None,
             kv_events: KvEventsMode::Approximate,
         };

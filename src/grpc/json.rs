@@ -76,6 +76,7 @@ pub fn worker_json(w: &pb::WorkerInfo) -> Value {
         "max_num_batched_tokens": w.max_num_batched_tokens,
         "taints": w.taints,
         "adapters": w.adapters.iter().map(|a| json!({"id": a.id, "name": a.name})).collect::<Vec<_>>(),
+        "loads_adapters": w.loads_adapters,
         "lease_remaining_ms": w.lease_remaining_ms,
         "cordoned": w.cordoned,
         "subscription": w.subscription,

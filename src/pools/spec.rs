@@ -16,6 +16,7 @@
 //! total_kv_blocks = 65536     # per rank; 0: the server's default
 //! max_num_batched_tokens = 8192
 //! members = ["10.0.0.5", "10.0.0.6"]   # or: dns = "vllm.serving.svc"
+//! loads_adapters = false      # true: members load adapters on request
 //!
 //! [[cache_tiers]]             # optional: tiers below the device
 //! tier = "host"               # host, storage or external
@@ -66,6 +67,10 @@ pub(crate) struct PoolSpec {
     /// `id` and `name`), as RegisterWorker's `adapters`.
     #[serde(default)]
     pub adapters: Vec<PoolAdapter>,
+    /// Every member loads adapters it does not serve on request, as
+    /// RegisterWorker's `loads_adapters`. Default false.
+    #[serde(default)]
+    pub loads_adapters: bool,
     /// The cache tiers below the device every member keeps
     /// (`[[cache_tiers]]` tables of `tier` = host, storage or external,
     /// `capacity_blocks` and optionally `prefill_saving`), as
@@ -197,6 +202,7 @@ impl PoolSpec {
                     name: a.name.clone(),
                 })
                 .collect(),
+            loads_adapters: self.loads_adapters,
             lease_ttl: None,
             kv_events: KvEventsMode::Exact,
             tiers: self
@@ -338,9 +344,11 @@ mod tests {
         let text = include_str!("../../deploy/pool.example.toml");
         let spec = PoolSpec::parse(text).unwrap();
         assert_eq!(spec.members(), Members::Listed(&["127.0.0.1".into()]));
+        assert!(!spec.loads_adapters, "not unless asked");
         // Its commented adapters, uncommented, read too.
         let adapters = text.replace("# [[adapters]]", "[[adapters]]");
         let adapters = adapters
+            .replace("# loads_adapters = true", "loads_adapters = true")
             .replace("# id = 1", "id = 1")
             .replace("# name = \"sql-lora\"", "name = \"sql-lora\"");
         let spec = PoolSpec::parse(&adapters).unwrap();
@@ -352,6 +360,7 @@ mod tests {
                 name: "sql-lora".into()
             }]
         );
+        assert!(registration.loads_adapters);
     }
 
     #[test]

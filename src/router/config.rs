@@ -109,6 +109,9 @@ pub struct RouterConfig {
     pub overlap_credit: f64,
     /// What a block in each cache tier saves of its prefill.
     pub tier_savings: TierSavings,
+    /// Prefill tokens a worker that loads adapters on request is charged
+    /// for loading one it does not serve.
+    pub adapter_load_tokens: u64,
     pub temperature: f64,
     pub busy_threshold: f64,
     pub kv_busy_fraction: f64,
@@ -152,6 +155,7 @@ impl Default for RouterConfig {
             overlap_weight: DEFAULT_OVERLAP_WEIGHT,
             overlap_credit: DEFAULT_OVERLAP_CREDIT,
             tier_savings: TierSavings::DEFAULT,
+            adapter_load_tokens: kvroute_core::select::DEFAULT_ADAPTER_LOAD_TOKENS,
             temperature: 0.0,
             busy_threshold: 4.0,
             kv_busy_fraction: 0.98,

@@ -188,6 +188,7 @@ mod tests {
         CandidateReport {
             tiers: kvroute_core::index::TierBlocks::device(overlap),
             effective_overlap_blocks: f64::from(overlap),
+            loads_adapter: false,
             target: WorkerRank {
                 worker_id,
                 dp_rank: 0,

@@ -191,6 +191,7 @@ mod tests {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             adapters: Vec::new(),
+            loads_adapters: false,
             lease_ttl: None,
             kv_events: KvEventsMode::Exact,
         }

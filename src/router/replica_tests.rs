@@ -37,6 +37,7 @@ fn core(replicas: ReplicaSettings) -> RouterCore {
             max_num_batched_tokens: 8192,
             taints: Vec::new(),
             adapters: Vec::new(),
+            loads_adapters: false,
             lease_ttl: Some(Duration::from_secs(3600)),
             kv_events: kvroute_core::types::KvEventsMode::Exact,
         })

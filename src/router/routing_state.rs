@@ -209,6 +209,7 @@ impl Routing {
                 },
                 overlap_credit: config.overlap_credit,
                 tier_savings: config.tier_savings,
+                adapter_load_tokens: config.adapter_load_tokens,
                 ..SelectConfig::default()
             },
             scorer: config.scorer,

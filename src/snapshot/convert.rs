@@ -119,6 +119,7 @@ fn worker_to_pb(w: &FleetWorker) -> pb::SnapshotWorker {
         max_num_batched_tokens: r.max_num_batched_tokens,
         taints: r.taints.clone(),
         adapters: r.adapters.iter().map(pb::LoraAdapter::from).collect(),
+        loads_adapters: r.loads_adapters,
         cache_tiers: r.tiers.iter().map(pb::CacheTierSpec::from).collect(),
         lease_ttl_ms: millis(w.worker.lease_ttl),
         lease_remaining_ms: millis(w.worker.lease_remaining),
@@ -252,6 +253,7 @@ fn worker_from_pb(w: pb::SnapshotWorker) -> Result<FleetWorker, InvalidState> {
                 max_num_batched_tokens: w.max_num_batched_tokens,
                 taints: w.taints,
                 adapters: w.adapters.into_iter().map(Adapter::from).collect(),
+                loads_adapters: w.loads_adapters,
                 lease_ttl: None,
                 kv_events: pb::KvEventsMode::to_domain(w.kv_events).ok_or_else(|| {
                     invalid(what(), format!("unknown KV events mode {}", w.kv_events))
@@ -408,6 +410,7 @@ mod tests {
                     max_num_batched_tokens: 8192,
                     taints: Vec::new(),
                     adapters: Vec::new(),
+                    loads_adapters: false,
                     lease_ttl: None,
                     kv_events,
                 },
@@ -450,6 +453,7 @@ mod tests {
                 name: "chat".into(),
             },
         ];
+        saved.worker.registration.loads_adapters = true;
         let back = worker_from_pb(worker_to_pb(&saved)).expect("restores");
         assert_eq!(back.worker.registration, saved.worker.registration);
     }

@@ -3,7 +3,9 @@
 //! among workers that serve it (or declare none); blocks stored through
 //! PublishEvents with an adapter and a cache namespace match exactly the
 //! requests hashed with the same two, and no others; hostile declarations
-//! are refused.
+//! are refused. A worker that loads adapters on request (loads_adapters)
+//! takes requests for adapters it does not serve, its prefill estimate
+//! raised by the load.
 
 use crate::common::{self, TestServer, batch, registration};
 use kvroute::pb;
@@ -245,4 +247,103 @@ async fn hostile_adapter_declarations_are_refused() {
         .await
         .expect_err("namespace too long");
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+}
+
+const LOADER: u64 = 10;
+const X_ONLY: u64 = 11;
+
+/// Worker 10 serves "y" and loads others on request, 11 serves "x" only;
+/// a load costs `load_tokens`.
+async fn loading_fleet(load_tokens: u64) -> TestServer {
+    let server = TestServer::start_with(kvroute::config::ServeConfig {
+        adapter_load_tokens: load_tokens,
+        ..kvroute::config::ServeConfig::for_tests()
+    })
+    .await;
+    for (worker_id, declared, loads_adapters) in [
+        (LOADER, adapters(&[(1, "y")]), true),
+        (X_ONLY, adapters(&[(2, "x")]), false),
+    ] {
+        server
+            .register(pb::RegisterWorkerRequest {
+                adapters: declared,
+                loads_adapters,
+                ..registration(worker_id, "m")
+            })
+            .await;
+    }
+    server
+}
+
+/// Each candidate's (worker, eligible, reason, loads_adapter) for `lora`.
+async fn explain_loads(
+    server: &TestServer,
+    lora: &str,
+) -> Vec<(u64, bool, pb::IneligibleReason, bool)> {
+    let mut request = common::select_hashes("explain", "m", &[1, 2, 3]);
+    request.lora_name = lora.into();
+    let mut out: Vec<_> = server
+        .admin()
+        .explain_selection(request)
+        .await
+        .expect("explain")
+        .into_inner()
+        .candidates
+        .into_iter()
+        .map(|c| (c.worker_id, c.eligible, c.reason(), c.loads_adapter))
+        .collect();
+    out.sort_by_key(|c| c.0);
+    out
+}
+
+#[tokio::test]
+async fn a_worker_that_loads_adapters_takes_others_priced_by_the_load() {
+    let server = loading_fleet(1000).await;
+    use pb::IneligibleReason::{Adapter, None as Eligible};
+    // An adapter nobody serves: only the loader may take it, paying the load.
+    assert_eq!(
+        explain_loads(&server, "z").await,
+        [
+            (LOADER, true, Eligible, true),
+            (X_ONLY, false, Adapter, false)
+        ]
+    );
+    for i in 0..8 {
+        let mut request = common::select_hashes(&format!("z-{i}"), "m", &[1, 2, 3]);
+        request.lora_name = "z".into();
+        let reply = server
+            .router()
+            .select_worker(request)
+            .await
+            .expect("select")
+            .into_inner();
+        assert_eq!(reply.worker_id, LOADER);
+        if i == 0 {
+            // Nothing booked yet: three 16-token blocks and the load.
+            assert_eq!(reply.potential_prefill_tokens, 48 + 1000, "{reply:?}");
+        }
+    }
+    // "x": both may take it, the loader paying the load; "y": it serves it.
+    assert_eq!(
+        explain_loads(&server, "x").await,
+        [
+            (LOADER, true, Eligible, true),
+            (X_ONLY, true, Eligible, false)
+        ]
+    );
+    assert!(explain_loads(&server, "y").await.iter().all(|c| !c.3));
+    // GetWorker and ListWorkers report it.
+    assert!(server.worker_info(LOADER).await.loads_adapters);
+    assert!(!server.worker_info(X_ONLY).await.loads_adapters);
+    let listed: Vec<(u64, bool)> = server
+        .admin()
+        .list_workers(pb::ListWorkersRequest::default())
+        .await
+        .expect("list")
+        .into_inner()
+        .workers
+        .iter()
+        .map(|w| (w.worker_id, w.loads_adapters))
+        .collect();
+    assert_eq!(listed, [(LOADER, true), (X_ONLY, false)]);
 }

@@ -63,6 +63,17 @@ fn blocks_per_event_over_the_index_limit_are_refused() {
 }
 
 #[test]
+fn an_adapter_load_over_the_limit_is_refused() {
+    // at most 2^24 tokens, so no estimate it is added to can overflow
+    let (code, stderr) = serve_fails(&["--adapter-load-tokens", "16777217"], &[]);
+    assert_eq!(code, 2);
+    assert_one_clear_line(&stderr, "--adapter-load-tokens");
+    let (code, stderr) = serve_fails(&[], &[("KVROUTE_ADAPTER_LOAD_TOKENS", "-1")]);
+    assert_eq!(code, 2);
+    assert_one_clear_line(&stderr, "--adapter-load-tokens");
+}
+
+#[test]
 fn unparsable_address_is_refused() {
     let (code, stderr) = serve_fails(&["--grpc-addr", "not-an-address"], &[]);
     assert_eq!(code, 2);

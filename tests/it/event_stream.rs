@@ -58,6 +58,7 @@ impl Stream {
                 max_num_batched_tokens: 8192,
                 taints: Vec::new(),
                 adapters: Vec::new(),
+                loads_adapters: false,
                 lease_ttl: None,
                 kv_events: kvroute_core::types::KvEventsMode::Exact,
             })

@@ -219,6 +219,9 @@ pub struct WorkerSnapshot {
     /// Names of the LoRA adapters it serves; empty: not declared (serves
     /// a request for any adapter).
     pub adapters: Vec<String>,
+    /// It loads an adapter it does not serve on request (vLLM's runtime
+    /// LoRA loading): such a request may go there, paying the load.
+    pub loads_adapters: bool,
     pub cordoned: bool,
     /// Whether its overlap comes from events or from predictions.
     pub kv_events: KvEventsMode,

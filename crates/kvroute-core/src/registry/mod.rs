@@ -65,6 +65,9 @@ pub struct Registration {
     /// The LoRA adapters it serves. Empty: not declared, so a request for
     /// any adapter may go there (as before adapters were declared).
     pub adapters: Vec<Adapter>,
+    /// It loads adapters it does not serve on request (see
+    /// `WorkerSnapshot::loads_adapters`).
+    pub loads_adapters: bool,
     /// Lease asked for; `None` takes the server's default.
     pub lease_ttl: Option<Duration>,
     /// Whether it publishes KV events (see `KvEventsMode`).
@@ -112,6 +115,7 @@ impl WorkerRecord {
             max_num_batched_tokens: r.max_num_batched_tokens,
             taints: r.taints.clone(),
             adapters: r.adapters.iter().map(|a| a.name.clone()).collect(),
+            loads_adapters: r.loads_adapters,
             cordoned: self.cordoned,
             kv_events: r.kv_events,
             tiers: r.tiers.clone(),

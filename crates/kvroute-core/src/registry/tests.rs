@@ -27,6 +27,7 @@ fn registration(worker_id: WorkerId, model: &str, block_size: u32) -> Registrati
         max_num_batched_tokens: 8192,
         taints: vec![],
         adapters: vec![],
+        loads_adapters: false,
         lease_ttl: None,
         kv_events: crate::types::KvEventsMode::Exact,
         tiers: Vec::new(),

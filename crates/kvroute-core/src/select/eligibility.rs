@@ -40,7 +40,8 @@ pub enum Ineligible {
     TaintNotTolerated {
         taint: String,
     },
-    /// The worker declares its adapters, and not this one.
+    /// The worker declares its adapters, not this one, and does not load
+    /// adapters on request.
     AdapterNotServed {
         adapter: String,
     },
@@ -130,8 +131,8 @@ impl Eligibility<'_> {
             });
         }
         if let Some(adapter) = self.adapter
-            && !w.adapters.is_empty()
-            && !w.adapters.iter().any(|a| a == adapter)
+            && needs_adapter_load(w, adapter)
+            && !w.loads_adapters
         {
             return Err(Ineligible::AdapterNotServed {
                 adapter: adapter.to_owned(),
@@ -235,6 +236,12 @@ impl BusyThresholds {
     }
 }
 
+/// Whether `w` would have to load `adapter` first: it declares adapters,
+/// and not this one.
+pub fn needs_adapter_load(w: &WorkerSnapshot, adapter: &str) -> bool {
+    !w.adapters.is_empty() && !w.adapters.iter().any(|a| a == adapter)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,6 +321,9 @@ mod tests {
             })
         );
         assert_eq!(e.check_worker(&w), Ok(()), "a base-model request");
+        let mut loader = w.clone();
+        loader.loads_adapters = true;
+        assert_eq!(sql.check_worker(&loader), Ok(()), "loads it on request");
         w.adapters.push("sql".into());
         assert_eq!(sql.check_worker(&w), Ok(()));
         assert_eq!(sql.check_worker(&worker(1)), Ok(()), "undeclared");

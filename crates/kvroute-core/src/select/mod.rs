@@ -127,8 +127,8 @@ pub struct ScoringOverrides {
 pub struct SelectRequest {
     pub request_id: String,
     pub model: String,
-    /// The LoRA adapter asked for: only workers that serve it (or declare
-    /// no adapters) are eligible.
+    /// The LoRA adapter asked for: only workers that serve it, declare no
+    /// adapters, or load adapters on request are eligible.
     pub adapter: Option<String>,
     pub phase: RequestPhase,
     /// Prompt length in tokens. With precomputed hashes only, the caller
@@ -172,6 +172,10 @@ pub struct SelectConfig {
     /// What a block in each tier saves of its prefill, for workers that
     /// declare no saving of their own.
     pub tier_savings: TierSavings,
+    /// What loading a LoRA adapter costs a worker that loads adapters on
+    /// request and does not serve the one asked for, in prefill tokens.
+    /// Default 4096.
+    pub adapter_load_tokens: u64,
 }
 
 impl Default for SelectConfig {
@@ -183,9 +187,20 @@ impl Default for SelectConfig {
             soft_affinity_discount: 0.1,
             overlap_credit: 0.0,
             tier_savings: TierSavings::DEFAULT,
+            adapter_load_tokens: DEFAULT_ADAPTER_LOAD_TOKENS,
         }
     }
 }
+
+/// Default of [`SelectConfig::adapter_load_tokens`]: loading an adapter
+/// from host memory takes about as long as a 4k-token prefill (a rank-16
+/// adapter of an 8B model is some 50-100 MB).
+pub const DEFAULT_ADAPTER_LOAD_TOKENS: u64 = 4096;
+
+/// Most [`SelectConfig::adapter_load_tokens`] a configuration may set
+/// (`kvroute serve --adapter-load-tokens`): far above any real load, and
+/// far below what could overflow a prefill estimate.
+pub const MAX_ADAPTER_LOAD_TOKENS: u64 = 1 << 24;
 
 fn non_negative(name: &str, v: f64) -> Result<(), String> {
     if v.is_finite() && v >= 0.0 {
@@ -203,6 +218,12 @@ impl SelectConfig {
         non_negative("temperature", self.temperature)?;
         non_negative("overlap_credit", self.overlap_credit)?;
         self.tier_savings.validate()?;
+        if self.adapter_load_tokens > MAX_ADAPTER_LOAD_TOKENS {
+            return Err(format!(
+                "adapter_load_tokens must be at most {MAX_ADAPTER_LOAD_TOKENS}, got {}",
+                self.adapter_load_tokens
+            ));
+        }
         non_negative("busy prefill factor", self.busy.prefill_factor)?;
         non_negative("busy kv usage fraction", self.busy.kv_usage_fraction)?;
         if !(0.0..1.0).contains(&self.soft_affinity_discount) {
@@ -269,6 +290,9 @@ pub struct CandidateReport {
     /// `overlap_blocks` weighed by what each tier saves (see
     /// [`TierSavings`]); what the prefill estimate takes off.
     pub effective_overlap_blocks: f64,
+    /// It must load the request's adapter first; its prefill estimate
+    /// includes the load.
+    pub loads_adapter: bool,
     pub potential_prefill_tokens: u64,
     pub potential_prefill_blocks: u64,
     pub potential_decode_blocks: u64,
@@ -682,8 +706,21 @@ fn prepare<'a>(
     let (tiers, effective) = tier_overlap(ctx, config, worker, target, overlap);
     let saved = saved_prefill(req, effective);
     let booked = ctx.booked.booked(target);
-    let uncached_tokens = req.prompt_tokens - saved.tokens;
-    let uncached_blocks = u64::from(total_blocks) - saved.blocks;
+    // Only a worker able to load it pays the load: one that is not is
+    // ineligible, and its report shows no load it would never make.
+    let loads_adapter = worker.loads_adapters
+        && req
+            .adapter
+            .as_deref()
+            .is_some_and(|a| eligibility::needs_adapter_load(worker, a));
+    let load_tokens = if loads_adapter {
+        config.adapter_load_tokens
+    } else {
+        0
+    };
+    let uncached_tokens = (req.prompt_tokens - saved.tokens).saturating_add(load_tokens);
+    let uncached_blocks = (u64::from(total_blocks) - saved.blocks)
+        .saturating_add(load_tokens.div_ceil(u64::from(req.block_size.max(1))));
     let potential_prefill_tokens = booked.prefill_tokens.saturating_add(uncached_tokens);
     let potential_prefill_blocks = booked.prefill_blocks.saturating_add(uncached_blocks);
     let potential_decode_blocks = booked.decode_blocks.saturating_add(u64::from(total_blocks));
@@ -715,6 +752,7 @@ fn prepare<'a>(
             overlap_blocks: overlap,
             tiers,
             effective_overlap_blocks: effective,
+            loads_adapter,
             potential_prefill_tokens,
             potential_prefill_blocks,
             potential_decode_blocks,

@@ -656,6 +656,11 @@ fn config_validation() {
         ..Default::default()
     };
     assert!(bad.validate().is_err());
+    let bad = SelectConfig {
+        adapter_load_tokens: MAX_ADAPTER_LOAD_TOKENS + 1,
+        ..Default::default()
+    };
+    assert!(bad.validate().is_err());
 }
 
 /// A second policy, as a new implementation of the trait: fewest active
@@ -839,4 +844,77 @@ fn a_split_longer_than_the_prompt_is_cut_from_the_slowest_tier() {
     let s = f.run(&request(5)).unwrap();
     assert_eq!(s.overlap_blocks, 5);
     assert_eq!(s.tiers, TierBlocks([3, 2, 0, 0]));
+}
+
+// ---- adapters loaded on request ---------------------------------------------
+
+/// Worker 1 serves adapter "x"; 2 serves "y" and loads others on request;
+/// 3 serves "y" only.
+fn adapter_three() -> Fixture {
+    let mut f = Fixture::with(vec![worker(1, 1), worker(2, 1), worker(3, 1)]);
+    f.workers[0].adapters = vec!["x".into()];
+    f.workers[1].adapters = vec!["y".into()];
+    f.workers[1].loads_adapters = true;
+    f.workers[2].adapters = vec!["y".into()];
+    f
+}
+
+fn for_adapter(blocks: u64, adapter: &str) -> SelectRequest {
+    SelectRequest {
+        adapter: Some(adapter.into()),
+        ..request(blocks)
+    }
+}
+
+#[test]
+fn a_worker_that_loads_adapters_takes_the_request_paying_the_load() {
+    let mut f = adapter_three();
+    let req = for_adapter(8, "x");
+    let s = f.run(&req).unwrap();
+    assert_eq!(s.target, wr(1, 0), "the worker serving it beats the load");
+    let [serves, loads, cannot] = &s.candidates[..] else {
+        panic!("three candidates: {:?}", s.candidates);
+    };
+    assert!(!serves.loads_adapter);
+    assert!(loads.loads_adapter && loads.eligible.is_ok());
+    assert_eq!(
+        loads.potential_prefill_tokens - serves.potential_prefill_tokens,
+        f.config.adapter_load_tokens
+    );
+    assert_eq!(
+        loads.potential_prefill_blocks - serves.potential_prefill_blocks,
+        f.config.adapter_load_tokens / u64::from(BS)
+    );
+    assert_eq!(
+        cannot.eligible,
+        Err(Ineligible::AdapterNotServed {
+            adapter: "x".into()
+        })
+    );
+    assert!(!cannot.loads_adapter, "it cannot load it, so pays nothing");
+    // The request's own prefill, booked on the winner, is the prompt's.
+    assert_eq!(s.request_prefill_tokens, 8 * u64::from(BS));
+
+    // Worker 1 busy: the loader, never the worker that cannot load it.
+    f.booked.insert(wr(1, 0), busy_load());
+    for seed in 0..8 {
+        assert_eq!(f.run_seeded(&req, seed).unwrap().target, wr(2, 0));
+    }
+    // Worker 1 gone: the same.
+    f.booked.clear();
+    f.workers.remove(0);
+    let s = f.run(&req).unwrap();
+    assert_eq!(s.target, wr(2, 0));
+    assert!(s.candidates[0].loads_adapter);
+    assert_eq!(
+        s.potential_prefill_tokens,
+        8 * u64::from(BS) + f.config.adapter_load_tokens
+    );
+    // Without a loader, nobody can take it.
+    f.workers[0].loads_adapters = false;
+    assert_eq!(f.run(&req).unwrap_err().code(), ErrorCode::Unavailable);
+    // A request for an adapter it serves loads nothing.
+    f.workers[0].loads_adapters = true;
+    let s = f.run(&for_adapter(8, "y")).unwrap();
+    assert!(s.candidates.iter().all(|c| !c.loads_adapter));
 }

@@ -125,7 +125,7 @@ fn candidate_row(c: &pb::CandidateExplanation, predicted: bool) -> Vec<String> {
         yes_no(c.eligible).into(),
         reason_name(c.reason()).into(),
         c.overlap_blocks.to_string(),
-        tiers_cell(c.overlap_by_tier.as_ref()),
+        tiers_cell(c.overlap_by_tier.as_ref(), c.loads_adapter),
         format!("{:.2}", c.effective_overlap_blocks),
         view_name(c.cache_view()).into(),
     ];
@@ -156,8 +156,18 @@ fn candidate_row(c: &pb::CandidateExplanation, predicted: bool) -> Vec<String> {
 
 /// Where an overlap's blocks are: `-` for none, `device` when all are on
 /// the device, else each tier's share, e.g. `2d+4h` (d device, h host,
-/// s storage, x external).
-fn tiers_cell(tiers: Option<&pb::BlocksByTier>) -> String {
+/// s storage, x external); `+load` after it when the candidate must load
+/// the request's LoRA adapter first (its prefill cost includes the load).
+fn tiers_cell(tiers: Option<&pb::BlocksByTier>, loads_adapter: bool) -> String {
+    let cell = overlap_cell(tiers);
+    match (loads_adapter, cell.as_str()) {
+        (false, _) => cell,
+        (true, "-") => "+load".into(),
+        (true, _) => format!("{cell}+load"),
+    }
+}
+
+fn overlap_cell(tiers: Option<&pb::BlocksByTier>) -> String {
     let Some(t) = tiers else {
         return "-".into();
     };
@@ -220,6 +230,7 @@ pub(super) fn explain_json(reply: &pb::ExplainSelectionResponse) -> Value {
                 "overlap_blocks": c.overlap_blocks,
                 "overlap_by_tier": tiers_json(c.overlap_by_tier.as_ref()),
                 "effective_overlap_blocks": c.effective_overlap_blocks,
+                "loads_adapter": c.loads_adapter,
                 "cache_view": view_name(c.cache_view()),
                 "cache_view_reason": c.cache_view_reason,
                 "prefill_cost": c.prefill_cost,
@@ -255,4 +266,31 @@ pub(super) fn explain_json(reply: &pb::ExplainSelectionResponse) -> Value {
         })
     });
     json!({ "policy": reply.policy, "candidates": candidates, "winner": winner })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_candidate_loading_its_adapter_is_marked() {
+        let device = pb::BlocksByTier {
+            device: 3,
+            ..Default::default()
+        };
+        assert_eq!(tiers_cell(Some(&device), false), "device");
+        assert_eq!(tiers_cell(Some(&device), true), "device+load");
+        assert_eq!(tiers_cell(None, true), "+load");
+        let reply = pb::ExplainSelectionResponse {
+            candidates: vec![pb::CandidateExplanation {
+                worker_id: 4,
+                eligible: true,
+                loads_adapter: true,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        assert!(explain_text(&reply).contains("+load"));
+        assert_eq!(explain_json(&reply)["candidates"][0]["loads_adapter"], true);
+    }
 }

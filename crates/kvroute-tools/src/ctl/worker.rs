@@ -53,11 +53,17 @@ fn fields_text(w: &pb::WorkerInfo) -> String {
         if w.adapters.is_empty() {
             "-".into()
         } else {
-            w.adapters
+            let served = w
+                .adapters
                 .iter()
                 .map(|a| format!("{}={}", a.id, a.name))
                 .collect::<Vec<_>>()
-                .join(",")
+                .join(",");
+            if w.loads_adapters {
+                format!("{served} (loads others on request)")
+            } else {
+                served
+            }
         },
     );
     field("lease left", lease_text(w.lease_remaining_ms));
