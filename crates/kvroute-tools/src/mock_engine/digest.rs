@@ -17,6 +17,8 @@ use kvroute_core::{
     types::WorkerRank,
 };
 
+use kvroute_core::types::Tier;
+
 use crate::sim::EngineKvEvent;
 
 /// One rank's cached blocks: engine hash -> (depth, kvroute's local hash).
@@ -30,7 +32,10 @@ impl CacheLedger {
     pub fn apply(&mut self, events: &[EngineKvEvent], block_size: usize) {
         for event in events {
             match event {
-                EngineKvEvent::Stored { parent, blocks } => {
+                // the device's content only (a host tier's is not digested)
+                EngineKvEvent::Stored { tier, .. } | EngineKvEvent::Removed { tier, .. }
+                    if *tier != Tier::Device => {}
+                EngineKvEvent::Stored { parent, blocks, .. } => {
                     // A stored block's parent is held by the sequence that
                     // stores it, so its depth is known here.
                     let first = parent
@@ -49,7 +54,7 @@ impl CacheLedger {
                         self.blocks.insert(*hash, (depth, local));
                     }
                 }
-                EngineKvEvent::Removed { engine_hashes } => {
+                EngineKvEvent::Removed { engine_hashes, .. } => {
                     for hash in engine_hashes {
                         self.blocks.remove(hash);
                     }

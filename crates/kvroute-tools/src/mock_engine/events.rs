@@ -21,6 +21,8 @@ use rmpv::Value;
 use tokio::sync::{mpsc, oneshot};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
+use kvroute_core::types::Tier;
+
 use crate::sim::EngineKvEvent;
 
 /// Batches the replay socket keeps per rank.
@@ -32,13 +34,28 @@ const END_OF_REPLAY: [u8; 8] = [0xff; 8];
 /// Kept batches, oldest first: (sequence, payload).
 type Kept = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
+/// The `medium` vLLM names a tier with (its offloading connector's host
+/// tier is `CPU`).
+fn medium(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Device => "GPU",
+        Tier::Host => "CPU",
+        Tier::Storage => "FS",
+        Tier::External => "OBJ",
+    }
+}
+
 /// Encodes one step's events as a vLLM batch payload.
 pub fn encode_batch(events: &[EngineKvEvent], block_size: usize, dp_rank: u32, ts: f64) -> Vec<u8> {
     let int = |v: u64| Value::from(v);
     let events: Vec<Value> = events
         .iter()
         .map(|event| match event {
-            EngineKvEvent::Stored { parent, blocks } => Value::Map(vec![
+            EngineKvEvent::Stored {
+                tier,
+                parent,
+                blocks,
+            } => Value::Map(vec![
                 ("type".into(), "BlockStored".into()),
                 (
                     "block_hashes".into(),
@@ -56,15 +73,18 @@ pub fn encode_batch(events: &[EngineKvEvent], block_size: usize, dp_rank: u32, t
                 ),
                 ("block_size".into(), int(block_size as u64)),
                 ("lora_id".into(), Value::Nil),
-                ("medium".into(), "GPU".into()),
+                ("medium".into(), medium(*tier).into()),
             ]),
-            EngineKvEvent::Removed { engine_hashes } => Value::Map(vec![
+            EngineKvEvent::Removed {
+                tier,
+                engine_hashes,
+            } => Value::Map(vec![
                 ("type".into(), "BlockRemoved".into()),
                 (
                     "block_hashes".into(),
                     Value::Array(engine_hashes.iter().map(|h| int(*h)).collect()),
                 ),
-                ("medium".into(), "GPU".into()),
+                ("medium".into(), medium(*tier).into()),
             ]),
         })
         .collect();

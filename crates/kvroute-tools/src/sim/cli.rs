@@ -13,17 +13,17 @@ use std::{
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::engine::EngineConfig;
+use super::engine::{DEFAULT_HOST_LOAD_MS_PER_BLOCK, EngineConfig};
 use super::event_link::LinkImpairment;
 use super::fleet::replay_with_progress;
-use super::kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
+use super::kvroute_policy::{DYNAMO_TIER_WEIGHTS, KvRouteKnobs, KvRoutePolicy};
 use super::policy::{POLICY_NAMES, Router, policy_by_name};
 use super::replicas::ReplicatedKvRoute;
 use super::report::Report;
 use super::types::{ReplicaSetup, SimConfig};
 use crate::trace::Trace;
 use kvroute::router::ScorerChoice;
-use kvroute_core::select::TtftSettings;
+use kvroute_core::select::{TierSavings, TtftSettings};
 
 /// Every policy `--policy` accepts.
 pub const ALL_POLICIES: &[&str] = &[
@@ -34,6 +34,11 @@ pub const ALL_POLICIES: &[&str] = &[
     "least-loaded",
     "prefix-only",
 ];
+
+/// Policies `--policy` accepts that `all` leaves out: the kvroute policy
+/// scoring cache tiers another way (for engines with `--host-blocks`).
+/// `kvroute` itself is the tier-aware default.
+pub const TIER_POLICIES: &[&str] = &["kvroute-device-only", "kvroute-dynamo-tiers"];
 
 /// Arguments of `kvroute replay`. Engine defaults follow Dynamo's mocker.
 #[derive(Debug, Args)]
@@ -48,7 +53,10 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
     /// Policies to compare (repeat or comma-separate): kvroute,
-    /// kvroute-ttft, round-robin, random, least-loaded, prefix-only, or all.
+    /// kvroute-ttft, round-robin, random, least-loaded, prefix-only, or all;
+    /// with a host tier also kvroute-device-only (routing blind to lower
+    /// tiers, as before them) and kvroute-dynamo-tiers (Dynamo's weights:
+    /// host 0.75, disk 0.25), or `tiers` for those two and kvroute.
     #[arg(long = "policy", value_delimiter = ',', default_value = "all")]
     pub policies: Vec<String>,
     /// kvroute policy: weight of prefill cost against decode cost.
@@ -105,6 +113,11 @@ pub struct ReplayArgs {
     /// --replica-sync-delay-ms for its record.
     #[arg(long, conflicts_with = "no_replica_sync")]
     pub ordered_decisions: bool,
+    /// kvroute policies: what a block in each lower tier saves of its
+    /// prefill, as `serve --tier-savings` (e.g. `host=0.8`); the kvroute
+    /// policy's default is the router's.
+    #[arg(long, value_parser = kvroute::config::parse_tier_savings)]
+    pub tier_savings: Option<TierSavings>,
     /// Seed of every random choice.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -158,6 +171,15 @@ pub struct ReplayArgs {
     /// Shortest decode step, ms.
     #[arg(long, default_value_t = 1.0)]
     pub decode_min_ms: f64,
+    /// Host-memory tier per engine, in blocks (0: none): blocks the device
+    /// evicts move there and load back at --host-load-ms-per-block each.
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: usize,
+    /// ms to load one block from the host tier (default: a 64-token block
+    /// of an 8B model over PCIe Gen5, docs/TIERS.md).
+    #[arg(long, default_value_t = DEFAULT_HOST_LOAD_MS_PER_BLOCK,
+          value_parser = kvroute::config::parse_non_negative_f64)]
+    pub host_load_ms_per_block: f64,
 }
 
 /// Why a replay could not run.
@@ -195,6 +217,8 @@ impl ReplayArgs {
             decode_linear: self.decode_linear,
             decode_constant: self.decode_constant,
             decode_min_ms: self.decode_min_ms,
+            host_blocks: self.host_blocks,
+            host_load_ms_per_block: self.host_load_ms_per_block,
         };
         engine.validate().map_err(ReplayError::Invalid)?;
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
@@ -249,12 +273,19 @@ impl ReplayArgs {
         for name in &self.policies {
             if name == "all" {
                 names.extend(ALL_POLICIES.iter().map(|s| s.to_string()));
-            } else if ALL_POLICIES.contains(&name.as_str()) {
+            } else if name == "tiers" {
+                names.extend(
+                    ["kvroute-device-only", "kvroute", "kvroute-dynamo-tiers"].map(String::from),
+                );
+            } else if ALL_POLICIES.contains(&name.as_str())
+                || TIER_POLICIES.contains(&name.as_str())
+            {
                 names.push(name.clone());
             } else {
                 return Err(ReplayError::Invalid(format!(
-                    "unknown policy `{name}` (one of {} or all)",
-                    ALL_POLICIES.join(", ")
+                    "unknown policy `{name}` (one of {}, {}, tiers or all)",
+                    ALL_POLICIES.join(", "),
+                    TIER_POLICIES.join(", ")
                 )));
             }
         }
@@ -282,7 +313,12 @@ impl ReplayArgs {
     }
 
     fn router(&self, name: &str) -> Result<Box<dyn Router>, ReplayError> {
-        if name == "kvroute" || name == "kvroute-ttft" {
+        if name.starts_with("kvroute") {
+            let tier_savings = match name {
+                "kvroute-device-only" => TierSavings::DEVICE_ONLY,
+                "kvroute-dynamo-tiers" => DYNAMO_TIER_WEIGHTS,
+                _ => self.tier_savings.unwrap_or(TierSavings::DEFAULT),
+            };
             let knobs = KvRouteKnobs {
                 overlap_weight: self.overlap_weight,
                 overlap_credit: self.overlap_credit,
@@ -304,6 +340,7 @@ impl ReplayArgs {
                     delay_ms: self.event_delay_ms,
                 },
                 trust: self.event_trust,
+                tier_savings,
             };
             return Ok(match self.replicas() {
                 Some(setup) => Box::new(ReplicatedKvRoute::new(knobs, setup)?),

@@ -30,11 +30,28 @@
 //! * Decode time uses the KV utilisation `u` = context tokens of the decoding
 //!   sequences / cache capacity in tokens (the mocker's definition; it is
 //!   close to active blocks / total blocks).
+//! * Host tier (`host_blocks` > 0; none by default, and then nothing below
+//!   happens): a cached block the device evicts moves to host memory
+//!   (`host`), which evicts its oldest block when full. A block is in one
+//!   tier at a time. A waiting sequence's cached prefix is its longest run of
+//!   leading blocks each on the device or in host memory; the host ones are
+//!   loaded into fresh device blocks at admission and are device blocks
+//!   again. Loading costs `host_load_ms_per_block` per block, added to the
+//!   step that admits the sequence (the copy is not overlapped with compute:
+//!   the whole batch waits for it), and no prefill: loaded tokens count as
+//!   computed. Every move is a KV event of its tier, host stores carrying
+//!   their parent and tokens like device stores.
 
 use std::collections::{HashMap, VecDeque};
 
+use kvroute_core::types::Tier;
+
 use super::determinism::FastBuild;
 use crate::trace::{mix64, output_token};
+
+mod host;
+
+use host::{HostBlock, HostTier};
 
 /// Engine parameters. Defaults are the mocker's defaults.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -62,7 +79,19 @@ pub struct EngineConfig {
     pub decode_linear: f64,
     pub decode_constant: f64,
     pub decode_min_ms: f64,
+    /// Host-memory tier in blocks (0: none). Blocks the device evicts move
+    /// there; see the module docs.
+    pub host_blocks: usize,
+    /// ms to load one block from the host tier into the device, added to
+    /// the step that loads it (docs/TIERS.md says why the default).
+    pub host_load_ms_per_block: f64,
 }
+
+/// Default `host_load_ms_per_block`: one 64-token block of an 8B model's KV
+/// cache (8.4 MB in bf16) over PCIe Gen5 x16 at about 42 GB/s, a fifth of
+/// the 0.97 ms the default prefill polynomial takes to compute it
+/// (docs/TIERS.md).
+pub const DEFAULT_HOST_LOAD_MS_PER_BLOCK: f64 = 0.2;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -80,6 +109,8 @@ impl Default for EngineConfig {
             decode_linear: 54.01,
             decode_constant: 5.74,
             decode_min_ms: 1.0,
+            host_blocks: 0,
+            host_load_ms_per_block: DEFAULT_HOST_LOAD_MS_PER_BLOCK,
         }
     }
 }
@@ -112,22 +143,38 @@ impl EngineConfig {
         if self.num_blocks >= u32::MAX as usize {
             return Err("num_blocks too large".into());
         }
+        if !(self.host_load_ms_per_block.is_finite() && self.host_load_ms_per_block >= 0.0) {
+            return Err("host_load_ms_per_block must be finite and >= 0".into());
+        }
         Ok(())
     }
 }
 
-/// A KV cache event, in the order the engine's cache changed.
+/// A KV cache event, in the order the engine's cache changed. `tier` says
+/// where: the device, or host memory (an engine with a host tier).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineKvEvent {
     /// Blocks became cached. `blocks` form a chain: the first one's parent is
     /// `parent` (`None` = first block of a sequence), each next one's parent
     /// is the block before it. Tokens are the block's `block_size` tokens.
+    /// A host store's parent may be in either tier.
     Stored {
+        tier: Tier,
         parent: Option<u64>,
         blocks: Vec<(u64, Vec<u32>)>,
     },
-    /// Cached blocks were evicted.
-    Removed { engine_hashes: Vec<u64> },
+    /// Cached blocks left the tier (evicted, or, from the host, loaded
+    /// back into the device).
+    Removed { tier: Tier, engine_hashes: Vec<u64> },
+}
+
+impl EngineKvEvent {
+    /// The tier the event is about.
+    pub fn tier(&self) -> Tier {
+        match self {
+            EngineKvEvent::Stored { tier, .. } | EngineKvEvent::Removed { tier, .. } => *tier,
+        }
+    }
 }
 
 /// Chained hash of one full block: depends on the parent block's hash and
@@ -166,6 +213,8 @@ pub struct EngineLoad {
     /// Prompt tokens still to prefill (waiting sequences plus running ones
     /// whose prefill is unfinished; cache hits not yet known are included).
     pub prefill_tokens_queued: usize,
+    /// The host tier's capacity in blocks (0: none).
+    pub host_blocks: usize,
 }
 
 /// A token produced by a step.
@@ -183,8 +232,15 @@ pub struct TokenEmit {
 pub struct PassOutcome {
     pub duration_ms: f64,
     pub emitted: Vec<TokenEmit>,
-    /// (request id, prompt tokens found cached) for each admission.
+    /// (request id, prompt tokens found cached) for each admission; with a
+    /// host tier, the tokens loaded from it included (as engines report
+    /// cached tokens).
     pub admissions: Vec<(u64, usize)>,
+    /// (request id, prompt tokens loaded from the host tier) for each
+    /// admission that loaded any.
+    pub host_loads: Vec<(u64, usize)>,
+    /// Blocks loaded from the host tier in this step.
+    pub loaded_blocks: usize,
     /// Requests that can never run on this engine (more blocks than the
     /// cache, or, without chunked prefill, a prompt over the step budget);
     /// dropped.
@@ -219,10 +275,15 @@ struct BlockPool {
     lru_head: u32,
     lru_tail: u32,
     lru_len: usize,
+    /// Host memory (`None`: no host tier), where evicted cached blocks go.
+    host: Option<HostTier>,
+    /// Each cached block's parent and tokens, by block id, so an eviction
+    /// can move it to the host (empty without a host tier).
+    origins: Vec<HostBlock>,
 }
 
 impl BlockPool {
-    fn new(n: usize) -> Self {
+    fn new(n: usize, host_blocks: usize) -> Self {
         let empty = Block {
             hash: 0,
             cached: false,
@@ -237,7 +298,31 @@ impl BlockPool {
             lru_head: NIL,
             lru_tail: NIL,
             lru_len: 0,
+            host: (host_blocks > 0).then(|| HostTier::new(host_blocks)),
+            origins: if host_blocks > 0 {
+                vec![HostBlock::default(); n]
+            } else {
+                Vec::new()
+            },
         }
+    }
+
+    fn in_host(&self, hash: u64) -> bool {
+        self.host.as_ref().is_some_and(|h| h.contains(hash))
+    }
+
+    /// Moves evicted device block `id` (cached as `hash`) to the host tier,
+    /// making room there first.
+    fn offload(&mut self, id: u32, hash: u64, events: &mut EventSink) {
+        let Some(host) = self.host.as_mut() else {
+            return;
+        };
+        let block = std::mem::take(&mut self.origins[id as usize]);
+        if let Some(old) = host.make_room() {
+            events.removed(Tier::Host, old);
+        }
+        events.stored(Tier::Host, block.parent, hash, &block.tokens);
+        host.insert(hash, block);
     }
 
     fn num_active(&self) -> usize {
@@ -299,7 +384,8 @@ impl BlockPool {
                 self.unlink(id);
                 let hash = self.blocks[id as usize].hash;
                 self.map.remove(&hash);
-                events.removed(hash);
+                events.removed(Tier::Device, hash);
+                self.offload(id, hash, events);
                 id
             }
         };
@@ -323,8 +409,17 @@ impl BlockPool {
     }
 
     /// Make a computed private block cached under `hash`. False when another
-    /// block already holds that hash (this one stays private).
-    fn register(&mut self, id: u32, hash: u64) -> bool {
+    /// block already holds that hash (this one stays private). With a host
+    /// tier, `origin` (parent and tokens) is kept for a later offload, and
+    /// a host copy of the same block leaves the host: a block is in one
+    /// tier at a time.
+    fn register(
+        &mut self,
+        id: u32,
+        hash: u64,
+        origin: impl FnOnce() -> HostBlock,
+        events: &mut EventSink,
+    ) -> bool {
         if self.map.contains_key(&hash) {
             return false;
         }
@@ -332,6 +427,12 @@ impl BlockPool {
         let b = &mut self.blocks[id as usize];
         b.hash = hash;
         b.cached = true;
+        if let Some(host) = self.host.as_mut() {
+            self.origins[id as usize] = origin();
+            if host.take(hash).is_some() {
+                events.removed(Tier::Host, hash);
+            }
+        }
         true
     }
 }
@@ -343,18 +444,30 @@ struct EventSink {
 }
 
 impl EventSink {
-    fn removed(&mut self, hash: u64) {
-        if let Some(EngineKvEvent::Removed { engine_hashes }) = self.events.last_mut() {
+    fn removed(&mut self, tier: Tier, hash: u64) {
+        if let Some(EngineKvEvent::Removed {
+            tier: t,
+            engine_hashes,
+        }) = self.events.last_mut()
+            && *t == tier
+        {
             engine_hashes.push(hash);
         } else {
             self.events.push(EngineKvEvent::Removed {
+                tier,
                 engine_hashes: vec![hash],
             });
         }
     }
 
-    fn stored(&mut self, parent: Option<u64>, hash: u64, tokens: &[u32]) {
-        if let Some(EngineKvEvent::Stored { parent: p, blocks }) = self.events.last_mut() {
+    fn stored(&mut self, tier: Tier, parent: Option<u64>, hash: u64, tokens: &[u32]) {
+        if let Some(EngineKvEvent::Stored {
+            tier: t,
+            parent: p,
+            blocks,
+        }) = self.events.last_mut()
+            && *t == tier
+        {
             let last = blocks.last().map(|b| b.0).or(*p);
             if last.is_some() && last == parent {
                 blocks.push((hash, tokens.to_vec()));
@@ -362,10 +475,17 @@ impl EventSink {
             }
         }
         self.events.push(EngineKvEvent::Stored {
+            tier,
             parent,
             blocks: vec![(hash, tokens.to_vec())],
         });
     }
+}
+
+/// One leading block of a sequence's cached prefix, where it is found.
+enum PrefixBlock {
+    Device(u32),
+    Host(u64),
 }
 
 /// What a request's sequence did in the current step.
@@ -460,11 +580,13 @@ pub struct SimEngine {
     running: Vec<usize>,
     pass: u64,
     events: EventSink,
+    /// Blocks loaded from the host tier in the current step.
+    loaded_blocks: usize,
 }
 
 impl SimEngine {
     pub(crate) fn new(cfg: EngineConfig) -> Self {
-        let pool = BlockPool::new(cfg.num_blocks);
+        let pool = BlockPool::new(cfg.num_blocks, cfg.host_blocks);
         SimEngine {
             cfg,
             pool,
@@ -474,6 +596,7 @@ impl SimEngine {
             running: Vec::new(),
             pass: 0,
             events: EventSink::default(),
+            loaded_blocks: 0,
         }
     }
 
@@ -543,6 +666,7 @@ impl SimEngine {
             cached_blocks: self.pool.map.len(),
             prefill_tokens_queued: self.waiting.iter().map(queued).sum::<usize>()
                 + self.running.iter().map(queued).sum::<usize>(),
+            host_blocks: self.cfg.host_blocks,
         }
     }
 
@@ -550,6 +674,12 @@ impl SimEngine {
     /// Whether the engine's cache holds `hash` (test and oracle helper).
     pub(crate) fn is_cached(&self, hash: u64) -> bool {
         self.pool.map.contains_key(&hash)
+    }
+
+    #[cfg(test)]
+    /// Whether the engine's host tier holds `hash` (test helper).
+    pub(crate) fn is_in_host(&self, hash: u64) -> bool {
+        self.pool.in_host(hash)
     }
 
     fn seq(&self, key: usize) -> &Seq {
@@ -566,28 +696,34 @@ impl SimEngine {
         }
     }
 
-    /// (cached full blocks usable, of which held by running sequences).
-    fn prefix_hits(&self, key: usize) -> (usize, usize) {
+    /// (cached full blocks usable, of which held by running sequences, of
+    /// which in the host tier).
+    fn prefix_hits(&self, key: usize) -> (usize, usize, usize) {
         if !self.cfg.enable_prefix_caching {
-            return (0, 0);
+            return (0, 0, 0);
         }
         let seq = self.seq(key);
         let bs = self.cfg.block_size;
         let cap = seq.len().saturating_sub(1) / bs;
         let mut hits = 0;
         let mut active = 0;
-        for h in seq.hashes.iter().take(cap) {
-            match self.pool.map.get(h) {
+        let mut host = 0;
+        for &h in seq.hashes.iter().take(cap) {
+            match self.pool.map.get(&h) {
                 Some(&id) => {
                     hits += 1;
                     if self.pool.blocks[id as usize].refs > 0 {
                         active += 1;
                     }
                 }
+                None if self.pool.in_host(h) => {
+                    hits += 1;
+                    host += 1;
+                }
                 None => break,
             }
         }
-        (hits, active)
+        (hits, active, host)
     }
 
     /// Release every block of a sequence, tail first.
@@ -629,7 +765,8 @@ impl SimEngine {
     }
 
     /// Try to hold blocks for the first `target` tokens, acquiring the first
-    /// `cached` cached blocks if the sequence holds none yet. All or nothing.
+    /// `cached` cached blocks if the sequence holds none yet (loading those
+    /// in the host tier into fresh device blocks). All or nothing.
     fn allocate(&mut self, key: usize, target: usize, cached: usize) -> bool {
         let bs = self.cfg.block_size;
         let need = target.div_ceil(bs);
@@ -637,26 +774,53 @@ impl SimEngine {
         let held = seq.blocks.len();
         let take_cached = if held == 0 { cached } else { 0 };
         let mut idle_cached = 0;
-        let mut cached_ids = Vec::with_capacity(take_cached);
-        for h in &seq.hashes[..take_cached] {
-            match self.pool.map.get(h) {
+        let mut loads = 0;
+        let mut prefix = Vec::with_capacity(take_cached);
+        for &h in &seq.hashes[..take_cached] {
+            match self.pool.map.get(&h) {
                 Some(&id) => {
                     if self.pool.blocks[id as usize].refs == 0 {
                         idle_cached += 1;
                     }
-                    cached_ids.push(id);
+                    prefix.push(PrefixBlock::Device(id));
+                }
+                None if self.pool.in_host(h) => {
+                    loads += 1;
+                    prefix.push(PrefixBlock::Host(h));
                 }
                 None => return false,
             }
         }
         let fresh = need.saturating_sub(held + take_cached);
-        if fresh > self.pool.free.len() + self.pool.lru_len - idle_cached {
+        if fresh + loads > self.pool.free.len() + self.pool.lru_len - idle_cached {
             return false;
         }
-        for &id in &cached_ids {
-            self.pool.acquire(id);
+        let mut new_ids = Vec::with_capacity(need.saturating_sub(held));
+        // Device hits first: acquiring takes them off the LRU, so loading
+        // the host ones cannot evict them.
+        for block in &prefix {
+            if let PrefixBlock::Device(id) = *block {
+                self.pool.acquire(id);
+            }
         }
-        let mut new_ids = cached_ids;
+        let mut parent = None;
+        for block in prefix {
+            let id = match block {
+                PrefixBlock::Device(id) => {
+                    parent = Some(self.pool.blocks[id as usize].hash);
+                    id
+                }
+                PrefixBlock::Host(hash) => match self.load_from_host(hash, parent) {
+                    Some(id) => {
+                        parent = Some(hash);
+                        id
+                    }
+                    None => return false, // unreachable: capacity checked above
+                },
+            };
+            new_ids.push(id);
+        }
+        self.loaded_blocks += loads;
         for _ in 0..fresh {
             match self.pool.alloc(&mut self.events) {
                 Some(id) => new_ids.push(id),
@@ -669,6 +833,23 @@ impl SimEngine {
             seq.finalized = take_cached;
         }
         true
+    }
+
+    /// Loads host block `hash` into a fresh device block, cached there; its
+    /// device store names `parent` (the prefix block before it, just
+    /// acquired or loaded). The caller checked there is room. The block
+    /// leaves the host, and its removal is published, before the
+    /// allocation: its eviction may move a device block into the host, and
+    /// the events must never show the host over its capacity (a router
+    /// bounding the tier by it would drop a block the engine still holds).
+    fn load_from_host(&mut self, hash: u64, parent: Option<u64>) -> Option<u32> {
+        let block = self.pool.host.as_mut().and_then(|h| h.take(hash))?;
+        self.events.removed(Tier::Host, hash);
+        let id = self.pool.alloc(&mut self.events)?;
+        self.events
+            .stored(Tier::Device, parent, hash, &block.tokens);
+        self.pool.register(id, hash, || block, &mut self.events);
+        Some(id)
     }
 
     /// Cache the sequence's blocks completed by its computed tokens.
@@ -685,10 +866,18 @@ impl SimEngine {
         seq.ensure_hashes(full, bs);
         for j in seq.finalized..full {
             let hash = seq.hashes[j];
-            if caching && self.pool.register(seq.blocks[j], hash) {
-                let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
-                self.events
-                    .stored(parent, hash, &seq.tokens[j * bs..(j + 1) * bs]);
+            let parent = j.checked_sub(1).map(|p| seq.hashes[p]);
+            let tokens = &seq.tokens[j * bs..(j + 1) * bs];
+            let origin = || HostBlock {
+                parent,
+                tokens: tokens.to_vec(),
+            };
+            if caching
+                && self
+                    .pool
+                    .register(seq.blocks[j], hash, origin, &mut self.events)
+            {
+                self.events.stored(Tier::Device, parent, hash, tokens);
             }
         }
         seq.finalized = full;
@@ -767,6 +956,7 @@ impl SimEngine {
     /// and its effects become visible `duration_ms` later.
     pub(crate) fn step(&mut self) -> PassOutcome {
         self.pass += 1;
+        self.loaded_blocks = 0;
         let mut out = PassOutcome::default();
         let mut acc = StepAcc {
             budget: self.cfg.max_num_batched_tokens,
@@ -778,6 +968,7 @@ impl SimEngine {
         out.duration_ms = self.step_ms(&acc, &batch);
         out.prefill_tokens = acc.total_isl - acc.total_prefix;
         out.preemptions = acc.preemptions;
+        out.loaded_blocks = self.loaded_blocks;
         self.emit_tokens(batch.ready, &mut out);
         out.did_work =
             !acc.scheduled.is_empty() || !out.emitted.is_empty() || !out.rejected.is_empty();
@@ -820,16 +1011,21 @@ impl SimEngine {
                 self.free_slot(key);
                 continue;
             }
-            let (hits, active_hits) = self.prefix_hits(key);
+            let (hits, active_hits, _) = self.prefix_hits(key);
             let needed = total_blocks - active_hits;
             let available = self.cfg.num_blocks - self.pool.num_active();
             if needed > available {
                 break;
             }
             let cached_tokens = hits * bs;
+            let loaded_before = self.loaded_blocks;
             match self.schedule(key, true, cached_tokens, acc) {
                 Outcome::Scheduled { tokens } => {
                     out.admissions.push((id, cached_tokens));
+                    let loaded = self.loaded_blocks - loaded_before;
+                    if loaded > 0 {
+                        out.host_loads.push((id, loaded * bs));
+                    }
                     if tokens == 0 && acc.budget == 0 {
                         break;
                     }
@@ -882,7 +1078,9 @@ impl SimEngine {
         } else {
             0.0
         };
-        prefill_ms + decode_ms
+        // Host loads are not overlapped with compute: the step waits.
+        let load_ms = self.loaded_blocks as f64 * self.cfg.host_load_ms_per_block;
+        prefill_ms + decode_ms + load_ms
     }
 
     /// Step phase 4: every ready sequence emits one output token; finished

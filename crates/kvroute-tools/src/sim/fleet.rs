@@ -56,6 +56,7 @@ struct Tracked {
     finish_ms: Option<f64>,
     output_tokens: usize,
     reused_tokens: usize,
+    host_reused_tokens: usize,
     rejected: bool,
 }
 
@@ -260,7 +261,16 @@ impl<'a> Replay<'a> {
             }
             for &(id, cached) in &outcome.admissions {
                 let t = &mut self.tracked[id as usize];
-                t.reused_tokens = t.reused_tokens.max(cached);
+                // the admission that found the most (a preempted request is
+                // admitted again), and its host loads
+                if cached >= t.reused_tokens {
+                    t.reused_tokens = cached;
+                    t.host_reused_tokens = outcome
+                        .host_loads
+                        .iter()
+                        .find(|(h, _)| *h == id)
+                        .map_or(0, |&(_, tokens)| tokens);
+                }
             }
             let stats = &mut self.engine_stats[e];
             stats.prefill_tokens += outcome.prefill_tokens as u64;
@@ -286,6 +296,7 @@ impl<'a> Replay<'a> {
                 engine: t.engine,
                 prompt_tokens: t.prompt_tokens,
                 reused_tokens: t.reused_tokens,
+                host_reused_tokens: t.host_reused_tokens,
                 first_token_ms: t.first_token_ms,
                 finish_ms: t.finish_ms,
                 output_tokens: t.output_tokens,

@@ -24,12 +24,12 @@ use kvroute::{
 use kvroute_core::{
     admission::bookings::SavedBooking,
     registry::Registration,
-    select::Selection,
-    types::{KvEventsMode, RankLoad, WorkerRole},
+    select::{Selection, TierSavings},
+    types::{KvEventsMode, RankLoad, Tier, TierSpec, WorkerRole},
 };
 
 use super::{
-    engine::EngineKvEvent,
+    engine::{EngineKvEvent, EngineLoad},
     event_link::{EventLink, LinkImpairment},
     policy::Router,
     types::{FleetView, SimRequest, worker_rank},
@@ -52,7 +52,16 @@ pub struct KvRouteKnobs {
     pub impairment: LinkImpairment,
     /// Trust per worker (`router::trust`) on.
     pub trust: bool,
+    /// What a block in each tier saves. [`TierSavings::DEVICE_ONLY`] is
+    /// routing before tiers: the engines' host tiers are not declared and
+    /// their host events never reach the router (they were dropped as an
+    /// unknown medium).
+    pub tier_savings: TierSavings,
 }
+
+/// Dynamo's router weighs host hits at 0.75 and disk hits at 0.25 of a
+/// device hit: the replay's reference row for tier-aware scoring.
+pub const DYNAMO_TIER_WEIGHTS: TierSavings = TierSavings([1.0, 0.75, 0.25, 0.25]);
 
 impl Default for KvRouteKnobs {
     fn default() -> Self {
@@ -65,6 +74,7 @@ impl Default for KvRouteKnobs {
             approximate_workers: 0,
             impairment: LinkImpairment::default(),
             trust: true,
+            tier_savings: TierSavings::DEFAULT,
         }
     }
 }
@@ -118,6 +128,7 @@ impl KvRoutePolicy {
                 enabled: knobs.trust,
                 ..TrustSettings::default()
             },
+            tier_savings: knobs.tier_savings,
             ..RouterConfig::default()
         };
         let metrics = kvroute::metrics::Metrics::new()?;
@@ -140,7 +151,7 @@ impl KvRoutePolicy {
     fn register(&mut self, fleet: &FleetView) {
         for (engine, load) in fleet.engines.iter().enumerate() {
             let registration = Registration {
-                tiers: Vec::new(),
+                tiers: self.declared_tiers(load),
                 worker_id: worker_rank(engine).worker_id,
                 model: MODEL.into(),
                 role: WorkerRole::Aggregated,
@@ -152,6 +163,7 @@ impl KvRoutePolicy {
                 max_num_batched_tokens: fleet.max_num_batched_tokens as u64,
                 taints: Vec::new(),
                 adapters: Vec::new(),
+                loads_adapters: false,
                 // The longest a worker may ask for; the replay never
                 // reaps leases, so they do not lapse in virtual time.
                 lease_ttl: Some(kvroute_core::registry::MAX_LEASE_TTL),
@@ -170,6 +182,24 @@ impl KvRoutePolicy {
         }
         self.next_event_id = vec![0; fleet.len()];
         self.registered = true;
+    }
+
+    /// Whether the router sees the engines' lower tiers at all.
+    fn sees_tiers(&self) -> bool {
+        self.knobs.tier_savings != TierSavings::DEVICE_ONLY
+    }
+
+    /// The tiers an engine declares: its host tier, sized as the engine's
+    /// (saving: the router's), unless the router is device-only.
+    fn declared_tiers(&self, load: &EngineLoad) -> Vec<TierSpec> {
+        if load.host_blocks == 0 || !self.sees_tiers() {
+            return Vec::new();
+        }
+        vec![TierSpec {
+            tier: Tier::Host,
+            capacity_blocks: load.host_blocks as u64,
+            prefill_saving: None,
+        }]
     }
 
     /// Registers the fleet's engines unless done already. The first
@@ -282,8 +312,12 @@ impl KvRoutePolicy {
 /// One simulated engine event as PublishEvents carries it.
 fn engine_event_to_pb(event_id: u64, event: &EngineKvEvent) -> pb::KvEvent {
     let kind = match event {
-        EngineKvEvent::Stored { parent, blocks } => pb::kv_event::Kind::Stored(pb::BlocksStored {
-            tier: 0,
+        EngineKvEvent::Stored {
+            tier,
+            parent,
+            blocks,
+        } => pb::kv_event::Kind::Stored(pb::BlocksStored {
+            tier: pb::CacheTier::from(*tier) as i32,
             parent_engine_hash: *parent,
             blocks: blocks
                 .iter()
@@ -298,12 +332,13 @@ fn engine_event_to_pb(event_id: u64, event: &EngineKvEvent) -> pb::KvEvent {
             lora_name: String::new(),
             cache_namespace: String::new(),
         }),
-        EngineKvEvent::Removed { engine_hashes } => {
-            pb::kv_event::Kind::Removed(pb::BlocksRemoved {
-                tier: 0,
-                engine_hashes: engine_hashes.clone(),
-            })
-        }
+        EngineKvEvent::Removed {
+            tier,
+            engine_hashes,
+        } => pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+            tier: pb::CacheTier::from(*tier) as i32,
+            engine_hashes: engine_hashes.clone(),
+        }),
     };
     pb::KvEvent {
         event_id,
@@ -332,12 +367,21 @@ impl Router for KvRoutePolicy {
         if !k.trust {
             base.push_str("-notrust");
         }
+        if k.tier_savings == TierSavings::DEVICE_ONLY {
+            base.push_str("-device-only");
+        } else if k.tier_savings == DYNAMO_TIER_WEIGHTS {
+            base.push_str("-dynamo-tiers");
+        } else if k.tier_savings != TierSavings::DEFAULT {
+            let [_, host, storage, external] = k.tier_savings.0;
+            base.push_str(&format!("-tiers({host},{storage},{external})"));
+        }
         if k == (KvRouteKnobs {
             seed: k.seed,
             scorer: k.scorer,
             approximate_workers: k.approximate_workers,
             impairment: k.impairment,
             trust: k.trust,
+            tier_savings: k.tier_savings,
             ..KvRouteKnobs::default()
         }) {
             base
@@ -379,12 +423,14 @@ impl Router for KvRoutePolicy {
         if engine < self.knobs.approximate_workers {
             return; // an engine without KV events
         }
+        let sees_tiers = self.sees_tiers();
         let Some(next_id) = self.next_event_id.get_mut(engine) else {
             self.errors += 1;
             return;
         };
         let events = events
             .iter()
+            .filter(|event| sees_tiers || event.tier() == Tier::Device)
             .map(|event| {
                 let event_id = *next_id;
                 *next_id += 1;
@@ -442,6 +488,7 @@ mod tests {
     fn first_store(policy: &mut KvRoutePolicy, engines: usize) {
         for engine in 0..engines {
             let stored = EngineKvEvent::Stored {
+                tier: Tier::Device,
                 parent: None,
                 blocks: vec![(engine as u64 + 1, vec![7; 16])],
             };

@@ -48,7 +48,7 @@ pub mod types;
 
 pub use engine::{EngineConfig, EngineKvEvent, EngineLoad, SimEngine, block_hashes};
 pub use fleet::{replay, replay_with_progress};
-pub use kvroute_policy::{KvRouteKnobs, KvRoutePolicy};
+pub use kvroute_policy::{DYNAMO_TIER_WEIGHTS, KvRouteKnobs, KvRoutePolicy};
 pub use policy::{
     LeastLoaded, POLICY_NAMES, PrefixOnly, RandomRouter, RoundRobin, Router, policy_by_name,
 };

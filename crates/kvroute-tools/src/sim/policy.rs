@@ -7,6 +7,8 @@
 
 use std::collections::HashSet;
 
+use kvroute_core::types::Tier;
+
 use super::determinism::{FastBuild, SimRng};
 use super::engine::{EngineKvEvent, EngineLoad};
 use super::types::{FleetView, ReplicaSetup, SimRequest};
@@ -188,16 +190,25 @@ impl Router for PrefixOnly {
             self.cached.resize_with(engine + 1, HashSet::default);
         }
         let set = &mut self.cached[engine];
+        // device blocks only: this baseline knows nothing of tiers
         for event in events {
             match event {
-                EngineKvEvent::Stored { blocks, .. } => {
+                EngineKvEvent::Stored {
+                    tier: Tier::Device,
+                    blocks,
+                    ..
+                } => {
                     set.extend(blocks.iter().map(|(h, _)| *h));
                 }
-                EngineKvEvent::Removed { engine_hashes } => {
+                EngineKvEvent::Removed {
+                    tier: Tier::Device,
+                    engine_hashes,
+                } => {
                     for h in engine_hashes {
                         set.remove(h);
                     }
                 }
+                EngineKvEvent::Stored { .. } | EngineKvEvent::Removed { .. } => {}
             }
         }
     }
@@ -269,6 +280,7 @@ mod tests {
         p.on_kv_events(
             0,
             &[EngineKvEvent::Stored {
+                tier: Tier::Device,
                 parent: None,
                 blocks: vec![(1, vec![]), (2, vec![])],
             }],
@@ -277,6 +289,7 @@ mod tests {
         p.on_kv_events(
             2,
             &[EngineKvEvent::Stored {
+                tier: Tier::Device,
                 parent: None,
                 blocks: vec![(1, vec![])],
             }],
@@ -287,6 +300,7 @@ mod tests {
         p.on_kv_events(
             0,
             &[EngineKvEvent::Removed {
+                tier: Tier::Device,
                 engine_hashes: vec![1],
             }],
             0.0,

@@ -73,6 +73,8 @@ pub struct RequestOutcome {
     pub engine: usize,
     pub prompt_tokens: usize,
     pub reused_tokens: usize,
+    /// Of `reused_tokens`, those loaded from the engine's host tier.
+    pub host_reused_tokens: usize,
     pub first_token_ms: Option<f64>,
     pub finish_ms: Option<f64>,
     pub output_tokens: usize,
@@ -98,6 +100,9 @@ pub struct Report {
     pub output_tok_s: f64,
     pub total_tok_s: f64,
     pub reuse_ratio: f64,
+    /// Of `reuse_ratio`, the part loaded from host tiers (engines with a
+    /// host tier only; the device's part is the rest).
+    pub host_reuse_ratio: Option<f64>,
     /// Infinite-cache ideal, token basis (see the module docs).
     pub ideal_reuse_ratio: f64,
     /// Infinite-cache ideal, block basis.
@@ -201,6 +206,7 @@ impl Report {
         let mut e2e = Vec::with_capacity(requests.len());
         let mut prompt_total = 0u64;
         let mut reused_total = 0u64;
+        let mut host_reused_total = 0u64;
         let mut output_total = 0u64;
         let mut completed_prompt = 0u64;
         let mut first_arrival = f64::INFINITY;
@@ -209,6 +215,7 @@ impl Report {
         for r in requests {
             prompt_total += r.prompt_tokens as u64;
             reused_total += r.reused_tokens as u64;
+            host_reused_total += r.host_reused_tokens as u64;
             output_total += r.output_tokens as u64;
             first_arrival = first_arrival.min(r.arrival_ms);
             if let Some(t) = r.first_token_ms {
@@ -225,6 +232,13 @@ impl Report {
             (last_token - first_arrival) / 1000.0
         } else {
             0.0
+        };
+        let ratio = |x: u64| {
+            if prompt_total > 0 {
+                x as f64 / prompt_total as f64
+            } else {
+                0.0
+            }
         };
         let per_s = |x: u64| if span_s > 0.0 { x as f64 / span_s } else { 0.0 };
         let ttft_under_2s = ttft.iter().filter(|&&t| t <= 2000.0).count();
@@ -253,11 +267,8 @@ impl Report {
             itl_ms: Distribution::of(itl_ms),
             output_tok_s: per_s(output_total),
             total_tok_s: per_s(output_total + completed_prompt),
-            reuse_ratio: if prompt_total > 0 {
-                reused_total as f64 / prompt_total as f64
-            } else {
-                0.0
-            },
+            reuse_ratio: ratio(reused_total),
+            host_reuse_ratio: (config.engine.host_blocks > 0).then(|| ratio(host_reused_total)),
             ideal_reuse_ratio: ideal.token_ratio(),
             ideal_reuse_ratio_blocks: ideal.block_ratio(),
             imbalance,
@@ -296,6 +307,9 @@ impl Report {
             "ttft_under_2s": self.ttft_under_2s,
             "sim_secs": self.sim_secs,
         });
+        if let (Some(host), Some(object)) = (self.host_reuse_ratio, json.as_object_mut()) {
+            object.insert("host_reuse_ratio".into(), host.into());
+        }
         if let (Some(setup), Some(object)) = (self.replicas, json.as_object_mut()) {
             object.insert("router_replicas".into(), setup.count.into());
             object.insert("replica_sync_delay_ms".into(), setup.sync_delay_ms.into());
@@ -395,6 +409,16 @@ impl Report {
                     line(a.all),
                     line(a.first_tenth),
                     line(a.second_half)
+                ));
+            }
+        }
+        for r in reports {
+            if let Some(host) = r.host_reuse_ratio {
+                out.push_str(&format!(
+                    "{}: reuse by tier: device {:.3}, host {:.3}\n",
+                    r.policy,
+                    r.reuse_ratio - host,
+                    host
                 ));
             }
         }

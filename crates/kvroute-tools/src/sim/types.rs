@@ -123,6 +123,7 @@ impl FleetView<'_> {
                 max_num_batched_tokens: self.max_num_batched_tokens as u64,
                 taints: Vec::new(),
                 adapters: Vec::new(),
+                loads_adapters: false,
                 cordoned: false,
                 kv_events: Default::default(),
                 load: vec![(
@@ -193,6 +194,7 @@ mod tests {
                 total_blocks: 100,
                 cached_blocks: 40,
                 prefill_tokens_queued: 7,
+                host_blocks: 0,
             };
             2
         ];

@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
+use kvroute_core::{select::TierSavings, types::Tier};
 use kvroute_tools::sim::{
     EngineKvEvent, FleetView, Report, Router, SimConfig, SimRequest, policy_by_name, replay,
 };
@@ -155,13 +156,18 @@ fn replays_are_deterministic() {
     }
 }
 
-/// Round-robin routing that also audits the KV event stream.
+/// Round-robin routing that also audits the KV event stream, tier by
+/// tier.
 #[derive(Default)]
 struct AuditingRouter {
     next: usize,
-    stored: Vec<HashSet<u64>>,
+    stored: Vec<HashSet<(Tier, u64)>>,
     stored_blocks: usize,
     removed_blocks: usize,
+    host_stored_blocks: usize,
+    host_removed_blocks: usize,
+    /// The most host blocks any engine held at once.
+    host_peak: usize,
     bad_tokens: usize,
 }
 
@@ -183,22 +189,39 @@ impl Router for AuditingRouter {
         let set = &mut self.stored[engine];
         for ev in events {
             match ev {
-                EngineKvEvent::Stored { blocks, .. } => {
+                EngineKvEvent::Stored { tier, blocks, .. } => {
                     for (h, tokens) in blocks {
-                        assert!(set.insert(*h), "block stored twice without removal");
+                        assert!(
+                            set.insert((*tier, *h)),
+                            "block stored twice in one tier without removal"
+                        );
                         if tokens.len() != 64 {
                             self.bad_tokens += 1;
                         }
-                        self.stored_blocks += 1;
+                        match tier {
+                            Tier::Device => self.stored_blocks += 1,
+                            _ => self.host_stored_blocks += 1,
+                        }
                     }
                 }
-                EngineKvEvent::Removed { engine_hashes } => {
+                EngineKvEvent::Removed {
+                    tier,
+                    engine_hashes,
+                } => {
                     for h in engine_hashes {
-                        assert!(set.remove(h), "removal of a block never stored");
-                        self.removed_blocks += 1;
+                        assert!(
+                            set.remove(&(*tier, *h)),
+                            "removal of a block never stored in that tier"
+                        );
+                        match tier {
+                            Tier::Device => self.removed_blocks += 1,
+                            _ => self.host_removed_blocks += 1,
+                        }
                     }
                 }
             }
+            let host = set.iter().filter(|(t, _)| *t == Tier::Host).count();
+            self.host_peak = self.host_peak.max(host);
         }
     }
 }
@@ -225,6 +248,88 @@ fn kv_events_are_consistent_and_carry_block_tokens() {
     // The stored set equals the blocks still cached: at most the cache size.
     for set in &audit.stored {
         assert!(set.len() <= 2_048);
+    }
+}
+
+/// With a host tier: the device evicts into it, prompts load from it, the
+/// tier never holds more than its capacity, and its loads show as reuse
+/// (more than the same engines reuse without it).
+#[test]
+fn a_host_tier_takes_evictions_and_serves_them_back() {
+    let trace = sample();
+    let engine = |host_blocks| kvroute_tools::sim::EngineConfig {
+        num_blocks: 2_048,
+        host_blocks,
+        ..Default::default()
+    };
+    let with_host = SimConfig {
+        speedup: 8.0,
+        engine: engine(1_024),
+        ..SimConfig::default()
+    };
+    let mut audit = AuditingRouter::default();
+    let r = replay(&trace, &with_host, &mut audit);
+    assert_eq!(r.completed, 300);
+    assert_eq!(audit.bad_tokens, 0);
+    assert!(audit.host_stored_blocks > 0, "evictions reach the host");
+    assert!(
+        audit.host_removed_blocks > 0,
+        "the host tier loads or evicts"
+    );
+    assert!(
+        audit.host_peak <= 1_024,
+        "host tier over capacity: {}",
+        audit.host_peak
+    );
+    let host_reuse = r.host_reuse_ratio.expect("a host tier reports its reuse");
+    assert!(host_reuse > 0.0, "prompts loaded from the host tier");
+    assert!(host_reuse <= r.reuse_ratio);
+    let without = replay(
+        &trace,
+        &SimConfig {
+            engine: engine(0),
+            ..with_host.clone()
+        },
+        &mut AuditingRouter::default(),
+    );
+    assert_eq!(without.host_reuse_ratio, None);
+    assert!(
+        r.reuse_ratio > without.reuse_ratio,
+        "host tier reuse {} vs none {}",
+        r.reuse_ratio,
+        without.reuse_ratio
+    );
+}
+
+/// The three tier policies route and ingest a host-tier fleet's events
+/// cleanly (no rejected event, no routing error).
+#[test]
+fn tier_policies_ingest_host_events_cleanly() {
+    let trace = sample();
+    let cfg = SimConfig {
+        speedup: 8.0,
+        engine: kvroute_tools::sim::EngineConfig {
+            num_blocks: 2_048,
+            host_blocks: 4_096,
+            ..Default::default()
+        },
+        ..SimConfig::default()
+    };
+    for savings in [
+        TierSavings::DEFAULT,
+        TierSavings::DEVICE_ONLY,
+        kvroute_tools::sim::DYNAMO_TIER_WEIGHTS,
+    ] {
+        let knobs = kvroute_tools::sim::KvRouteKnobs {
+            seed: cfg.seed,
+            tier_savings: savings,
+            ..Default::default()
+        };
+        let mut router = kvroute_tools::sim::KvRoutePolicy::new(knobs).expect("policy");
+        let r = replay(&trace, &cfg, &mut router);
+        assert_eq!(router.errors, 0, "{}", router.name());
+        assert_eq!(r.completed, 300, "{}", router.name());
+        assert!(r.host_reuse_ratio.is_some_and(|h| h > 0.0));
     }
 }
 

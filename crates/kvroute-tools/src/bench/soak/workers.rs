@@ -161,9 +161,10 @@ impl Worker {
     }
 
     /// An engine event as the index sees it (local hashes of the tokens).
+    /// The soak's engines have no host tier, so every event is the device's.
     pub(super) fn to_index(&self, event: EngineKvEvent) -> KvEvent {
         match event {
-            EngineKvEvent::Stored { parent, blocks } => KvEvent::Stored {
+            EngineKvEvent::Stored { parent, blocks, .. } => KvEvent::Stored {
                 parent,
                 blocks: blocks
                     .into_iter()
@@ -181,7 +182,7 @@ impl Worker {
                     })
                     .collect(),
             },
-            EngineKvEvent::Removed { engine_hashes } => KvEvent::Removed {
+            EngineKvEvent::Removed { engine_hashes, .. } => KvEvent::Removed {
                 blocks: engine_hashes,
             },
         }
