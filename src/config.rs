@@ -142,9 +142,9 @@ pub struct ServeConfig {
     pub overlap_credit: f64,
 
     /// What a cached block below the device saves of its prefill, per tier:
-    /// `host=0.9,storage=0.6,external=0.4` (the defaults, from the replay in
+    /// `host=0.7,storage=0.3,external=0.2` (the defaults, from the replay in
     /// docs/TIERS.md). 0 ignores a tier; a worker may declare its own.
-    #[arg(long, env = "KVROUTE_TIER_SAVINGS", default_value = "host=0.9,storage=0.6,external=0.4",
+    #[arg(long, env = "KVROUTE_TIER_SAVINGS", default_value = "host=0.7,storage=0.3,external=0.2",
           value_parser = parse_tier_savings)]
     pub tier_savings: TierSavings,
 

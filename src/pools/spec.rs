@@ -361,6 +361,22 @@ mod tests {
             }]
         );
         assert!(registration.loads_adapters);
+        // ...and so do its commented cache tiers.
+        let tiers = text
+            .replace("# [[cache_tiers]]", "[[cache_tiers]]")
+            .replace("# tier = \"host\"", "tier = \"host\"")
+            .replace("# capacity_blocks = 262144", "capacity_blocks = 262144")
+            .replace("# prefill_saving = 0.8", "prefill_saving = 0.8");
+        let spec = PoolSpec::parse(&tiers).unwrap();
+        let (registration, _) = spec.member("127.0.0.1").unwrap();
+        assert_eq!(
+            registration.tiers,
+            [TierSpec {
+                tier: Tier::Host,
+                capacity_blocks: 262_144,
+                prefill_saving: Some(0.8),
+            }]
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ use common::{TestServer, batch, registration, select_hashes, stored};
 use kvroute::grpc::convert::tiered_event_to_pb;
 use kvroute::pb;
 use kvroute_core::index::{KvEvent, Tier, TieredEvent};
+use kvroute_core::select::TierSavings;
 use tonic::Code;
 
 /// The prompt: three blocks by their local hashes.
@@ -123,7 +124,7 @@ async fn device_beats_host_memory_beats_nothing() {
     assert_eq!(host.overlap_blocks, 3);
     assert_eq!(host.overlap_by_tier, by_tier(0, 3));
     assert!(
-        (host.effective_overlap_blocks - 2.7).abs() < 1e-9,
+        (host.effective_overlap_blocks - 3.0 * TierSavings::DEFAULT.get(Tier::Host)).abs() < 1e-9,
         "{host:?}"
     );
     let none = candidate(&reply, 3);

@@ -782,16 +782,21 @@ fn device_beats_host_beats_nothing() {
     assert_eq!(s.target, wr(1, 0));
     let host = &s.candidates[1];
     assert_eq!(host.tiers, TierBlocks([0, 8, 0, 0]));
-    assert!((host.effective_overlap_blocks - 8.0 * 0.9).abs() < 1e-9);
-    // 7.2 effective blocks save 28 of 32 tokens, 7 of 8 blocks.
-    assert_eq!(host.potential_prefill_tokens, 4);
-    assert_eq!(host.potential_prefill_blocks, 1);
+    let saving = TierSavings::DEFAULT.get(Tier::Host);
+    assert!((host.effective_overlap_blocks - 8.0 * saving).abs() < 1e-9);
+    // The effective blocks save their tokens, and their whole blocks: at
+    // the default 0.7, 5.6 effective blocks save 22 of 32 tokens and 5 of
+    // 8 blocks.
+    let saved_tokens = (8.0 * saving * 4.0).floor() as u64;
+    let saved_blocks = (8.0 * saving).floor() as u64;
+    assert_eq!(host.potential_prefill_tokens, 32 - saved_tokens);
+    assert_eq!(host.potential_prefill_blocks, 8 - saved_blocks);
     let mut f = f;
     f.workers.remove(0);
     let s = f.run(&request(8)).unwrap();
     assert_eq!(s.target, wr(2, 0), "host memory beats nothing");
     assert_eq!(s.tiers, TierBlocks([0, 8, 0, 0]));
-    assert_eq!(s.request_prefill_tokens, 4);
+    assert_eq!(s.request_prefill_tokens, 32 - saved_tokens);
     assert_eq!(s.overlap_blocks, 8);
     assert_eq!(s.cached_tokens, 32);
 }
@@ -812,7 +817,8 @@ fn lower_tiers_extend_the_device_prefix_by_their_saving() {
     f.tier_overlaps.insert(wr(2, 0), TierBlocks([2, 4, 0, 0]));
     let s = f.run(&request(8)).unwrap();
     assert_eq!(s.target, wr(2, 0));
-    assert!((s.effective_overlap_blocks - 5.6).abs() < 1e-9);
+    let host = TierSavings::DEFAULT.get(Tier::Host);
+    assert!((s.effective_overlap_blocks - (2.0 + 4.0 * host)).abs() < 1e-9);
     // With device-only scoring the host blocks count for nothing.
     f.config.tier_savings = TierSavings::DEVICE_ONLY;
     assert_eq!(f.run(&request(8)).unwrap().target, wr(1, 0));
