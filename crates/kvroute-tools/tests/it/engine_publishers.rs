@@ -15,7 +15,9 @@
 //!   announced minus those it removed;
 //! * ExplainSelection: every conversation (plain, LoRA, salted with an
 //!   image, salted) matches exactly its leading still-held blocks, hashed by
-//!   kvroute from the request as a frontend would send it;
+//!   kvroute from the request as a frontend would send it; the same tokens
+//!   without their adapter and salt match only what unkeyed conversations
+//!   hold, and with another tenant's salt nothing;
 //! * SelectWorker: a follow-up turn of a conversation goes to the worker
 //!   that stored its prefix, not to the idle plain worker beside it;
 //! * Prometheus: batches all applied once (some replayed, some live), no
@@ -248,8 +250,84 @@ async fn check(server: &TestServer, expected: &Value) -> Option<String> {
         if got != want {
             return Some(format!("sequence {i}: overlap {got} != held prefix {want}"));
         }
+        // The same tokens without the adapter and the salt are another
+        // prompt to the engine: they match none of the keyed blocks, only
+        // what an unkeyed conversation holds of the same text (trace
+        // conversations share leading blocks).
+        let keyed = !seq["lora"].is_null() || !seq["salt"].is_null();
+        if keyed && want > 0 {
+            let mut bare = request(seq, seq_tokens(seq), pb::SelectionMode::QueryOnly);
+            bare.lora_name.clear();
+            bare.cache_namespace.clear();
+            let got = overlap_of(server, bare).await;
+            let unkeyed = unkeyed_overlap(seq, expected);
+            if got != unkeyed {
+                return Some(format!(
+                    "sequence {i} without its adapter and salt: overlap {got} != {unkeyed} \
+                     (what unkeyed conversations hold of it)"
+                ));
+            }
+        }
+        // Another tenant's salt matches none of it.
+        if !seq["salt"].is_null() && want > 0 {
+            let mut other = request(seq, seq_tokens(seq), pb::SelectionMode::QueryOnly);
+            other.cache_namespace = "another-tenant".into();
+            let got = overlap_of(server, other).await;
+            if got != 0 {
+                return Some(format!(
+                    "sequence {i} with another salt: overlap {got} != 0"
+                ));
+            }
+        }
     }
     None
+}
+
+/// The test worker's overlap for `req`, as ExplainSelection reports it.
+async fn overlap_of(server: &TestServer, req: pb::SelectWorkerRequest) -> u32 {
+    let explained = server
+        .admin()
+        .explain_selection(req)
+        .await
+        .unwrap()
+        .into_inner();
+    explained
+        .candidates
+        .iter()
+        .find(|c| c.worker_id == WORKER)
+        .map_or(0, |c| c.overlap_blocks)
+}
+
+/// The blocks of `seq`'s tokens, taken without adapter or salt, that the
+/// engine holds from conversations with neither: the longest run of
+/// leading blocks some unkeyed conversation shares and still holds, ending
+/// before `seq`'s first block with a multimodal item (which changes its
+/// hash).
+fn unkeyed_overlap(seq: &Value, expected: &Value) -> u32 {
+    let tokens = seq_tokens(seq);
+    let bs = BLOCK_SIZE as usize;
+    let first_mm = seq["mm"].as_array().map_or(usize::MAX, |blocks| {
+        blocks
+            .iter()
+            .position(|ids| ids.as_array().is_some_and(|a| !a.is_empty()))
+            .unwrap_or(usize::MAX)
+    });
+    expected["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|u| u["lora"].is_null() && u["salt"].is_null())
+        .map(|u| {
+            let theirs = seq_tokens(u);
+            let shared = tokens
+                .chunks_exact(bs)
+                .zip(theirs.chunks_exact(bs))
+                .take_while(|(a, b)| a == b)
+                .count();
+            shared.min(held_prefix(u) as usize).min(first_mm) as u32
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// The value of one Prometheus series in a scrape (0 when absent).
