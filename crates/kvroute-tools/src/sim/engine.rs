@@ -810,6 +810,9 @@ impl SimEngine {
                     parent = Some(self.pool.blocks[id as usize].hash);
                     id
                 }
+                // A later host block of the prefix cannot be pushed out
+                // meanwhile: each load frees its host slot before its
+                // allocation offloads at most one device block into it.
                 PrefixBlock::Host(hash) => match self.load_from_host(hash, parent) {
                     Some(id) => {
                         parent = Some(hash);
