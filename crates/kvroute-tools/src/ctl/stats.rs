@@ -1,5 +1,6 @@
 //! `kvroute ctl stats`: the KV index's totals, of one model or of all,
-//! to see how much the router holds and how its event stream is doing.
+//! to see how much the router holds (by cache tier) and how its event
+//! stream is doing.
 
 use serde_json::{Value, json};
 
@@ -32,6 +33,12 @@ pub(super) fn stats_text(s: &pb::IndexStats) -> String {
         ("events rejected", s.events_rejected.to_string()),
         ("memory", bytes_text(s.memory_bytes)),
         ("entries", s.entries.to_string()),
+        (
+            "entries by tier",
+            tiers_text(s.blocks_by_tier.unwrap_or_default()),
+        ),
+        ("placeholders unresolved", s.blocks_unresolved.to_string()),
+        ("evicted to tier capacity", s.blocks_evicted.to_string()),
         ("digest", format!("{:016x}", s.digest)),
     ] {
         table.row(vec![name.into(), value]);
@@ -50,6 +57,69 @@ pub(super) fn stats_json(s: &pb::IndexStats) -> Value {
         "events_rejected": s.events_rejected,
         "memory_bytes": s.memory_bytes,
         "entries": s.entries,
+        "entries_by_tier": tiers_json(s.blocks_by_tier.unwrap_or_default()),
+        "blocks_unresolved": s.blocks_unresolved,
+        "blocks_evicted": s.blocks_evicted,
         "digest": format!("{:016x}", s.digest),
     })
+}
+
+/// `device 10, host 4`: the tiers holding any entry (`device 0` if none).
+fn tiers_text(t: pb::BlocksByTier) -> String {
+    let parts: Vec<String> = [
+        ("device", t.device),
+        ("host", t.host),
+        ("storage", t.storage),
+        ("external", t.external),
+    ]
+    .into_iter()
+    .filter(|&(name, n)| n > 0 || name == "device")
+    .map(|(name, n)| format!("{name} {n}"))
+    .collect();
+    parts.join(", ")
+}
+
+fn tiers_json(t: pb::BlocksByTier) -> Value {
+    json!({
+        "device": t.device,
+        "host": t.host,
+        "storage": t.storage,
+        "external": t.external,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_show_entries_by_tier_and_the_tier_counters() {
+        let stats = pb::IndexStats {
+            entries: 14,
+            blocks_by_tier: Some(pb::BlocksByTier {
+                device: 10,
+                host: 4,
+                storage: 0,
+                external: 0,
+            }),
+            blocks_unresolved: 3,
+            blocks_evicted: 2,
+            ..Default::default()
+        };
+        let text = stats_text(&stats);
+        assert!(text.contains("device 10, host 4"), "{text}");
+        assert!(!text.contains("storage"), "{text}");
+        let line = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .map(|l| l.split_whitespace().last().unwrap_or("").to_string())
+        };
+        assert_eq!(line("placeholders unresolved").as_deref(), Some("3"));
+        assert_eq!(line("evicted to tier capacity").as_deref(), Some("2"));
+        let json = stats_json(&stats);
+        assert_eq!(json["entries_by_tier"]["host"], 4);
+        assert_eq!(json["blocks_unresolved"], 3);
+        assert_eq!(json["blocks_evicted"], 2);
+        assert_eq!(tiers_text(pb::BlocksByTier::default()), "device 0");
+    }
 }
