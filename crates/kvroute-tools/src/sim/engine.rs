@@ -146,6 +146,13 @@ impl EngineConfig {
         if !(self.host_load_ms_per_block.is_finite() && self.host_load_ms_per_block >= 0.0) {
             return Err("host_load_ms_per_block must be finite and >= 0".into());
         }
+        // the most a worker may declare for a tier to the router
+        let most = kvroute_core::registry::RegistryLimits::default().max_tier_blocks_per_rank;
+        if self.host_blocks as u64 > most {
+            return Err(format!(
+                "host_blocks is at most {most} (what a worker may declare for a tier)"
+            ));
+        }
         Ok(())
     }
 }

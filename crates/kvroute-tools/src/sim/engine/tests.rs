@@ -306,3 +306,20 @@ fn without_a_host_tier_nothing_moves() {
     );
     assert!(passes.iter().all(|p| p.loaded_blocks == 0));
 }
+
+#[test]
+fn a_host_tier_past_what_a_worker_may_declare_is_refused() {
+    let most = kvroute_core::registry::RegistryLimits::default().max_tier_blocks_per_rank;
+    let cfg = |host_blocks: u64| EngineConfig {
+        host_blocks: host_blocks as usize,
+        ..EngineConfig::default()
+    };
+    assert!(cfg(most).validate().is_ok());
+    let refused = cfg(most + 1).validate().unwrap_err();
+    assert!(refused.contains("host_blocks"), "{refused}");
+    let nan = EngineConfig {
+        host_load_ms_per_block: f64::NAN,
+        ..EngineConfig::default()
+    };
+    assert!(nan.validate().is_err());
+}
