@@ -57,47 +57,47 @@ pub const MEDIUM_GPU: &str = "GPU";
 /// * external: vLLM's `OBJ`, remote `STORAGE`, llm-d's `SHARED_STORAGE` and
 ///   `OBJECT_STORE`.
 pub fn medium_tier(medium: Option<&str>, locality: Option<&str>) -> Option<Tier> {
-    let Some(medium) = medium else {
-        return Some(Tier::Device);
-    };
-    let is = |name: &str| medium.eq_ignore_ascii_case(name);
-    Some(if is("GPU") {
-        Tier::Device
-    } else if is("CPU") || is("CPU_PINNED") || is("CPU_TIER1") {
-        Tier::Host
-    } else if is("FS") || is("CPU_TIER2") {
-        Tier::Storage
-    } else if is("STORAGE") {
-        match locality {
-            Some(l) if l.eq_ignore_ascii_case("REMOTE") => Tier::External,
-            _ => Tier::Storage,
-        }
-    } else if is("OBJ") || is("SHARED_STORAGE") || is("OBJECT_STORE") {
-        Tier::External
-    } else {
-        return None;
-    })
+    let (label, tier) = MEDIA[medium_index(medium)];
+    let remote = locality.is_some_and(|l| l.eq_ignore_ascii_case("REMOTE"));
+    match tier {
+        Some(Tier::Storage) if label == "STORAGE" && remote => Some(Tier::External),
+        tier => tier,
+    }
 }
 
-/// The labels `engine_event_media_total` counts store and remove events
-/// under: `none` (an event naming no medium: the device), the media
+/// Every medium label with its tier, in one list so a medium is named and
+/// placed once: `none` (an event naming no medium: the device), the media
 /// engines name in their KV events (vLLM's `GPU`, `CPU`, `FS`, `OBJ`,
 /// `STORAGE`; SGLang's `CPU_PINNED`, `CPU_TIER1`, `CPU_TIER2`; llm-d's
-/// `SHARED_STORAGE`, `OBJECT_STORE`), then `unknown` for any other value.
-pub const MEDIUM_LABELS: [&str; 12] = [
-    "none",
-    "GPU",
-    "CPU",
-    "FS",
-    "OBJ",
-    "STORAGE",
-    "CPU_PINNED",
-    "CPU_TIER1",
-    "CPU_TIER2",
-    "SHARED_STORAGE",
-    "OBJECT_STORE",
-    "unknown",
+/// `SHARED_STORAGE`, `OBJECT_STORE`), then `unknown` for any other value
+/// (no tier). `STORAGE` is local here; [`medium_tier`] makes remote storage
+/// external.
+const MEDIA: [(&str, Option<Tier>); 12] = [
+    ("none", Some(Tier::Device)),
+    ("GPU", Some(Tier::Device)),
+    ("CPU", Some(Tier::Host)),
+    ("FS", Some(Tier::Storage)),
+    ("OBJ", Some(Tier::External)),
+    ("STORAGE", Some(Tier::Storage)),
+    ("CPU_PINNED", Some(Tier::Host)),
+    ("CPU_TIER1", Some(Tier::Host)),
+    ("CPU_TIER2", Some(Tier::Storage)),
+    ("SHARED_STORAGE", Some(Tier::External)),
+    ("OBJECT_STORE", Some(Tier::External)),
+    ("unknown", None),
 ];
+
+/// The labels `engine_event_media_total` counts store and remove events
+/// under: [`MEDIA`]'s names.
+pub const MEDIUM_LABELS: [&str; MEDIA.len()] = {
+    let mut labels = [""; MEDIA.len()];
+    let mut i = 0;
+    while i < MEDIA.len() {
+        labels[i] = MEDIA[i].0;
+        i += 1;
+    }
+    labels
+};
 
 /// Where `unknown` is in [`MEDIUM_LABELS`].
 const UNKNOWN_MEDIUM: usize = MEDIUM_LABELS.len() - 1;
