@@ -342,14 +342,19 @@ fn event_from_pb(
             ),
         )
     };
+    // A store or copy names at least one block, and no more than the limit.
+    let some_blocks = |field: &str, n: usize, what: &str| {
+        if n == 0 {
+            return Err(place.error(field, format_args!("{what} event with no blocks")));
+        }
+        if n > limits.max_blocks_per_event {
+            return Err(too_many(field, n));
+        }
+        Ok(())
+    };
     match kind.ok_or_else(|| place.error("kind", "no event kind set"))? {
         pb::kv_event::Kind::Stored(stored) => {
-            if stored.blocks.is_empty() {
-                return Err(place.error("stored.blocks", "stored event with no blocks"));
-            }
-            if stored.blocks.len() > limits.max_blocks_per_event {
-                return Err(too_many("stored.blocks", stored.blocks.len()));
-            }
+            some_blocks("stored.blocks", stored.blocks.len(), "stored")?;
             let tier = event_tier(stored.tier, place, "stored.tier")?;
             Ok(TieredEvent::new(
                 tier,
@@ -372,12 +377,7 @@ fn event_from_pb(
         }
         pb::kv_event::Kind::Cleared(_) => Ok(TieredEvent::device(KvEvent::Cleared)),
         pb::kv_event::Kind::Copied(copied) => {
-            if copied.engine_hashes.is_empty() {
-                return Err(place.error("copied.engine_hashes", "copied event with no blocks"));
-            }
-            if copied.engine_hashes.len() > limits.max_blocks_per_event {
-                return Err(too_many("copied.engine_hashes", copied.engine_hashes.len()));
-            }
+            some_blocks("copied.engine_hashes", copied.engine_hashes.len(), "copied")?;
             let tier = event_tier(copied.tier, place, "copied.tier")?;
             if tier == Tier::Device {
                 return Err(place.error(
