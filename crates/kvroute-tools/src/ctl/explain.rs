@@ -11,7 +11,7 @@ use super::{
     args::ExplainArgs,
     client::Admin,
     error::{CtlError, chain},
-    format::{admission_name, reason_name, view_name, yes_no},
+    format::{admission_name, reason_name, tiers_json, view_name, yes_no},
     output::Output,
     table::Table,
 };
@@ -186,18 +186,6 @@ fn overlap_cell(tiers: Option<&pb::BlocksByTier>) -> String {
         [only] if only.ends_with('d') => "device".into(),
         _ => parts.join("+"),
     }
-}
-
-/// A tier split as JSON (`null` when the server sent none).
-fn tiers_json(tiers: Option<&pb::BlocksByTier>) -> Value {
-    tiers.map_or(Value::Null, |t| {
-        json!({
-            "device": t.device,
-            "host": t.host,
-            "storage": t.storage,
-            "external": t.external,
-        })
-    })
 }
 
 /// The winner in a sentence.

@@ -47,6 +47,19 @@ pub(super) fn rank_range(info: &pb::WorkerInfo) -> String {
 }
 
 /// Milliseconds as seconds with one decimal (`9.8s`).
+/// A per-tier count as `ctl`'s JSON spells it (`null` when the server
+/// sent none).
+pub(super) fn tiers_json(tiers: Option<&pb::BlocksByTier>) -> serde_json::Value {
+    tiers.map_or(serde_json::Value::Null, |t| {
+        serde_json::json!({
+            "device": t.device,
+            "host": t.host,
+            "storage": t.storage,
+            "external": t.external,
+        })
+    })
+}
+
 pub(super) fn lease_text(ms: u64) -> String {
     format!("{}.{}s", ms / 1000, (ms % 1000) / 100)
 }

@@ -6,7 +6,13 @@ use serde_json::{Value, json};
 
 use kvroute::pb;
 
-use super::{client::Admin, error::CtlError, format::bytes_text, output::Output, table::Table};
+use super::{
+    client::Admin,
+    error::CtlError,
+    format::{bytes_text, tiers_json},
+    output::Output,
+    table::Table,
+};
 
 /// Shows the index statistics, of `model` only when given.
 pub(super) async fn show(
@@ -57,7 +63,7 @@ pub(super) fn stats_json(s: &pb::IndexStats) -> Value {
         "events_rejected": s.events_rejected,
         "memory_bytes": s.memory_bytes,
         "entries": s.entries,
-        "entries_by_tier": tiers_json(s.blocks_by_tier.unwrap_or_default()),
+        "entries_by_tier": tiers_json(Some(&s.blocks_by_tier.unwrap_or_default())),
         "blocks_unresolved": s.blocks_unresolved,
         "blocks_evicted": s.blocks_evicted,
         "digest": format!("{:016x}", s.digest),
@@ -77,15 +83,6 @@ fn tiers_text(t: pb::BlocksByTier) -> String {
     .map(|(name, n)| format!("{name} {n}"))
     .collect();
     parts.join(", ")
-}
-
-fn tiers_json(t: pb::BlocksByTier) -> Value {
-    json!({
-        "device": t.device,
-        "host": t.host,
-        "storage": t.storage,
-        "external": t.external,
-    })
 }
 
 #[cfg(test)]
