@@ -703,18 +703,17 @@ impl SimEngine {
         }
     }
 
-    /// (cached full blocks usable, of which held by running sequences, of
-    /// which in the host tier).
-    fn prefix_hits(&self, key: usize) -> (usize, usize, usize) {
+    /// (cached full blocks usable, in either tier, of which held by running
+    /// sequences).
+    fn prefix_hits(&self, key: usize) -> (usize, usize) {
         if !self.cfg.enable_prefix_caching {
-            return (0, 0, 0);
+            return (0, 0);
         }
         let seq = self.seq(key);
         let bs = self.cfg.block_size;
         let cap = seq.len().saturating_sub(1) / bs;
         let mut hits = 0;
         let mut active = 0;
-        let mut host = 0;
         for &h in seq.hashes.iter().take(cap) {
             match self.pool.map.get(&h) {
                 Some(&id) => {
@@ -723,14 +722,11 @@ impl SimEngine {
                         active += 1;
                     }
                 }
-                None if self.pool.in_host(h) => {
-                    hits += 1;
-                    host += 1;
-                }
+                None if self.pool.in_host(h) => hits += 1,
                 None => break,
             }
         }
-        (hits, active, host)
+        (hits, active)
     }
 
     /// Release every block of a sequence, tail first.
@@ -1021,7 +1017,7 @@ impl SimEngine {
                 self.free_slot(key);
                 continue;
             }
-            let (hits, active_hits, _) = self.prefix_hits(key);
+            let (hits, active_hits) = self.prefix_hits(key);
             let needed = total_blocks - active_hits;
             let available = self.cfg.num_blocks - self.pool.num_active();
             if needed > available {

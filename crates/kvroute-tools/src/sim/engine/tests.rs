@@ -203,18 +203,30 @@ fn events_of(passes: &[PassOutcome]) -> Vec<EngineKvEvent> {
     passes.iter().flat_map(|p| p.kv_events.clone()).collect()
 }
 
+/// The prompt `A` (two full blocks and a token) the host-tier tests cache
+/// and then crowd out.
+fn prompt_a() -> Vec<u32> {
+    (0..9).collect()
+}
+
+/// Caches [`prompt_a`] on `e`'s device, then runs a request that takes the
+/// whole device (four blocks): A's hashes, and the passes of the second.
+fn cache_a_then_crowd_it_out(e: &mut SimEngine) -> (Vec<u64>, Vec<PassOutcome>) {
+    let ha = block_hashes(&prompt_a(), 4);
+    e.enqueue(req(1, prompt_a(), 1, 4));
+    run_to_idle(e);
+    assert!(e.is_cached(ha[0]) && e.is_cached(ha[1]));
+    e.enqueue(req(2, (100..116).collect(), 1, 4));
+    let passes = run_to_idle(e);
+    (ha, passes)
+}
+
 #[test]
 fn device_evictions_move_to_the_host_and_load_back_for_a_price() {
     let mut e = SimEngine::new(host_cfg());
-    // A: two full blocks (+1 token) cached on the device
-    let a: Vec<u32> = (0..9).collect();
-    let ha = block_hashes(&a, 4);
-    e.enqueue(req(1, a.clone(), 1, 4));
-    run_to_idle(&mut e);
-    assert!(e.is_cached(ha[0]) && e.is_cached(ha[1]));
-    // B takes the whole device: A's blocks are evicted into the host
-    e.enqueue(req(2, (100..116).collect(), 1, 4));
-    let passes = run_to_idle(&mut e);
+    // A cached on the device, then B takes the whole device: A's blocks
+    // are evicted into the host
+    let (ha, passes) = cache_a_then_crowd_it_out(&mut e);
     assert!(!e.is_cached(ha[0]) && e.is_in_host(ha[0]) && e.is_in_host(ha[1]));
     let events = events_of(&passes);
     let host_stores: Vec<(Option<u64>, u64)> = events
@@ -243,7 +255,7 @@ fn device_evictions_move_to_the_host_and_load_back_for_a_price() {
     assert!(removed_dev.is_some() && removed_dev < stored_host);
     // A again: both blocks come back from the host, no prefill for them,
     // and the step pays the load
-    e.enqueue(req(3, a.clone(), 1, 4));
+    e.enqueue(req(3, prompt_a(), 1, 4));
     let passes = run_to_idle(&mut e);
     assert_eq!(passes[0].admissions, vec![(3, 8)]);
     assert_eq!(passes[0].host_loads, vec![(3, 8)]);
@@ -270,12 +282,7 @@ fn a_full_host_tier_drops_its_oldest_block() {
         host_blocks: 1,
         ..host_cfg()
     });
-    let a: Vec<u32> = (0..9).collect();
-    let ha = block_hashes(&a, 4);
-    e.enqueue(req(1, a, 1, 4));
-    run_to_idle(&mut e);
-    e.enqueue(req(2, (100..116).collect(), 1, 4));
-    let passes = run_to_idle(&mut e);
+    let (ha, passes) = cache_a_then_crowd_it_out(&mut e);
     // two blocks evicted into a one-block tier: the first to arrive left
     let host: Vec<bool> = ha.iter().map(|&h| e.is_in_host(h)).collect();
     assert_eq!(host.iter().filter(|&&x| x).count(), 1);
@@ -294,11 +301,7 @@ fn without_a_host_tier_nothing_moves() {
         host_blocks: 0,
         ..host_cfg()
     });
-    let a: Vec<u32> = (0..9).collect();
-    e.enqueue(req(1, a, 1, 4));
-    run_to_idle(&mut e);
-    e.enqueue(req(2, (100..116).collect(), 1, 4));
-    let passes = run_to_idle(&mut e);
+    let (_, passes) = cache_a_then_crowd_it_out(&mut e);
     assert!(
         events_of(&passes)
             .iter()
