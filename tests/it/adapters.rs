@@ -95,17 +95,26 @@ async fn explain(
         cache_namespace: namespace.into(),
         ..Default::default()
     };
-    let mut out: Vec<_> = server
+    candidates(server, request)
+        .await
+        .into_iter()
+        .map(|c| (c.worker_id, c.eligible, c.reason(), c.overlap_blocks))
+        .collect()
+}
+
+/// ExplainSelection's candidates for `request`, by worker id.
+async fn candidates(
+    server: &TestServer,
+    request: pb::SelectWorkerRequest,
+) -> Vec<pb::CandidateExplanation> {
+    let mut out = server
         .admin()
         .explain_selection(request)
         .await
         .expect("explain")
         .into_inner()
-        .candidates
-        .into_iter()
-        .map(|c| (c.worker_id, c.eligible, c.reason(), c.overlap_blocks))
-        .collect();
-    out.sort_by_key(|c| c.0);
+        .candidates;
+    out.sort_by_key(|c| c.worker_id);
     out
 }
 
@@ -282,18 +291,11 @@ async fn explain_loads(
 ) -> Vec<(u64, bool, pb::IneligibleReason, bool)> {
     let mut request = common::select_hashes("explain", "m", &[1, 2, 3]);
     request.lora_name = lora.into();
-    let mut out: Vec<_> = server
-        .admin()
-        .explain_selection(request)
+    candidates(server, request)
         .await
-        .expect("explain")
-        .into_inner()
-        .candidates
         .into_iter()
         .map(|c| (c.worker_id, c.eligible, c.reason(), c.loads_adapter))
-        .collect();
-    out.sort_by_key(|c| c.0);
-    out
+        .collect()
 }
 
 #[tokio::test]

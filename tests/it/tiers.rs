@@ -59,15 +59,6 @@ fn candidate(reply: &pb::ExplainSelectionResponse, worker_id: u64) -> pb::Candid
         .expect("candidate")
 }
 
-async fn stats(server: &TestServer) -> pb::IndexStats {
-    server
-        .admin()
-        .get_index_stats(pb::GetIndexStatsRequest { model: None })
-        .await
-        .expect("stats")
-        .into_inner()
-}
-
 fn by_tier(device: u64, host: u64) -> Option<pb::BlocksByTier> {
     Some(pb::BlocksByTier {
         device,
@@ -112,7 +103,7 @@ async fn device_beats_host_memory_beats_nothing() {
     let reply = server.publish(batch(2, 0, events)).await.unwrap();
     assert_eq!((reply.rejected, reply.last_applied_event_id), (0, 2));
 
-    let stats_now = stats(&server).await;
+    let stats_now = server.index_stats().await;
     assert_eq!(stats_now.blocks_by_tier, by_tier(3, 3));
     assert_eq!(stats_now.blocks_unresolved, 0);
 
@@ -282,13 +273,13 @@ async fn hostile_tier_events_are_counted_and_bounded() {
     ];
     let reply = server.publish(batch(2, 0, events)).await.unwrap();
     assert_eq!((reply.rejected, reply.last_applied_event_id), (0, 2));
-    let s = stats(&server).await;
+    let s = server.index_stats().await;
     assert_eq!(s.blocks_by_tier, by_tier(0, 2));
     assert_eq!(s.blocks_evicted, 3);
     assert_eq!(s.blocks_unresolved, 2);
 
     // Dropping the tier from the registration drops its blocks.
     server.register(registration(2, "m")).await;
-    let s = stats(&server).await;
+    let s = server.index_stats().await;
     assert_eq!(s.blocks_by_tier, by_tier(0, 0));
 }

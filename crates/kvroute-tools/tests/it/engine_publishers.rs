@@ -235,17 +235,7 @@ async fn check(server: &TestServer, expected: &Value) -> Option<String> {
     }
     for (i, seq) in expected["sequences"].as_array().unwrap().iter().enumerate() {
         let req = request(seq, seq_tokens(seq), pb::SelectionMode::QueryOnly);
-        let explained = server
-            .admin()
-            .explain_selection(req)
-            .await
-            .unwrap()
-            .into_inner();
-        let got = explained
-            .candidates
-            .iter()
-            .find(|c| c.worker_id == WORKER)
-            .map_or(0, |c| c.overlap_blocks);
+        let got = overlap_of(server, req).await;
         let want = held_prefix(seq);
         if got != want {
             return Some(format!("sequence {i}: overlap {got} != held prefix {want}"));
@@ -283,8 +273,12 @@ async fn check(server: &TestServer, expected: &Value) -> Option<String> {
     None
 }
 
-/// The test worker's overlap for `req`, as ExplainSelection reports it.
-async fn overlap_of(server: &TestServer, req: pb::SelectWorkerRequest) -> u32 {
+/// The test worker as ExplainSelection describes it for `req` (the
+/// default, no overlap, when it is no candidate).
+async fn explained_candidate(
+    server: &TestServer,
+    req: pb::SelectWorkerRequest,
+) -> pb::CandidateExplanation {
     let explained = server
         .admin()
         .explain_selection(req)
@@ -293,9 +287,14 @@ async fn overlap_of(server: &TestServer, req: pb::SelectWorkerRequest) -> u32 {
         .into_inner();
     explained
         .candidates
-        .iter()
+        .into_iter()
         .find(|c| c.worker_id == WORKER)
-        .map_or(0, |c| c.overlap_blocks)
+        .unwrap_or_default()
+}
+
+/// The test worker's overlap for `req`, as ExplainSelection reports it.
+async fn overlap_of(server: &TestServer, req: pb::SelectWorkerRequest) -> u32 {
+    explained_candidate(server, req).await.overlap_blocks
 }
 
 /// The blocks of `seq`'s tokens, taken without adapter or salt, that the
@@ -428,7 +427,14 @@ fn start_publisher_with(py: &str, case: &Case, scenario: &[String]) -> Publisher
 
 /// Registers the plain worker and the publisher's worker (kvroute then
 /// subscribes to it) and waits until the subscription is connected.
-async fn register_workers(server: &TestServer, case: &Case, publisher: &Publisher) {
+/// Registers the idle plain worker and the publisher's worker (declaring
+/// `cache_tiers`), and waits until kvroute is subscribed to the engine.
+async fn register_workers(
+    server: &TestServer,
+    case: &Case,
+    publisher: &Publisher,
+    cache_tiers: Vec<pb::CacheTierSpec>,
+) {
     let plain_worker = pb::RegisterWorkerRequest {
         block_size: BLOCK_SIZE,
         lease_ttl_secs: 600,
@@ -446,6 +452,7 @@ async fn register_workers(server: &TestServer, case: &Case, publisher: &Publishe
                 id: 5,
                 name: "adapter-a".into(),
             }],
+            cache_tiers,
             ..registration(WORKER, "m")
         })
         .await;
@@ -489,7 +496,7 @@ async fn run_case(case: Case) {
     // kvroute subscribes only now, when the first batches are gone from
     // the PUB socket: they must come through the replay socket.
     let server = TestServer::start().await;
-    register_workers(&server, &case, &publisher).await;
+    register_workers(&server, &case, &publisher, Vec::new()).await;
     let driver = &mut publisher.driver;
     driver.send("go");
     let expected: Value = serde_json::from_str(&driver.read_line("DONE")).unwrap();
@@ -608,7 +615,7 @@ async fn run_restart_case(case: Case) {
         ..ServeConfig::for_tests()
     };
     let server = TestServer::start_with(config()).await;
-    register_workers(&server, &case, &publisher).await;
+    register_workers(&server, &case, &publisher, Vec::new()).await;
     // Phase 1 came through the replay socket; snapshot that state.
     let last_of_phase1 = format!("last seq {}", publisher.phase1 - 1);
     let t0 = Instant::now();
@@ -688,7 +695,7 @@ async fn run_cluster_case(case: Case) {
         config.cluster.log_max_bytes = 64 << 20;
         replicas.push(TestServer::start_with(config).await);
     }
-    register_workers(&replicas[0], &case, &publisher).await;
+    register_workers(&replicas[0], &case, &publisher, Vec::new()).await;
     for r in &replicas[1..] {
         wait_connected(r).await;
     }
@@ -863,18 +870,7 @@ async fn check_tiers(server: &TestServer, expected: &Value) -> Option<String> {
     }
     for (i, seq) in expected["sequences"].as_array().unwrap().iter().enumerate() {
         let req = request(seq, seq_tokens(seq), pb::SelectionMode::QueryOnly);
-        let explained = server
-            .admin()
-            .explain_selection(req)
-            .await
-            .unwrap()
-            .into_inner();
-        let c = explained
-            .candidates
-            .iter()
-            .find(|c| c.worker_id == WORKER)
-            .cloned()
-            .unwrap_or_default();
+        let c = explained_candidate(server, req).await;
         let got = c.overlap_by_tier.map(|t| (t.device as u32, t.host as u32));
         let (device, host) = expected_split(seq);
         if got != Some((device, host)) || c.overlap_blocks != device + host {
@@ -898,32 +894,12 @@ async fn run_tier_case(tier_case: TierCase) {
     ];
     let mut publisher = start_publisher_with(&py, case, &scenario);
     let server = TestServer::start().await;
-    server
-        .register(pb::RegisterWorkerRequest {
-            block_size: BLOCK_SIZE,
-            lease_ttl_secs: 600,
-            ..registration(PLAIN_WORKER, "m")
-        })
-        .await;
-    server
-        .register(pb::RegisterWorkerRequest {
-            events_endpoint: publisher.pub_ep.clone(),
-            events_dialect: case.engine.into(),
-            replay_endpoint: publisher.replay_ep.clone(),
-            lease_ttl_secs: 600,
-            adapters: vec![pb::LoraAdapter {
-                id: 5,
-                name: "adapter-a".into(),
-            }],
-            cache_tiers: vec![pb::CacheTierSpec {
-                tier: pb::CacheTier::Host as i32,
-                capacity_blocks: 100_000,
-                prefill_saving: None,
-            }],
-            ..registration(WORKER, "m")
-        })
-        .await;
-    wait_connected(&server).await;
+    let host = pb::CacheTierSpec {
+        tier: pb::CacheTier::Host as i32,
+        capacity_blocks: 100_000,
+        prefill_saving: None,
+    };
+    register_workers(&server, case, &publisher, vec![host]).await;
     let driver = &mut publisher.driver;
     driver.send("go");
     let expected: Value = serde_json::from_str(&driver.read_line("DONE")).unwrap();
