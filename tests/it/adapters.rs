@@ -118,6 +118,26 @@ async fn candidates(
     out
 }
 
+/// A request for blocks [1, 2, 3] of model "m" with adapter `lora`.
+fn adapter_request(request_id: &str, lora: &str) -> pb::SelectWorkerRequest {
+    let mut request = common::select_hashes(request_id, "m", &[1, 2, 3]);
+    request.lora_name = lora.into();
+    request
+}
+
+async fn select_for_adapter(
+    server: &TestServer,
+    request_id: &str,
+    lora: &str,
+) -> pb::SelectWorkerResponse {
+    server
+        .router()
+        .select_worker(adapter_request(request_id, lora))
+        .await
+        .expect("select")
+        .into_inner()
+}
+
 #[tokio::test]
 async fn a_request_for_an_adapter_goes_only_where_it_is_served() {
     let server = fleet().await;
@@ -140,14 +160,7 @@ async fn a_request_for_an_adapter_goes_only_where_it_is_served() {
     let base = explain(&server, "", "").await;
     assert!(base.iter().all(|r| r.1 && r.2 == Eligible), "{base:?}");
     // An adapter nobody declares goes to the worker that declares none.
-    let mut request = common::select_hashes("other", "m", &[1, 2, 3]);
-    request.lora_name = "unknown-adapter".into();
-    let reply = server
-        .router()
-        .select_worker(request)
-        .await
-        .expect("select")
-        .into_inner();
+    let reply = select_for_adapter(&server, "other", "unknown-adapter").await;
     assert_eq!(reply.worker_id, UNDECLARED);
     // GetWorker reports what was declared.
     let info = server
@@ -289,9 +302,7 @@ async fn explain_loads(
     server: &TestServer,
     lora: &str,
 ) -> Vec<(u64, bool, pb::IneligibleReason, bool)> {
-    let mut request = common::select_hashes("explain", "m", &[1, 2, 3]);
-    request.lora_name = lora.into();
-    candidates(server, request)
+    candidates(server, adapter_request("explain", lora))
         .await
         .into_iter()
         .map(|c| (c.worker_id, c.eligible, c.reason(), c.loads_adapter))
@@ -311,14 +322,7 @@ async fn a_worker_that_loads_adapters_takes_others_priced_by_the_load() {
         ]
     );
     for i in 0..8 {
-        let mut request = common::select_hashes(&format!("z-{i}"), "m", &[1, 2, 3]);
-        request.lora_name = "z".into();
-        let reply = server
-            .router()
-            .select_worker(request)
-            .await
-            .expect("select")
-            .into_inner();
+        let reply = select_for_adapter(&server, &format!("z-{i}"), "z").await;
         assert_eq!(reply.worker_id, LOADER);
         if i == 0 {
             // Nothing booked yet: three 16-token blocks and the load.
