@@ -73,7 +73,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "python"))
-from conftest import kvroute_protos  # noqa: E402
+from conftest import free_ports, kvroute_protos  # noqa: E402
 from gateway import envoy_config  # noqa: E402
 from gateway.fetch_envoy import VERSION as ENVOY_VERSION, envoy_binary  # noqa: E402
 
@@ -385,29 +385,13 @@ def wait_port(port: int, secs: float = 30) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
 
-def distinct_free_ports(n: int) -> list[int]:
-    """n ports free now, all different: each is held until all are chosen
-    (one at a time, the system may hand out the same port twice, and a
-    run then fails with "Address already in use")."""
-    held = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in held]
-    finally:
-        for s in held:
-            s.close()
-
-
 class Stack:
     """Engines, kvroute and Envoy, each with a log in `work`; stopped (and
     reaped) on leaving, whatever happened."""
 
     def __init__(self, args, work: Path) -> None:
         self.args, self.work, self.procs = args, work, {}
-        ports = distinct_free_ports(ENGINES + 6)
+        ports = free_ports(ENGINES + 6)
         self.engine_ports = ports[:ENGINES]
         self.grpc, self.metrics, self.ext_proc = (f"127.0.0.1:{p}" for p in ports[ENGINES:ENGINES + 3])
         self.port_a, self.port_b, self.admin = ports[ENGINES + 3:]

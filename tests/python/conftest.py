@@ -18,9 +18,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free now, all different: each is held until all are chosen
+    (one at a time, the system may hand out the same port twice)."""
+    held = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def kvroute_bin() -> str:
